@@ -1,0 +1,5 @@
+"""CLI of this component (filled in by the component)."""
+
+
+def register(sub):
+    pass

@@ -1,0 +1,28 @@
+"""Helpers for tests: read a topic until a condition holds, with a deadline."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from transom import contracts
+from transom.kafka import read_topic
+
+
+def topic_values(bootstrap: str, topic: str, *, raw: bool = False) -> list[Any]:
+    out = []
+    for _key, value, _p, _o in read_topic(bootstrap, topic):
+        out.append(value if raw else contracts.decode(topic, value))
+    return out
+
+
+def wait_until(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Call ``fn`` until it returns something truthy; fail with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = fn()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)

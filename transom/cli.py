@@ -1,0 +1,84 @@
+"""The ``transom`` command: one entry point, a subcommand per service.
+
+Each component registers its own subcommands through a ``register(subparsers)`` function in its
+``cli`` module; heavy imports (torch, faust) happen inside the command, not here, so ``--help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import threading
+
+from . import __version__, log
+
+__all__ = ["main", "add_bootstrap", "wait_for_signal"]
+
+_COMPONENT_CLIS = (
+    "transom.broker_cli",
+    "transom.agents.cli",
+    "transom.streams.cli",
+    "transom.controller.cli",
+    "transom.checkpoint.cli",
+    "transom.demo",
+)
+
+
+def add_bootstrap(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bootstrap", default=os.environ.get("TRANSOM_BOOTSTRAP") or None, metavar="HOST:PORT",
+        help="Kafka bootstrap servers (env TRANSOM_BOOTSTRAP); when unset, an embedded broker is started",
+    )
+
+
+def wait_for_signal() -> int:
+    """Block until SIGINT or SIGTERM; return the signal number."""
+    got: list[int] = []
+    done = threading.Event()
+
+    def handler(signum, _frame):
+        got.append(signum)
+        done.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    while not done.wait(0.5):
+        pass
+    return got[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="transom", description="Transom keeps large training jobs running through faults.")
+    parser.add_argument("--version", action="version", version=f"transom {__version__}")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING; env TRANSOM_LOG_LEVEL")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _COMPONENT_CLIS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    log.setup(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a clear one-line error instead of a traceback for known errors
+        from .config import ConfigError
+        from .kafka import BrokerUnavailable
+        if isinstance(exc, (ConfigError, BrokerUnavailable)):
+            print(f"transom {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Settings shared by every command, from the environment and the command line.
+
+Every setting has one environment variable (``TRANSOM_*``); a command-line flag wins over it.
+A bad value raises :class:`ConfigError` naming the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+
+from typing import Mapping
+
+__all__ = ["ConfigError", "ENV", "env_str", "env_float", "env_int", "kafka_security"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or malformed; the message names the key."""
+
+
+#: Environment variables the code reads, with what each means (the deploy tests check these).
+ENV: Mapping[str, str] = {
+    "TRANSOM_BOOTSTRAP": "Kafka bootstrap servers, host:port[,host:port]; unset: start the embedded broker",
+    "TRANSOM_LOG_LEVEL": "log level of every service (DEBUG, INFO, WARNING)",
+    "TRANSOM_NODE": "this node's id (agent; set by the launcher for training ranks)",
+    "TRANSOM_JOB": "job id (set by the launcher for training ranks)",
+    "TRANSOM_AGENT_ADDR": "host:port of the local agent's training intake (UDP)",
+    "TRANSOM_CKPT_DIR": "directory where checkpoints are persisted",
+    "TRANSOM_RESUME_STEP": "step the relaunched ranks resume from (set by the controller)",
+    "TRANSOM_GENERATION": "launch generation of the job (set by the controller)",
+    "TRANSOM_KAFKA_SECURITY_PROTOCOL": "passed to every Kafka client as security.protocol",
+    "TRANSOM_KAFKA_SASL_MECHANISM": "passed as sasl.mechanism",
+    "TRANSOM_KAFKA_SASL_USERNAME": "passed as sasl.username",
+    "TRANSOM_KAFKA_SASL_PASSWORD": "passed as sasl.password",
+    "TRANSOM_KAFKA_SSL_CA": "passed as ssl.ca.location",
+}
+
+
+def env_str(key: str, default: str | None = None) -> str | None:
+    value = os.environ.get(key)
+    return default if value in (None, "") else value
+
+
+def env_float(key: str, default: float) -> float:
+    raw = env_str(key)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r}: expected a number") from None
+
+
+def env_int(key: str, default: int) -> int:
+    raw = env_str(key)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r}: expected an integer") from None
+
+
+_SECURITY = {
+    "TRANSOM_KAFKA_SECURITY_PROTOCOL": "security.protocol",
+    "TRANSOM_KAFKA_SASL_MECHANISM": "sasl.mechanism",
+    "TRANSOM_KAFKA_SASL_USERNAME": "sasl.username",
+    "TRANSOM_KAFKA_SASL_PASSWORD": "sasl.password",
+    "TRANSOM_KAFKA_SSL_CA": "ssl.ca.location",
+}
+
+
+def kafka_security() -> dict[str, str]:
+    """librdkafka security settings from the environment, for every Kafka client."""
+    return {conf: os.environ[env] for env, conf in _SECURITY.items() if os.environ.get(env)}
+
+

@@ -1,0 +1,485 @@
+"""The contracts between Transom's components: topic names, event types, JSON codecs.
+
+This module is the only place that names a topic. Every value on a topic is a JSON object with a
+schema version ``v``; ``decode_*`` functions validate what they read and raise
+:class:`ContractError` with a reason that is fit for the dead-letter topic.
+
+Exception tree::
+
+    ContractError(ValueError)      a value does not follow its contract (the reason says why)
+
+Topics (see ``TOPICS`` for partition counts and configs):
+
+=====================  ==========  ================================================
+topic                  key         value
+=====================  ==========  ================================================
+transom.metrics        node id     :class:`MetricBatch`
+transom.faults         job id      :class:`FaultEvent`
+transom.checkpoints    job id      :class:`CheckpointReady`
+transom.lifecycle      job id      :class:`LifecycleEvent` (compacted; carries a job snapshot)
+transom.deadletter     orig. key   :class:`DeadLetter`
+=====================  ==========  ================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "SCHEMA_VERSION", "ContractError", "TopicSpec", "TOPICS",
+    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER",
+    "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
+    "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
+    "decode", "encode", "stable_id", "DCGM",
+]
+
+SCHEMA_VERSION = 1
+
+METRICS = "transom.metrics"
+FAULTS = "transom.faults"
+CHECKPOINTS = "transom.checkpoints"
+LIFECYCLE = "transom.lifecycle"
+DEADLETTER = "transom.deadletter"
+
+
+class ContractError(ValueError):
+    """A message does not follow its contract; ``str(err)`` is the reason."""
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    config: Mapping[str, str] = field(default_factory=dict)
+
+
+#: Every topic Transom uses, created up front by :func:`transom.kafka.ensure_topics`.
+#: Metrics are partitioned by node so a node's samples stay in order and one TEE worker owns
+#: a node's window; the lifecycle topic is compacted and keyed by job (each value carries the
+#: job's full snapshot, so compaction keeps what a restarted controller needs).
+TOPICS: tuple[TopicSpec, ...] = (
+    TopicSpec(METRICS, 4, {"retention.ms": str(24 * 3600 * 1000)}),
+    TopicSpec(FAULTS, 2),
+    TopicSpec(CHECKPOINTS, 2),
+    TopicSpec(LIFECYCLE, 1, {"cleanup.policy": "compact"}),
+    TopicSpec(DEADLETTER, 1),
+)
+
+
+class DCGM:
+    """Metric names, following NVIDIA DCGM field names where one exists."""
+
+    GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+    MEM_COPY_UTIL = "DCGM_FI_DEV_MEM_COPY_UTIL"
+    FB_USED = "DCGM_FI_DEV_FB_USED"
+    FB_FREE = "DCGM_FI_DEV_FB_FREE"
+    GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"
+    MEMORY_TEMP = "DCGM_FI_DEV_MEMORY_TEMP"
+    POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"
+    SM_CLOCK = "DCGM_FI_DEV_SM_CLOCK"
+    MEM_CLOCK = "DCGM_FI_DEV_MEM_CLOCK"
+    XID_ERRORS = "DCGM_FI_DEV_XID_ERRORS"
+    ECC_DBE_VOL_TOTAL = "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"
+    ECC_SBE_VOL_TOTAL = "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"
+    #: Not a DCGM field: 1 when NVML answers GPU_IS_LOST for this device.
+    GPU_LOST = "transom_gpu_lost"
+
+
+class Source(str, enum.Enum):
+    GPU = "gpu"
+    NIC = "nic"
+    HOST = "host"
+    TRAIN = "train"
+    AGENT = "agent"
+
+
+class FaultKind(str, enum.Enum):
+    XID = "xid"
+    GPU_LOST = "gpu_lost"
+    NODE_LOST = "node_lost"      # the agent's heartbeat stopped
+    HANG = "hang"                # ranks alive, no step progress
+    RANK_EXIT = "rank_exit"      # a training process died
+    NAN_LOSS = "nan_loss"
+    ANOMALY = "anomaly"          # a soft fault from a pyod detector
+
+
+class Severity(str, enum.Enum):
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+class Action(str, enum.Enum):
+    EVICT = "evict"        # take the node out, replace it with a spare, relaunch
+    RESTART = "restart"    # relaunch on the same nodes
+    OBSERVE = "observe"    # record only
+
+
+class Tier(str, enum.Enum):
+    MEMORY = "memory"
+    DISK = "disk"
+    SHARED = "shared"
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+_NUM = (int, float)
+
+
+def _get(d: Mapping[str, Any], key: str, types: type | tuple[type, ...], *, what: str,
+         optional: bool = False, default: Any = None) -> Any:
+    if key not in d or d[key] is None:
+        if optional:
+            return default
+        raise ContractError(f"{what}: missing required field '{key}'")
+    value = d[key]
+    if types is _NUM or types == float:
+        if isinstance(value, bool) or not isinstance(value, _NUM):
+            raise ContractError(f"{what}: field '{key}' must be a number, got {type(value).__name__}")
+        return value
+    if isinstance(value, bool) and types is int:
+        raise ContractError(f"{what}: field '{key}' must be an integer, got bool")
+    if not isinstance(value, types):
+        names = types.__name__ if isinstance(types, type) else "/".join(t.__name__ for t in types)
+        raise ContractError(f"{what}: field '{key}' must be {names}, got {type(value).__name__}")
+    return value
+
+
+def _enum(cls: type[enum.Enum], d: Mapping[str, Any], key: str, *, what: str,
+          optional: bool = False) -> Any:
+    raw = _get(d, key, str, what=what, optional=optional)
+    if raw is None:
+        return None
+    try:
+        return cls(raw)
+    except ValueError:
+        valid = ", ".join(m.value for m in cls)  # type: ignore[attr-defined]
+        raise ContractError(f"{what}: field '{key}' is '{raw}', expected one of: {valid}") from None
+
+
+def _check_version(d: Mapping[str, Any], what: str) -> None:
+    v = _get(d, "v", int, what=what)
+    if v != SCHEMA_VERSION:
+        raise ContractError(f"{what}: schema version {v} is not supported (this build reads {SCHEMA_VERSION})")
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def stable_id(*parts: Any) -> str:
+    """A short id that is the same for the same parts, in any process: for de-duplication."""
+    text = "\x1f".join(str(p) for p in parts)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+# --------------------------------------------------------------------------- metrics
+
+@dataclass(frozen=True)
+class Sample:
+    """Values of one source (and one device of it) at one instant."""
+
+    source: Source
+    fields: Mapping[str, float]
+    index: int | None = None                  # device index (GPU 0..7, NIC port, rank)
+    tags: Mapping[str, str] = field(default_factory=dict)
+    ts: float | None = None                   # set when the sample's time differs from the batch's
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "sample") -> "Sample":
+        if not isinstance(d, Mapping):
+            raise ContractError(f"{what}: must be an object")
+        fields_ = _get(d, "fields", Mapping, what=what)
+        for name, value in fields_.items():
+            if isinstance(value, bool) or not isinstance(value, _NUM):
+                raise ContractError(f"{what}: metric '{name}' must be a number, got {type(value).__name__}")
+        tags = _get(d, "tags", Mapping, what=what, optional=True, default={})
+        for name, value in tags.items():
+            if not isinstance(value, str):
+                raise ContractError(f"{what}: tag '{name}' must be a string")
+        return cls(
+            source=_enum(Source, d, "source", what=what),
+            fields=dict(fields_),
+            index=_get(d, "index", int, what=what, optional=True),
+            tags=dict(tags),
+            ts=_get(d, "ts", _NUM, what=what, optional=True),
+        )
+
+
+@dataclass(frozen=True)
+class MetricBatch:
+    """All samples of one node at one instant; ``seq`` counts batches per node from 0."""
+
+    node: str
+    ts: float
+    seq: int
+    samples: tuple[Sample, ...]
+    job: str | None = None
+    v: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MetricBatch":
+        what = "metric batch"
+        _check_version(d, what)
+        node = _get(d, "node", str, what=what)
+        if not node:
+            raise ContractError(f"{what}: field 'node' is empty")
+        ts = _get(d, "ts", _NUM, what=what)
+        if not math.isfinite(ts) or ts <= 0:
+            raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
+        samples = _get(d, "samples", list, what=what)
+        return cls(
+            node=node, ts=float(ts), seq=_get(d, "seq", int, what=what),
+            samples=tuple(Sample.from_dict(s, f"{what} sample {i}") for i, s in enumerate(samples)),
+            job=_get(d, "job", str, what=what, optional=True),
+        )
+
+    def of(self, source: Source) -> list[Sample]:
+        return [s for s in self.samples if s.source == source]
+
+
+# --------------------------------------------------------------------------- faults
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """A detected fault. ``fault_id`` is stable: a redelivered input yields the same id."""
+
+    fault_id: str
+    job: str | None
+    node: str
+    kind: FaultKind
+    severity: Severity
+    detector: str
+    action: Action
+    observed_ts: float          # timestamp of the sample that triggered the detection
+    detected_ts: float          # when the detector decided
+    rank: int | None = None
+    score: float | None = None
+    threshold: float | None = None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    summary: str = ""
+    resolved: bool = False
+    v: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FaultEvent":
+        what = "fault event"
+        _check_version(d, what)
+        return cls(
+            fault_id=_get(d, "fault_id", str, what=what),
+            job=_get(d, "job", str, what=what, optional=True),
+            node=_get(d, "node", str, what=what),
+            kind=_enum(FaultKind, d, "kind", what=what),
+            severity=_enum(Severity, d, "severity", what=what),
+            detector=_get(d, "detector", str, what=what),
+            action=_enum(Action, d, "action", what=what),
+            observed_ts=float(_get(d, "observed_ts", _NUM, what=what)),
+            detected_ts=float(_get(d, "detected_ts", _NUM, what=what)),
+            rank=_get(d, "rank", int, what=what, optional=True),
+            score=_get(d, "score", _NUM, what=what, optional=True),
+            threshold=_get(d, "threshold", _NUM, what=what, optional=True),
+            evidence=dict(_get(d, "evidence", Mapping, what=what, optional=True, default={})),
+            summary=_get(d, "summary", str, what=what, optional=True, default=""),
+            resolved=_get(d, "resolved", bool, what=what, optional=True, default=False),
+        )
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    name: str
+    size: int
+    sha256: str
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "shard") -> "Shard":
+        if not isinstance(d, Mapping):
+            raise ContractError(f"{what}: must be an object")
+        sha = _get(d, "sha256", str, what=what)
+        if len(sha) != 64:
+            raise ContractError(f"{what}: field 'sha256' must be 64 hex digits")
+        return cls(rank=_get(d, "rank", int, what=what), name=_get(d, "name", str, what=what),
+                   size=_get(d, "size", int, what=what), sha256=sha)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Where one rank's shard lives: a node and a tier, with a locator for that tier."""
+
+    rank: int
+    node: str
+    tier: Tier
+    location: str
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "copy") -> "Copy":
+        if not isinstance(d, Mapping):
+            raise ContractError(f"{what}: must be an object")
+        return cls(rank=_get(d, "rank", int, what=what), node=_get(d, "node", str, what=what),
+                   tier=_enum(Tier, d, "tier", what=what), location=_get(d, "location", str, what=what))
+
+
+@dataclass(frozen=True)
+class CheckpointReady:
+    """Published once every rank's shard of ``step`` exists where ``copies`` say."""
+
+    job: str
+    step: int
+    world_size: int
+    shards: tuple[Shard, ...]
+    copies: tuple[Copy, ...]
+    replicated: bool
+    persisted: bool
+    ts: float
+    generation: int = 0
+    v: int = SCHEMA_VERSION
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.job}@{self.step}"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CheckpointReady":
+        what = "checkpoint-ready event"
+        _check_version(d, what)
+        shards = tuple(Shard.from_dict(s, f"{what} shard {i}")
+                       for i, s in enumerate(_get(d, "shards", list, what=what)))
+        world = _get(d, "world_size", int, what=what)
+        if sorted(s.rank for s in shards) != list(range(world)):
+            raise ContractError(f"{what}: shards must cover ranks 0..{world - 1} exactly once")
+        return cls(
+            job=_get(d, "job", str, what=what), step=_get(d, "step", int, what=what),
+            world_size=world, shards=shards,
+            copies=tuple(Copy.from_dict(c, f"{what} copy {i}")
+                         for i, c in enumerate(_get(d, "copies", list, what=what))),
+            replicated=_get(d, "replicated", bool, what=what),
+            persisted=_get(d, "persisted", bool, what=what),
+            ts=float(_get(d, "ts", _NUM, what=what)),
+            generation=_get(d, "generation", int, what=what, optional=True, default=0),
+        )
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    """One state change or action of the controller, with its cause and the job's snapshot.
+
+    ``snapshot`` is the job's whole record after this event; a controller that starts replays
+    the topic and keeps the last snapshot of each job, so a compacted topic is enough.
+    """
+
+    job: str
+    seq: int                    # per job, from 0, no gaps
+    ts: float
+    name: str                   # e.g. "submitted", "launched", "fault", "evicted", "relaunched"
+    state: str                  # the job state after the event
+    cause: Mapping[str, Any] = field(default_factory=dict)
+    detail: Mapping[str, Any] = field(default_factory=dict)
+    snapshot: Mapping[str, Any] = field(default_factory=dict)
+    v: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "LifecycleEvent":
+        what = "lifecycle event"
+        _check_version(d, what)
+        return cls(
+            job=_get(d, "job", str, what=what), seq=_get(d, "seq", int, what=what),
+            ts=float(_get(d, "ts", _NUM, what=what)), name=_get(d, "name", str, what=what),
+            state=_get(d, "state", str, what=what),
+            cause=dict(_get(d, "cause", Mapping, what=what, optional=True, default={})),
+            detail=dict(_get(d, "detail", Mapping, what=what, optional=True, default={})),
+            snapshot=dict(_get(d, "snapshot", Mapping, what=what, optional=True, default={})),
+        )
+
+
+# --------------------------------------------------------------------------- dead letters
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A rejected message, kept whole (base64 when it is not UTF-8), and why it was rejected."""
+
+    topic: str
+    reason: str
+    value: str
+    encoding: str               # "utf-8" or "base64"
+    component: str
+    ts: float
+    partition: int | None = None
+    offset: int | None = None
+    v: int = SCHEMA_VERSION
+
+    @classmethod
+    def of(cls, raw: bytes | None, *, topic: str, reason: str, component: str,
+           partition: int | None = None, offset: int | None = None) -> "DeadLetter":
+        raw = raw or b""
+        try:
+            value, enc = raw.decode("utf-8"), "utf-8"
+        except UnicodeDecodeError:
+            value, enc = base64.b64encode(raw).decode(), "base64"
+        return cls(topic=topic, reason=reason, value=value, encoding=enc, component=component,
+                   ts=time.time(), partition=partition, offset=offset)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DeadLetter":
+        what = "dead letter"
+        _check_version(d, what)
+        return cls(topic=_get(d, "topic", str, what=what), reason=_get(d, "reason", str, what=what),
+                   value=_get(d, "value", str, what=what), encoding=_get(d, "encoding", str, what=what),
+                   component=_get(d, "component", str, what=what),
+                   ts=float(_get(d, "ts", _NUM, what=what)),
+                   partition=_get(d, "partition", int, what=what, optional=True),
+                   offset=_get(d, "offset", int, what=what, optional=True))
+
+
+# --------------------------------------------------------------------------- codec
+
+_BY_TOPIC: dict[str, type] = {
+    METRICS: MetricBatch, FAULTS: FaultEvent, CHECKPOINTS: CheckpointReady,
+    LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter,
+}
+
+
+def encode(event: Any) -> bytes:
+    """Serialise an event to its JSON bytes (NaN and Inf are refused: JSON has none)."""
+    return json.dumps(_plain(event), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ContractError(f"value contains {name}, which is not JSON")
+
+
+def decode(topic: str, raw: bytes | str | None) -> Any:
+    """Parse and validate a value read from ``topic``; raise :class:`ContractError` with the reason."""
+    cls = _BY_TOPIC.get(topic)
+    if cls is None:
+        raise ContractError(f"unknown topic '{topic}'")
+    if raw is None or raw == b"" or raw == "":
+        raise ContractError("empty value")
+    try:
+        d = json.loads(raw, parse_constant=_reject_constant)
+    except ContractError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ContractError(f"value is not JSON: {exc}") from None
+    if not isinstance(d, dict):
+        raise ContractError(f"value must be a JSON object, got {type(d).__name__}")
+    return cls.from_dict(d)

@@ -1,0 +1,155 @@
+"""Kafka clients configured one way for every component, topic creation, and topic reading.
+
+Producers are idempotent with ``acks=all`` and compression; security settings come from the
+environment (:func:`transom.config.kafka_security`) and reach every client.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from . import contracts
+from .config import kafka_security
+from .log import get
+
+__all__ = ["BrokerUnavailable", "client_config", "make_producer", "make_consumer",
+           "wait_ready", "ensure_topics", "read_topic", "DeadLetterWriter", "publish"]
+
+log = get("kafka")
+
+
+class BrokerUnavailable(RuntimeError):
+    """No Kafka broker answered at the bootstrap address in time."""
+
+
+def client_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap}
+    conf.update(kafka_security())
+    conf.update({k.replace("_", "."): v for k, v in extra.items()})
+    return conf
+
+
+def make_producer(bootstrap: str, **extra: Any) -> Producer:
+    conf = client_config(bootstrap, **{
+        "enable_idempotence": True, "acks": "all", "compression_type": "lz4",
+        "linger_ms": 20, "message_timeout_ms": 30000,
+    })
+    conf.update({k.replace("_", "."): v for k, v in extra.items()})
+    return Producer(conf)
+
+
+def make_consumer(bootstrap: str, group: str, **extra: Any) -> Consumer:
+    conf = client_config(bootstrap, **{
+        "group_id": group, "auto_offset_reset": "earliest", "enable_auto_commit": False,
+        "session_timeout_ms": 6000, "heartbeat_interval_ms": 1000,
+    })
+    conf.update({k.replace("_", "."): v for k, v in extra.items()})
+    return Consumer(conf)
+
+
+def wait_ready(bootstrap: str, timeout: float = 30.0) -> None:
+    """Block until the broker answers a metadata request; raise :class:`BrokerUnavailable`."""
+    # log_level 0: the refused connections while the broker starts are expected, not news
+    admin = AdminClient({**client_config(bootstrap), "log_level": 0})
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            md = admin.list_topics(timeout=2)
+            if md.brokers:
+                return
+        except KafkaException as exc:
+            last = exc
+        time.sleep(0.1)
+    raise BrokerUnavailable(f"no Kafka broker answered at {bootstrap} within {timeout:.0f}s"
+                            f" ({last or 'no brokers in metadata'}); check --bootstrap / TRANSOM_BOOTSTRAP")
+
+
+def ensure_topics(bootstrap: str, specs: Iterable[contracts.TopicSpec] = contracts.TOPICS,
+                  timeout: float = 30.0) -> list[str]:
+    """Create every missing topic with its partitions and config; return those created."""
+    admin = AdminClient(client_config(bootstrap))
+    existing = set(admin.list_topics(timeout=timeout).topics)
+    new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=dict(s.config))
+           for s in specs if s.name not in existing]
+    created = []
+    if new:
+        for name, fut in admin.create_topics(new, operation_timeout=timeout).items():
+            try:
+                fut.result(timeout)
+                created.append(name)
+            except KafkaException as exc:
+                if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                    raise
+    deadline = time.monotonic() + timeout
+    wanted = {s.name for s in specs}
+    while not wanted <= set(admin.list_topics(timeout=timeout).topics):
+        if time.monotonic() > deadline:
+            raise BrokerUnavailable(f"topics {sorted(wanted)} did not appear within {timeout:.0f}s")
+        time.sleep(0.1)
+    return created
+
+
+def read_topic(bootstrap: str, topic: str, *, timeout: float = 30.0) -> Iterator[tuple[bytes | None, bytes | None, int, int]]:
+    """Yield ``(key, value, partition, offset)`` of every message now on ``topic``, then stop.
+
+    Reads without a consumer group from the beginning of every partition until each reports
+    end-of-partition. (The embedded broker's high watermark can lag behind the last offset
+    when producers batch, so the end is taken from the fetch, not from the watermark.)
+    """
+    consumer = Consumer(client_config(bootstrap, group_id="transom-reader", enable_auto_commit=False,
+                                      enable_partition_eof=True))
+    try:
+        md = consumer.list_topics(topic, timeout=timeout)
+        if topic not in md.topics or md.topics[topic].error is not None:
+            return
+        pending = set(md.topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
+        deadline = time.monotonic() + timeout
+        while pending:
+            msg = consumer.poll(0.5)
+            if time.monotonic() > deadline:
+                raise BrokerUnavailable(f"reading {topic} did not reach its end within {timeout:.0f}s")
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    pending.discard(msg.partition())
+                continue
+            yield msg.key(), msg.value(), msg.partition(), msg.offset()
+    finally:
+        consumer.close()
+
+
+def publish(producer: Producer, topic: str, key: str | None, event: Any,
+            on_delivery: Callable | None = None) -> None:
+    """Encode ``event`` by its contract and produce it (retrying while the local queue is full)."""
+    value = contracts.encode(event)
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key.encode() if key else None, on_delivery=on_delivery)
+            return
+        except BufferError:
+            producer.poll(0.1)
+
+
+class DeadLetterWriter:
+    """Sends rejected messages to ``transom.deadletter`` with the reason, and counts them."""
+
+    def __init__(self, producer: Producer, component: str) -> None:
+        self.producer = producer
+        self.component = component
+        self.count = 0
+
+    def reject(self, *, topic: str, key: bytes | None, value: bytes | None, reason: str,
+               partition: int | None = None, offset: int | None = None) -> None:
+        letter = contracts.DeadLetter.of(value, topic=topic, reason=reason, component=self.component,
+                                         partition=partition, offset=offset)
+        self.count += 1
+        log.warning("dead-lettered a message from %s: %s", topic, reason)
+        publish(self.producer, contracts.DEADLETTER, key.decode("utf-8", "replace") if key else None, letter)
+        self.producer.poll(0)
