@@ -1,0 +1,68 @@
+"""Where jobs run: one abstract :class:`Backend`, and a registry of them by name.
+
+A backend carries out the controller's actions and reports what it sees; it makes no decision.
+Every method is idempotent for the same job and generation, so a controller that restarts after a
+crash can repeat the action it had recorded without doing it twice.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+__all__ = ["Backend", "RankStatus", "register_backend", "create_backend", "BACKENDS"]
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    running: bool
+    exit_code: int | None      # None while running; negative: killed by that signal
+
+
+class Backend(abc.ABC):
+    """Launch, stop and watch one job's ranks on a set of nodes."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
+               resume_step: int | None) -> Mapping[str, Any]:
+        """Start ``generation`` of ``job``, rank r on ``nodes[r]``; adopt it if already started.
+
+        Returns a JSON-able handle that is recorded in the lifecycle event.
+        """
+
+    @abc.abstractmethod
+    def stop(self, job: str, generation: int, timeout: float = 10.0) -> None:
+        """Stop every rank of ``generation`` (no error if none runs)."""
+
+    @abc.abstractmethod
+    def status(self, job: str, generation: int) -> list[RankStatus]:
+        """The state of every rank of ``generation``; empty if it was never launched."""
+
+    @abc.abstractmethod
+    def cordon(self, node: str, reason: str) -> None:
+        """Keep ``node`` out of future launches."""
+
+    @abc.abstractmethod
+    def nodes(self) -> list[str]:
+        """Nodes this backend can run ranks on (cordoned ones excluded)."""
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {}
+
+
+def register_backend(name: str, factory: Callable[..., Backend]) -> None:
+    if name in BACKENDS:
+        raise ValueError(f"backend '{name}' is already registered")
+    BACKENDS[name] = factory
+
+
+def create_backend(name: str, **params: Any) -> Backend:
+    try:
+        factory = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend '{name}'; valid: {', '.join(sorted(BACKENDS))}") from None
+    return factory(**params)

@@ -1,0 +1,215 @@
+"""The local backend: every rank a real process on this machine, "nodes" simulated by name.
+
+Each rank runs under :mod:`transom.controller.rankwrap` in its own process group, so stopping a
+rank stops everything it started, and its exit code lands in a file any controller can read.
+Layout of ``run_dir``::
+
+    run_dir/JOB/gen-G/launch.json      what was launched (written once the ranks are started)
+    run_dir/JOB/gen-G/rank-R.{pid,log,exit}
+    run_dir/cordoned.json              nodes kept out of launches, with the reason
+
+Each launch gets a fresh rendezvous port (gloo cannot re-form a group on the old one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import psutil
+
+from transom.broker import free_port
+from transom.log import get
+
+from .backend import Backend, RankStatus, register_backend
+from .rankwrap import write_atomic
+
+__all__ = ["LocalBackend"]
+
+log = get("controller.local")
+
+
+class LocalBackend(Backend):
+    """Ranks as local processes; ``agents`` maps each simulated node to its agent's intake address."""
+
+    name = "local"
+
+    def __init__(self, run_dir: str | os.PathLike, agents: Mapping[str, str], *, ckpt_dir: str | None = None,
+                 bootstrap: str | None = None, env: Mapping[str, str] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.agents = dict(agents)
+        self.ckpt_dir = ckpt_dir
+        self.bootstrap = bootstrap
+        self.extra_env = dict(env or {})
+
+    # ------------------------------------------------------------------ paths
+    def _gen_dir(self, job: str, generation: int) -> Path:
+        return self.run_dir / job / f"gen-{generation}"
+
+    def _cordoned(self) -> dict[str, str]:
+        path = self.run_dir / "cordoned.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    # ------------------------------------------------------------------ interface
+    def nodes(self) -> list[str]:
+        cordoned = self._cordoned()
+        return [n for n in self.agents if n not in cordoned]
+
+    def cordon(self, node: str, reason: str) -> None:
+        cordoned = self._cordoned()
+        if node not in cordoned:
+            cordoned[node] = reason
+            write_atomic(str(self.run_dir / "cordoned.json"), json.dumps(cordoned, indent=1))
+            log.info("cordoned %s: %s", node, reason)
+
+    def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
+               resume_step: int | None) -> Mapping[str, Any]:
+        gen_dir = self._gen_dir(job, generation)
+        record = gen_dir / "launch.json"
+        if record.exists():
+            log.info("job %s generation %d was already launched: adopting it", job, generation)
+            return json.loads(record.read_text())
+        gen_dir.mkdir(parents=True, exist_ok=True)
+        self._kill_strays(gen_dir)          # a launch interrupted before launch.json was written
+        unknown = [n for n in nodes if n not in self.agents]
+        if unknown:
+            raise ValueError(f"nodes {unknown} have no agent address; known: {sorted(self.agents)}")
+        port = free_port()
+        ckpt_dir = self.ckpt_dir or str(self.run_dir / job / "ckpt")
+        pids = []
+        for rank, node in enumerate(nodes):
+            env = dict(os.environ)
+            env.update(self.extra_env)
+            env.update({
+                "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "TRANSOM_JOB": job, "TRANSOM_NODE": node, "TRANSOM_GENERATION": str(generation),
+                "TRANSOM_AGENT_ADDR": self.agents[node], "TRANSOM_CKPT_DIR": ckpt_dir,
+                "PYTHONUNBUFFERED": "1",
+            })
+            if self.bootstrap:
+                env["TRANSOM_BOOTSTRAP"] = self.bootstrap
+            env.pop("TRANSOM_RESUME_STEP", None)
+            if resume_step is not None:
+                env["TRANSOM_RESUME_STEP"] = str(resume_step)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir),
+                 "--rank", str(rank), "--", *command],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+            pids.append(proc.pid)
+        handle = {"pids": pids, "port": port, "run_dir": str(gen_dir), "nodes": list(nodes),
+                  "resume_step": resume_step}
+        write_atomic(str(record), json.dumps(handle))
+        log.info("launched job %s generation %d on %s (resume from %s)", job, generation,
+                 ",".join(nodes), "scratch" if resume_step is None else f"step {resume_step}")
+        return handle
+
+    def status(self, job: str, generation: int) -> list[RankStatus]:
+        gen_dir = self._gen_dir(job, generation)
+        record = gen_dir / "launch.json"
+        if not record.exists():
+            return []
+        self._reap()
+        handle = json.loads(record.read_text())
+        out = []
+        for rank, pid in enumerate(handle["pids"]):
+            exit_file = gen_dir / f"rank-{rank}.exit"
+            if exit_file.exists():
+                out.append(RankStatus(rank, False, int(exit_file.read_text().split()[0])))
+            elif _alive(pid):
+                out.append(RankStatus(rank, True, None))
+            else:
+                # the wrapper is gone without writing the exit code: killed from outside
+                out.append(RankStatus(rank, False, -int(signal.SIGKILL)))
+        return out
+
+    def stop(self, job: str, generation: int, timeout: float = 10.0) -> None:
+        gen_dir = self._gen_dir(job, generation)
+        record = gen_dir / "launch.json"
+        pids = json.loads(record.read_text())["pids"] if record.exists() else []
+        pids += [p.pid for p in self._strays(gen_dir) if p.pid not in pids]
+        live = [p for p in pids if _alive(p)]
+        if not live:
+            return
+        for pid in live:
+            # SIGCONT first: a hung (stopped) rank would otherwise never see SIGTERM
+            _signal_group(pid, signal.SIGCONT)
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(_group_alive(p) for p in live):
+            self._reap()
+            time.sleep(0.1)
+        for pid in live:
+            if _group_alive(pid):
+                log.warning("rank process group %d did not stop in %.0fs: killing it", pid, timeout)
+                _signal_group(pid, signal.SIGKILL)
+        self._reap()
+        log.info("stopped job %s generation %d", job, generation)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _reap() -> None:
+        try:
+            while True:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+        except ChildProcessError:
+            pass
+
+    @staticmethod
+    def _strays(gen_dir: Path) -> list[psutil.Process]:
+        marker = str(gen_dir)
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = proc.info.get("cmdline") or []
+            if "transom.controller.rankwrap" in cmd and marker in cmd:
+                found.append(proc)
+        return found
+
+    def _kill_strays(self, gen_dir: Path) -> None:
+        for proc in self._strays(gen_dir):
+            log.warning("killing rank wrapper %d left by an interrupted launch", proc.pid)
+            _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # the group exists; it counts as alive unless all its members are zombies
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+register_backend("local", LocalBackend)
