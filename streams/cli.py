@@ -1,5 +1,49 @@
-"""CLI of this component (filled in by the component)."""
+"""The ``transom tee`` command: run one TEE worker (Faust) against Kafka."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register"]
 
 
-def register(sub):
-    pass
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def register(sub) -> None:
+    from transom.cli import add_bootstrap
+
+    p = sub.add_parser(
+        "tee", help="run the TEE fault detectors (a Faust worker) over transom.metrics",
+        description=("Run one TEE worker: read transom.metrics, apply the fault rules (XID, GPU lost, "
+                     "NaN loss, hang, missing heartbeat) and the ECOD anomaly detector, and write fault "
+                     "events to transom.faults; malformed metrics go to transom.deadletter. Several "
+                     "workers share the partitions (consumer group transom-tee). Stops on SIGINT/SIGTERM."))
+    add_bootstrap(p)
+    p.add_argument("--hang-timeout", type=_positive, default=None, metavar="S",
+                   help="seconds without step progress (sample time) before a live rank is hung; "
+                        "at least 5 median step times are allowed anyway (default 10)")
+    p.add_argument("--heartbeat-timeout", type=_positive, default=None, metavar="S",
+                   help="seconds without metrics from a node before it is lost (default 6)")
+    p.add_argument("--datadir", default=None, metavar="DIR",
+                   help="Faust's data directory (default: a temporary directory, removed on exit)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from transom.broker import bootstrap_or_embedded
+
+    from .app import run_worker
+    from .config import TEEConfig
+
+    config = TEEConfig.from_mapping({"hang_timeout": args.hang_timeout,
+                                     "heartbeat_timeout": args.heartbeat_timeout})
+    with bootstrap_or_embedded(args.bootstrap) as bootstrap:
+        return run_worker(bootstrap, config, datadir=args.datadir)

@@ -1,0 +1,132 @@
+"""The TEE as a faust-streaming app: Kafka at the edge, :class:`TEEEngine` inside.
+
+Wiring (app id ``transom-tee``, at-least-once, raw bytes in and out)::
+
+    transom.metrics --agent "tee"--> contracts.decode --ok--> engine.process --> transom.faults
+                                                      \\--ContractError--> transom.deadletter
+    timer, every 1 s -----------------------------------> engine.check_heartbeats --> transom.faults
+
+Faults are keyed by job id (node id when the job is unknown); dead letters keep the original key.
+Topics are never declared here: :func:`transom.kafka.ensure_topics` creates them. Metrics are
+partitioned by node, so a node's state lives in the one worker that owns its partition; when a
+partition is revoked, the worker forgets that partition's nodes (their heartbeats are no longer
+its business).
+
+:func:`run_worker` runs one worker in this process until SIGINT or SIGTERM and returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+import faust
+
+from transom import contracts
+from transom.config import ConfigError, kafka_security
+from transom.log import get
+
+from .config import TEEConfig
+from .engine import TEEEngine
+
+__all__ = ["APP_ID", "make_app", "run_worker"]
+
+APP_ID = "transom-tee"
+log = get("tee")
+
+
+def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
+    """Build the Faust app that feeds ``engine`` from ``bootstrap`` (host:port[,host:port])."""
+    if kafka_security():
+        raise ConfigError("TRANSOM_KAFKA_* security settings are set, but the TEE does not pass them to "
+                          "Faust yet; run it against a plaintext listener")
+    from aiokafka.codec import has_lz4
+    if not has_lz4():   # transom's producers compress with lz4; without it the fetcher crashes later
+        raise ConfigError("the TEE needs the 'cramjam' package (aiokafka's lz4 codec) to read transom's "
+                          "lz4-compressed metrics: pip install 'aiokafka[lz4]'")
+    brokers = ";".join(f"kafka://{b.strip()}" for b in bootstrap.split(",") if b.strip())
+    app = faust.App(
+        APP_ID, broker=brokers, value_serializer="raw", key_serializer="raw",
+        processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
+        web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
+        broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
+    )
+    metrics = app.topic(contracts.METRICS, key_type=bytes, value_type=bytes)
+    faults = app.topic(contracts.FAULTS, key_type=bytes, value_type=bytes)
+    deadletter = app.topic(contracts.DEADLETTER, key_type=bytes, value_type=bytes)
+    nodes_of: dict[int, set[str]] = defaultdict(set)   # metrics partition -> nodes seen on it
+
+    async def emit(found: list[contracts.FaultEvent]) -> None:
+        for f in found:
+            rank = "" if f.rank is None else f" rank={f.rank}"
+            log.warning("fault %s node=%s job=%s%s id=%s: %s", f.kind.value, f.node, f.job, rank, f.fault_id,
+                        f.summary)
+            await faults.send(key=(f.job or f.node).encode(), value=contracts.encode(f))
+
+    async def reject(raw: Any, key: bytes | None, reason: str, partition: int, offset: int) -> None:
+        log.warning("dead-lettered %s partition %d offset %d: %s", contracts.METRICS, partition, offset, reason)
+        letter = contracts.DeadLetter.of(raw if isinstance(raw, bytes) else None, topic=contracts.METRICS,
+                                         reason=reason, component="tee", partition=partition, offset=offset)
+        await deadletter.send(key=key, value=contracts.encode(letter))
+
+    @app.agent(metrics, name="tee")
+    async def tee(stream):
+        async for event in stream.events():
+            msg = event.message
+            try:
+                batch = contracts.decode(contracts.METRICS, event.value)
+            except contracts.ContractError as err:
+                await reject(event.value, event.key, str(err), msg.partition, msg.offset)
+                continue
+            nodes_of[msg.partition].add(batch.node)
+            try:
+                found = engine.process(batch)
+            except Exception as exc:   # a detector bug must not stop the stream: keep the input
+                log.exception("the engine failed on a batch of %s", batch.node)
+                await reject(event.value, event.key, f"tee failed to process the batch: {exc!r}",
+                             msg.partition, msg.offset)
+                continue
+            await emit(found)
+
+    @app.timer(1.0)
+    async def heartbeats():
+        await emit(engine.check_heartbeats(time.time()))
+
+    @app.on_partitions_revoked.connect
+    async def on_revoked(sender, revoked, **_):
+        for tp in revoked:
+            if tp.topic == contracts.METRICS:
+                engine.forget(nodes_of.pop(tp.partition, ()))
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(sender, assigned, **_):
+        mine = sorted(tp.partition for tp in assigned if tp.topic == contracts.METRICS)
+        log.info("TEE assigned %s partitions %s", contracts.METRICS, mine)
+
+    return app
+
+
+def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None) -> int:
+    """Run one TEE worker in this process until SIGINT/SIGTERM; return its exit status."""
+    engine = TEEEngine(config)   # builds the detectors (imports pyod) before joining the group
+    with tempfile.TemporaryDirectory(prefix="transom-tee-") as tmp:
+        app = make_app(bootstrap, engine, datadir=datadir or tmp)
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        # Our logging stays (override_logging=False); quiet and no spinner: no banner on stdout.
+        worker = faust.Worker(app, loop=loop, quiet=True, override_logging=False, redirect_stdouts=False)
+        worker.spinner = None
+        log.info("TEE consuming %s from %s (hang timeout %gs, heartbeat timeout %gs)", contracts.METRICS,
+                 bootstrap, config.hang_timeout, config.heartbeat_timeout)
+        try:
+            worker.execute_from_commandline()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        else:
+            code = 0
+        log.info("TEE stopped (%d batches, %d faults, %d repeats dropped)", engine.counts["batches"],
+                 engine.counts["faults"], engine.counts["repeats"])
+        return code

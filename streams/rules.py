@@ -1,0 +1,288 @@
+"""Hard-fault rules of the TEE: plain classes over one node's batches (no Faust here).
+
+A rule sees each :class:`~transom.contracts.MetricBatch` of a node together with that node's
+:class:`NodeState` and returns the :class:`~transom.contracts.FaultEvent` s it decides on::
+
+    rule.observe(state, batch, now) -> list[FaultEvent]
+
+``now`` is the wall-clock time of the decision (``detected_ts``); everything else a rule uses
+comes from the batch, so fault ids are stable: the same input gives the same id in any process.
+The heartbeat rule is driven by time instead (:meth:`HeartbeatRule.check`).
+
+=============  ===============================  ========  =======  ===============================
+rule           fires on                         severity  action   fault id from
+=============  ===============================  ========  =======  ===============================
+XidRule        GPU sample, XID_ERRORS > 0       table     table    node, gpu, code, sample ts
+GpuLostRule    GPU sample, GPU_LOST == 1        critical  evict    node, gpu, sample ts (once/gpu)
+NanLossRule    train sample, loss_nonfinite==1  critical  restart  job, gen, node, rank, step
+HangRule       train sample alive, step frozen  critical  restart  job, gen, node, rank, progress ts
+HeartbeatRule  no batch for heartbeat_timeout   critical  evict    node, last batch ts
+=============  ===============================  ========  =======  ===============================
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol
+
+from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch, Sample, Severity, Source,
+                               stable_id)
+
+from .config import TEEConfig
+
+__all__ = ["NodeState", "RankProgress", "Rule", "fault", "XID_POLICY", "XidRule", "GpuLostRule",
+           "NanLossRule", "HangRule", "HeartbeatRule"]
+
+
+@dataclass
+class RankProgress:
+    """Where one training rank (job, generation, rank) stands, in sample time."""
+
+    step: float
+    since: float                       # ts of the sample that first showed ``step``
+    last_seen: float
+    step_times: deque = field(default_factory=lambda: deque(maxlen=20))
+
+
+@dataclass
+class NodeState:
+    """Everything the TEE remembers about one node (one worker owns a node: metrics are keyed by it)."""
+
+    node: str
+    job: str | None = None
+    last_batch_ts: float = 0.0         # newest batch ts (sample time)
+    last_received: float = 0.0         # wall clock when the newest batch arrived here
+    lost_reported_for: float | None = None   # last_batch_ts a NODE_LOST was emitted for
+    lost_gpus: set[int] = field(default_factory=set)
+    nan_ranks: set[tuple[str, str, int]] = field(default_factory=set)
+    ranks: dict[tuple[str, str, int], RankProgress] = field(default_factory=dict)
+    detectors: dict[str, Any] = field(default_factory=dict)   # per-node state of soft detectors
+
+
+class Rule(Protocol):
+    name: str
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]: ...
+
+
+def fault(kind: FaultKind, severity: Severity, action: Action, *, fault_id: str, node: str,
+          job: str | None, detector: str, observed_ts: float, now: float, summary: str,
+          evidence: Mapping[str, Any], rank: int | None = None, score: float | None = None,
+          threshold: float | None = None) -> FaultEvent:
+    return FaultEvent(fault_id=fault_id, job=job, node=node, kind=kind, severity=severity, detector=detector,
+                      action=action, observed_ts=observed_ts, detected_ts=now, rank=rank, score=score,
+                      threshold=threshold, evidence=dict(evidence), summary=summary)
+
+
+def _ts(sample: Sample, batch: MetricBatch) -> float:
+    return float(sample.ts) if sample.ts is not None else batch.ts
+
+
+def _train_key(sample: Sample, batch: MetricBatch) -> tuple[str, str, int]:
+    job = sample.tags.get("job") or batch.job or ""
+    return job, sample.tags.get("generation", "0"), sample.index if sample.index is not None else -1
+
+
+# --------------------------------------------------------------------------- GPU rules
+
+#: XID code -> (severity, action, meaning), after NVIDIA's XID catalogue. Codes that are mostly
+#: the application's own fault (13, 31, 43) are only observed: the rank's exit is what matters.
+XID_POLICY: Mapping[int, tuple[Severity, Action, str]] = {
+    13: (Severity.WARNING, Action.OBSERVE, "graphics engine exception (often an application error)"),
+    31: (Severity.WARNING, Action.OBSERVE, "GPU memory page fault (often an application error)"),
+    43: (Severity.WARNING, Action.OBSERVE, "GPU stopped processing"),
+    48: (Severity.CRITICAL, Action.EVICT, "double-bit ECC error"),
+    63: (Severity.WARNING, Action.OBSERVE, "ECC page retirement or row remap recorded"),
+    64: (Severity.CRITICAL, Action.EVICT, "ECC page retirement or row remap failed"),
+    74: (Severity.CRITICAL, Action.EVICT, "NVLink error"),
+    79: (Severity.CRITICAL, Action.EVICT, "GPU has fallen off the bus"),
+    92: (Severity.WARNING, Action.OBSERVE, "high single-bit ECC error rate"),
+    94: (Severity.CRITICAL, Action.RESTART, "contained ECC error"),
+    95: (Severity.CRITICAL, Action.EVICT, "uncontained ECC error"),
+    119: (Severity.CRITICAL, Action.EVICT, "GSP RPC timeout"),
+    120: (Severity.CRITICAL, Action.EVICT, "GSP error"),
+}
+_XID_DEFAULT = (Severity.WARNING, Action.OBSERVE, "XID error")
+
+
+class XidRule:
+    """A GPU sample with ``DCGM_FI_DEV_XID_ERRORS > 0`` is an XID event (value = the XID code)."""
+
+    name = "xid"
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        out = []
+        for s in batch.of(Source.GPU):
+            value = s.fields.get(DCGM.XID_ERRORS)
+            if value is None or value <= 0:
+                continue
+            code, ts = int(value), _ts(s, batch)
+            severity, action, meaning = XID_POLICY.get(code, _XID_DEFAULT)
+            out.append(fault(
+                FaultKind.XID, severity, action, fault_id=stable_id(batch.node, "xid", s.index, code, ts),
+                node=batch.node, job=batch.job, detector="rule.xid", observed_ts=ts, now=now,
+                score=float(code), evidence={"gpu": s.index, "xid": code, "meaning": meaning,
+                                             "field": DCGM.XID_ERRORS},
+                summary=f"GPU {s.index} of {batch.node} reported XID {code} ({meaning}).",
+            ))
+        return out
+
+
+class GpuLostRule:
+    """``transom_gpu_lost == 1``: the GPU no longer answers; reported once per node and GPU."""
+
+    name = "gpu_lost"
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        out = []
+        for s in batch.of(Source.GPU):
+            if s.fields.get(DCGM.GPU_LOST) != 1 or s.index in state.lost_gpus:
+                continue
+            state.lost_gpus.add(s.index)
+            ts = _ts(s, batch)
+            out.append(fault(
+                FaultKind.GPU_LOST, Severity.CRITICAL, Action.EVICT,
+                fault_id=stable_id(batch.node, "gpu_lost", s.index, ts), node=batch.node, job=batch.job,
+                detector="rule.gpu_lost", observed_ts=ts, now=now,
+                evidence={"gpu": s.index, "field": DCGM.GPU_LOST, "value": 1},
+                summary=f"GPU {s.index} of {batch.node} is lost (the driver no longer reaches it).",
+            ))
+        return out
+
+
+# --------------------------------------------------------------------------- training rules
+
+class NanLossRule:
+    """``loss_nonfinite == 1`` on a train sample: the loss diverged; once per job, generation, rank."""
+
+    name = "nan_loss"
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        out = []
+        for s in batch.of(Source.TRAIN):
+            if s.fields.get("loss_nonfinite") != 1:
+                continue
+            key = _train_key(s, batch)
+            if key in state.nan_ranks:
+                continue
+            state.nan_ranks.add(key)
+            job, generation, rank = key
+            step = s.fields.get("step")
+            ts = _ts(s, batch)
+            out.append(fault(
+                FaultKind.NAN_LOSS, Severity.CRITICAL, Action.RESTART,
+                fault_id=stable_id(job, generation, "nan_loss", batch.node, rank, step if step is not None else ts),
+                node=batch.node, job=job or batch.job, rank=rank, detector="rule.nan_loss", observed_ts=ts,
+                now=now, evidence={"step": step, "generation": generation, "field": "loss_nonfinite", "value": 1},
+                summary=f"Rank {rank} of job {job} on {batch.node} reported a NaN/Inf loss at step {step}.",
+            ))
+        return out
+
+
+class HangRule:
+    """A live rank whose step stands still for too long (in sample time) is hung.
+
+    The limit is ``max(hang_timeout, hang_step_factor x median recent step_time)``, so jobs with
+    slow steps get proportionally more slack. Progress is any change of ``step``; a sample with
+    ``alive == 0`` forgets the rank (its exit is not a hang).
+    """
+
+    name = "hang"
+    _FORGET_AFTER = 3600.0   # drop ranks not seen for this long (sample time)
+
+    def __init__(self, config: TEEConfig) -> None:
+        self.config = config
+
+    def limit(self, progress: RankProgress) -> float:
+        if not progress.step_times:
+            return self.config.hang_timeout
+        return max(self.config.hang_timeout, self.config.hang_step_factor * statistics.median(progress.step_times))
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        out = []
+        for s in batch.of(Source.TRAIN):
+            key = _train_key(s, batch)
+            if s.fields.get("alive") == 0:
+                state.ranks.pop(key, None)
+                continue
+            step = s.fields.get("step")
+            if step is None:
+                continue
+            ts = _ts(s, batch)
+            seen = max(ts, batch.ts)
+            progress = state.ranks.get(key)
+            if progress is None or step != progress.step:
+                if progress is None:
+                    progress = state.ranks[key] = RankProgress(step=step, since=ts, last_seen=seen)
+                else:
+                    progress.step, progress.since, progress.last_seen = step, ts, seen
+                step_time = s.fields.get("step_time")
+                if step_time is not None and step_time > 0:
+                    progress.step_times.append(float(step_time))
+                continue
+            progress.last_seen = max(progress.last_seen, seen)
+            if s.fields.get("alive") != 1:
+                continue
+            stalled, limit = seen - progress.since, self.limit(progress)
+            if stalled <= limit:
+                continue
+            job, generation, rank = key
+            median = statistics.median(progress.step_times) if progress.step_times else None
+            out.append(fault(
+                FaultKind.HANG, Severity.CRITICAL, Action.RESTART,
+                fault_id=stable_id(job, generation, "hang", batch.node, rank, progress.since),
+                node=batch.node, job=job or batch.job, rank=rank, detector="rule.hang", observed_ts=seen,
+                now=now, score=stalled, threshold=limit,
+                evidence={"step": step, "generation": generation, "last_progress_ts": progress.since,
+                          "stalled_s": round(stalled, 3), "limit_s": round(limit, 3),
+                          "hang_timeout_s": self.config.hang_timeout, "median_step_time_s": median,
+                          "pid": s.tags.get("pid")},
+                summary=(f"Rank {rank} of job {job} on {batch.node} is alive but has been at step {step:g} "
+                         f"for {stalled:.0f}s (limit {limit:.0f}s)."),
+            ))
+        cutoff = batch.ts - self._FORGET_AFTER
+        for key in [k for k, p in state.ranks.items() if p.last_seen < cutoff]:
+            del state.ranks[key]
+        return out
+
+
+# --------------------------------------------------------------------------- heartbeat
+
+class HeartbeatRule:
+    """A node whose newest batch is older than ``heartbeat_timeout`` (wall clock) is lost.
+
+    Two guards against false alarms when the TEE replays old metrics (after a restart, or on a
+    new consumer group reading from the beginning): nothing may have *arrived* from the node for
+    ``heartbeat_timeout`` either (a replay in progress keeps arriving), and a node whose newest
+    batch is older than ``heartbeat_horizon`` is history, dropped without a fault. A node is
+    reported once per newest batch; if it comes back and goes silent again, it is reported again.
+    """
+
+    name = "heartbeat"
+
+    def __init__(self, config: TEEConfig) -> None:
+        self.config = config
+
+    def check(self, states: Iterable[NodeState], now: float) -> tuple[list[FaultEvent], list[str]]:
+        """Return the faults to emit and the nodes to forget (history)."""
+        out, forget = [], []
+        timeout = self.config.heartbeat_timeout
+        for st in states:
+            silent, age = now - st.last_received, now - st.last_batch_ts
+            if silent <= timeout or age <= timeout or st.lost_reported_for == st.last_batch_ts:
+                continue
+            if age > self.config.heartbeat_horizon + timeout:
+                forget.append(st.node)
+                continue
+            st.lost_reported_for = st.last_batch_ts
+            out.append(fault(
+                FaultKind.NODE_LOST, Severity.CRITICAL, Action.EVICT,
+                fault_id=stable_id(st.node, "node_lost", st.last_batch_ts), node=st.node, job=st.job,
+                detector="rule.heartbeat", observed_ts=st.last_batch_ts, now=now, score=age, threshold=timeout,
+                evidence={"last_batch_ts": st.last_batch_ts, "silent_s": round(age, 3),
+                          "heartbeat_timeout_s": timeout},
+                summary=f"Node {st.node} has sent no metrics for {age:.1f}s (timeout {timeout:g}s).",
+            ))
+        return out, forget

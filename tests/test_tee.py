@@ -1,0 +1,357 @@
+"""TEE: the engine's rules and ECOD detector (pure), then a real `transom tee` worker on the broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from transom import contracts as c
+from transom import kafka
+from transom.config import ConfigError
+from transom.streams.config import TEEConfig
+from transom.streams.engine import TEEEngine
+from tests.util import topic_values, wait_until
+
+T0 = 1_700_000_000.0
+
+
+# --------------------------------------------------------------------------- builders
+
+def gpu(i: int, util=95.0, temp=65.0, power=300.0, clock=1980.0, **extra) -> c.Sample:
+    fields = {c.DCGM.GPU_UTIL: util, c.DCGM.GPU_TEMP: temp, c.DCGM.POWER_USAGE: power,
+              c.DCGM.SM_CLOCK: clock, c.DCGM.FB_USED: 40000.0}
+    return c.Sample(c.Source.GPU, {**fields, **extra}, index=i)
+
+
+def train(rank: int, step: int, *, job="job1", generation=0, alive=1, step_time=0.1, **fields) -> c.Sample:
+    return c.Sample(c.Source.TRAIN, {"step": step, "loss": 2.0, "tokens_per_s": 1e4, "step_time": step_time,
+                                     "alive": alive, **fields}, index=rank,
+                    tags={"job": job, "generation": str(generation), "pid": "4242"})
+
+
+def batch(ts: float, *samples: c.Sample, node="node1", seq=0, job="job1") -> c.MetricBatch:
+    base = (c.Sample(c.Source.HOST, {"cpu_percent": 20.0}), c.Sample(c.Source.AGENT, {"uptime_s": 10.0}))
+    return c.MetricBatch(node=node, ts=ts, seq=seq, job=job, samples=base + samples)
+
+
+def clean(ts: float, step: int = 1, **kw) -> c.MetricBatch:
+    return batch(ts, gpu(0), gpu(1), train(0, step), **kw)
+
+
+def kinds(faults) -> list[str]:
+    return [f.kind.value for f in faults]
+
+
+@pytest.fixture(scope="module")
+def engine_cfg() -> TEEConfig:
+    return TEEConfig(hang_timeout=3.0, heartbeat_timeout=2.0)
+
+
+# --------------------------------------------------------------------------- rules (pure)
+
+def test_clean_batches_raise_nothing(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    found = [f for i in range(20) for f in engine.process(clean(T0 + i, step=i, seq=i), now=T0 + i)]
+    assert found == []
+    assert engine.check_heartbeats(now=T0 + 20) == []
+
+
+def test_xid_79_fires_once_as_critical_evict(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    xid = c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 79}, index=1, ts=T0 + 0.5)
+    [f] = engine.process(batch(T0 + 1, gpu(0), xid), now=T0 + 1.2)
+    assert (f.kind, f.severity, f.action) == (c.FaultKind.XID, c.Severity.CRITICAL, c.Action.EVICT)
+    assert (f.node, f.job, f.observed_ts, f.detected_ts) == ("node1", "job1", T0 + 0.5, T0 + 1.2)
+    assert f.fault_id == c.stable_id("node1", "xid", 1, 79, T0 + 0.5)
+    assert f.evidence["xid"] == 79 and f.evidence["gpu"] == 1 and "fallen off the bus" in f.summary
+    c.decode(c.FAULTS, c.encode(f))   # follows its contract
+    assert engine.process(clean(T0 + 2), now=T0 + 2) == []
+
+
+def test_application_xid_is_only_observed(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    [f] = engine.process(batch(T0, gpu(0, **{c.DCGM.XID_ERRORS: 13})), now=T0)
+    assert (f.kind, f.severity, f.action) == (c.FaultKind.XID, c.Severity.WARNING, c.Action.OBSERVE)
+
+
+def test_gpu_lost_fires_once_per_gpu(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    lost1 = c.Sample(c.Source.GPU, {c.DCGM.GPU_LOST: 1}, index=1)
+    found = [f for i in range(4) for f in engine.process(batch(T0 + i, gpu(0), lost1), now=T0 + i)]
+    assert kinds(found) == ["gpu_lost"]
+    assert (found[0].severity, found[0].action, found[0].evidence["gpu"]) == (c.Severity.CRITICAL, c.Action.EVICT, 1)
+    lost0 = c.Sample(c.Source.GPU, {c.DCGM.GPU_LOST: 1}, index=0)
+    [f] = engine.process(batch(T0 + 5, lost0, lost1), now=T0 + 5)
+    assert f.evidence["gpu"] == 0
+
+
+def test_nan_loss_fires_once_per_rank(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    found = []
+    for i in range(3):
+        nan = train(1, 7 + i, loss_nonfinite=1)
+        found += engine.process(batch(T0 + i, gpu(0), train(0, 7 + i), nan), now=T0 + i)
+    [f] = found
+    assert (f.kind, f.severity, f.action, f.rank, f.job) == (c.FaultKind.NAN_LOSS, c.Severity.CRITICAL,
+                                                             c.Action.RESTART, 1, "job1")
+    assert f.evidence["step"] == 7
+
+
+def test_hang_fires_once_when_step_stops_while_alive(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    steps = [10, 11, 12, 12, 12, 12, 12, 12, 12, 12]
+    found = [f for i, s in enumerate(steps) for f in engine.process(batch(T0 + i, train(0, s)), now=T0 + i)]
+    [f] = found
+    assert (f.kind, f.severity, f.action, f.rank, f.node) == (c.FaultKind.HANG, c.Severity.CRITICAL,
+                                                              c.Action.RESTART, 0, "node1")
+    assert f.observed_ts == T0 + 6       # first sample stalled for more than 3 s
+    assert f.fault_id == c.stable_id("job1", "0", "hang", "node1", 0, T0 + 2)
+    assert f.evidence["step"] == 12 and f.threshold == 3.0 and f.score > 3.0
+
+
+def test_no_hang_while_progressing_or_after_exit(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    found = [f for i in range(10) for f in engine.process(batch(T0 + i, train(0, i // 2)), now=T0 + i)]
+    assert found == []
+    # a rank that exited (alive=0) is forgotten; its frozen step is not a hang
+    engine.process(batch(T0 + 10, train(0, 5, alive=0)), now=T0 + 10)
+    assert engine.process(batch(T0 + 20, train(0, 5, alive=0)), now=T0 + 20) == []
+
+
+def test_hang_limit_follows_slow_steps(engine_cfg):
+    engine = TEEEngine(engine_cfg)   # hang_timeout 3 s, but steps take 2 s: limit is 5 x 2 = 10 s
+    found = []
+    ts = T0
+    for s in range(5):
+        ts += 2
+        found += engine.process(batch(ts, train(0, s, step_time=2.0)), now=ts)
+    for _ in range(8):               # stalled 8 s: under 10 s
+        ts += 1
+        found += engine.process(batch(ts, train(0, 4, step_time=2.0)), now=ts)
+    assert found == []
+    ts += 3
+    [f] = engine.process(batch(ts, train(0, 4, step_time=2.0)), now=ts)
+    assert f.kind == c.FaultKind.HANG and f.threshold == 10.0
+
+
+def test_node_lost_after_heartbeat_timeout_once(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    for i in range(3):
+        engine.process(clean(T0 + i, step=i), now=T0 + i)
+    assert engine.check_heartbeats(now=T0 + 3.5) == []          # 1.5 s silent: under 2 s
+    [f] = engine.check_heartbeats(now=T0 + 4.5)
+    assert (f.kind, f.severity, f.action, f.node, f.job) == (c.FaultKind.NODE_LOST, c.Severity.CRITICAL,
+                                                             c.Action.EVICT, "node1", "job1")
+    assert f.fault_id == c.stable_id("node1", "node_lost", T0 + 2)
+    assert engine.check_heartbeats(now=T0 + 9) == []
+    # back, then silent again: a new loss with a new id
+    engine.process(clean(T0 + 20, step=3), now=T0 + 20)
+    [g] = engine.check_heartbeats(now=T0 + 23)
+    assert g.fault_id != f.fault_id
+
+
+def test_replayed_history_is_not_a_lost_node(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    now = T0 + 1000
+    # old metrics of a node arriving now (a replay): nothing while they keep arriving ...
+    for i in range(3):
+        engine.process(clean(T0 + i, step=i), now=now + i)
+        assert engine.check_heartbeats(now=now + i + 0.5) == []
+    # ... and after they stop, the node is history beyond the horizon: dropped, not reported
+    assert engine.check_heartbeats(now=now + 10) == []
+    assert "node1" not in engine.nodes
+
+
+def test_refed_batches_keep_their_fault_ids(engine_cfg):
+    lost = c.Sample(c.Source.GPU, {c.DCGM.GPU_LOST: 1}, index=0)
+    feed = [batch(T0, gpu(0, **{c.DCGM.XID_ERRORS: 79}), train(0, 1)),
+            batch(T0 + 1, lost, train(0, 2, loss_nonfinite=1)),
+            *[batch(T0 + 2 + i, lost, train(0, 3)) for i in range(6)]]
+    first, second = TEEEngine(engine_cfg), TEEEngine(engine_cfg)
+    a = [f for fed in feed for f in first.process(fed, now=fed.ts + 0.1)]
+    b = [f for fed in feed for f in second.process(fed, now=fed.ts + 7.5)]   # another process, another clock
+    assert sorted(kinds(a)) == ["gpu_lost", "hang", "nan_loss", "xid"]
+    assert [f.fault_id for f in a] == [f.fault_id for f in b]
+    assert [f for fed in feed for f in first.process(fed, now=fed.ts + 9)] == []   # a redelivery: nothing new
+    assert first.counts["repeats"] >= 4
+
+
+def test_config_refuses_bad_values():
+    with pytest.raises(ConfigError, match="hang_timeout"):
+        TEEConfig(hang_timeout=0)
+    with pytest.raises(ConfigError, match="unknown TEE setting"):
+        TEEConfig.from_mapping({"hang_timeot": 3})
+
+
+# --------------------------------------------------------------------------- ECOD (pure)
+
+def _noisy(rng, n: int) -> list[tuple[float, float, float, float]]:
+    return list(zip(rng.normal(95, 2, n), rng.normal(65, 1, n), rng.normal(300, 10, n), rng.normal(1980, 10, n)))
+
+
+def _gpu_batches(rows, start=0) -> list[c.MetricBatch]:
+    out = []
+    for i, (util, temp, power, clock) in enumerate(rows, start):
+        out.append(batch(T0 + i, gpu(0, util, temp, power, clock), gpu(1, util + 1, temp, power, clock), seq=i))
+    return out
+
+
+def test_ecod_fires_on_a_step_change_after_a_clean_window(engine_cfg):
+    rng = np.random.default_rng(7)
+    rows = _noisy(rng, 60)
+    for i in range(45, 60):          # throttling: clocks and power drop, utilisation falls, heat rises
+        util, temp, power, clock = rows[i]
+        rows[i] = (util - 30, temp + 6, power - 100, clock - 400)
+    engine = TEEEngine(engine_cfg)
+    found = [(b.seq, f) for b in _gpu_batches(rows) for f in engine.process(b, now=b.ts)]
+    [(seq, f)] = found
+    assert seq == 47                 # the third anomalous sample in a row
+    assert (f.kind, f.severity, f.action, f.detector) == (c.FaultKind.ANOMALY, c.Severity.WARNING,
+                                                          c.Action.OBSERVE, "pyod.ecod")
+    assert f.score > f.threshold and f.evidence["consecutive"] == 3
+    clock = f.evidence["features"][c.DCGM.SM_CLOCK]
+    assert clock["value"] < 1700 < clock["median"]
+    assert f.fault_id == c.stable_id("node1", "anomaly", "ecod", T0 + 45)
+
+
+def test_ecod_stays_quiet_on_clean_noise(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    rows = _noisy(np.random.default_rng(11), 200)
+    found = [f for b in _gpu_batches(rows) for f in engine.process(b, now=b.ts)]
+    assert found == []
+    assert len(engine.nodes["node1"].detectors["ecod"].window) == engine_cfg.ecod_window
+
+
+# --------------------------------------------------------------------------- a real worker
+
+@pytest.fixture(scope="module")
+def tee(broker, tmp_path_factory):
+    """One `transom tee` process for this module (hang timeout 3 s, heartbeat timeout 2 s)."""
+    logfile = tmp_path_factory.mktemp("tee") / "tee.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_LOG_LEVEL": "INFO"}
+    with open(logfile, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "transom.cli", "tee", "--bootstrap", broker.bootstrap,
+             "--hang-timeout", "3", "--heartbeat-timeout", "2"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    proc.logfile = logfile
+    try:
+        wait_until(lambda: proc.poll() is not None or "TEE assigned" in logfile.read_text(), 90,
+                   "the TEE worker to join its consumer group")
+        assert proc.poll() is None, f"transom tee exited with {proc.returncode}:\n{logfile.read_text()}"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def producer(broker):
+    p = kafka.make_producer(broker.bootstrap)
+    yield p
+    p.flush(10)
+
+
+def _ids() -> tuple[str, str]:
+    u = uuid.uuid4().hex[:8]
+    return f"node-{u}", f"job-{u}"
+
+
+def _send(producer, node: str, *values) -> None:
+    for v in values:
+        if isinstance(v, c.MetricBatch):
+            kafka.publish(producer, c.METRICS, node, v)
+        else:
+            producer.produce(c.METRICS, key=node.encode(), value=v)
+    producer.flush(10)
+
+
+def _faults(bootstrap: str, node: str, kind: c.FaultKind) -> list[c.FaultEvent]:
+    return [f for f in topic_values(bootstrap, c.FAULTS) if f.node == node and f.kind == kind]
+
+
+def _xid_batch(node: str, job: str, ts: float) -> c.MetricBatch:
+    xid = c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 79}, index=0, ts=ts)
+    return c.MetricBatch(node=node, ts=ts, seq=0, job=job, samples=(gpu(1), xid))
+
+
+@pytest.mark.integration
+def test_worker_turns_xid_79_into_a_fault_once(broker, tee, producer):
+    node, job = _ids()
+    ts = time.time()
+    _send(producer, node, _xid_batch(node, job, ts))
+    [f] = wait_until(lambda: _faults(broker.bootstrap, node, c.FaultKind.XID), 30, "the XID fault")
+    assert (f.job, f.severity, f.action, f.evidence["xid"]) == (job, c.Severity.CRITICAL, c.Action.EVICT, 79)
+    keys = [k for k, v, _, _ in kafka.read_topic(broker.bootstrap, c.FAULTS) if json.loads(v)["fault_id"] == f.fault_id]
+    assert keys == [job.encode()]
+    # the same batch again, then a later XID as a marker: the marker's fault proves the repeat was read
+    _send(producer, node, _xid_batch(node, job, ts), _xid_batch(node, job, ts + 1))
+    def both():
+        fs = _faults(broker.bootstrap, node, c.FaultKind.XID)
+        return fs if len(fs) >= 2 else None
+
+    found = wait_until(both, 30, "the marker XID fault")
+    assert [x.fault_id for x in found].count(f.fault_id) == 1
+    assert len({x.fault_id for x in found}) == 2
+
+
+@pytest.mark.integration
+def test_worker_dead_letters_malformed_metrics_and_carries_on(broker, tee, producer):
+    node, job = _ids()
+    bad_json = f'{{bad json {node}'.encode()
+    string_metric = json.dumps({"v": 1, "node": node, "ts": time.time(), "seq": 1, "samples": [
+        {"source": "gpu", "index": 0, "fields": {c.DCGM.GPU_TEMP: "hot"}}]}).encode()
+    _send(producer, node, bad_json, string_metric, _xid_batch(node, job, time.time()))
+    wait_until(lambda: _faults(broker.bootstrap, node, c.FaultKind.XID), 30, "the fault after the bad messages")
+    letters = {d.value: d for d in topic_values(broker.bootstrap, c.DEADLETTER) if node in d.value}
+    assert set(letters) == {bad_json.decode(), string_metric.decode()}
+    assert "not JSON" in letters[bad_json.decode()].reason
+    assert "'DCGM_FI_DEV_GPU_TEMP' must be a number" in letters[string_metric.decode()].reason
+    for d in letters.values():
+        assert (d.topic, d.component, d.encoding) == (c.METRICS, "tee", "utf-8")
+        assert d.partition is not None and d.offset is not None
+
+
+@pytest.mark.integration
+def test_worker_reports_a_hang(broker, tee, producer):
+    node, job = _ids()
+    base = time.time() - 20
+    steps = [10, 11, 12, 12, 12, 12, 12, 12]
+    _send(producer, node, *[c.MetricBatch(node=node, ts=base + i, seq=i, job=job,
+                                          samples=(gpu(0), train(0, s, job=job, generation=2)))
+                            for i, s in enumerate(steps)])
+    [f] = wait_until(lambda: _faults(broker.bootstrap, node, c.FaultKind.HANG), 30, "the HANG fault")
+    assert (f.job, f.rank, f.action) == (job, 0, c.Action.RESTART)
+    assert f.fault_id == c.stable_id(job, "2", "hang", node, 0, base + 2)
+
+
+@pytest.mark.integration
+def test_worker_reports_a_silent_node_lost(broker, tee, producer):
+    node, job = _ids()
+    now = time.time()
+    _send(producer, node, batch(now - 1, gpu(0), node=node, job=job, seq=0),
+          batch(now, gpu(0), node=node, job=job, seq=1))
+    [f] = wait_until(lambda: _faults(broker.bootstrap, node, c.FaultKind.NODE_LOST), 30, "the NODE_LOST fault")
+    assert (f.job, f.action, f.observed_ts) == (job, c.Action.EVICT, now)
+    assert f.fault_id == c.stable_id(node, "node_lost", now)
+
+
+@pytest.mark.integration
+def test_worker_stops_cleanly_on_sigterm(tee):
+    tee.send_signal(signal.SIGTERM)
+    assert tee.wait(30) == 0
+    text = tee.logfile.read_text()
+    assert "TEE stopped" in text and "Traceback" not in text
