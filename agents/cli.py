@@ -1,5 +1,85 @@
-"""CLI of this component (filled in by the component)."""
+"""``transom agent`` (run a node agent) and ``transom inject`` (ask an agent to inject a fault)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+__all__ = ["register"]
 
 
-def register(sub):
-    pass
+def register(sub: argparse._SubParsersAction) -> None:
+    from transom.cli import add_bootstrap
+
+    p = sub.add_parser(
+        "agent", help="run a node agent (collectors -> transom.metrics)",
+        description="Collect host, GPU and training metrics every --interval seconds and publish one "
+                    "batch per interval to transom.metrics, keyed by node. Training processes report "
+                    "to the UDP intake on 127.0.0.1:--intake-port (TRANSOM_AGENT_ADDR). Runs until "
+                    "SIGINT/SIGTERM, then flushes and exits 0.")
+    p.add_argument("--node", default=os.environ.get("TRANSOM_NODE") or socket.gethostname(),
+                   help="this node's id, the key of its batches (env TRANSOM_NODE; default: host name)")
+    p.add_argument("--gpu-source", choices=("nvml", "simulated"), default="nvml",
+                   help="nvml: the NVIDIA driver (without one: no GPU samples, said once); simulated: fake "
+                        "GPUs for demos and tests, the only source that accepts fault injection (default: nvml)")
+    p.add_argument("--gpus", type=int, default=2, help="number of simulated GPUs (default: 2)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the simulated GPUs' values")
+    p.add_argument("--intake-port", type=int, default=0,
+                   help="UDP port of the training intake on 127.0.0.1 (default: a free port, printed)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between batches (default: 1.0)")
+    add_bootstrap(p)
+    p.set_defaults(func=run_agent)
+
+    q = sub.add_parser(
+        "inject", help="ask an agent with simulated GPUs to inject a fault",
+        description="Send a fault-injection request to an agent's intake and print its answer as JSON. "
+                    "xid79: XID 79 on --gpu, after which that GPU is lost; hang: SIGSTOP every training "
+                    "process that reported to the agent. Only agents run with --gpu-source simulated "
+                    "accept; exit status 1 when the agent refuses or does not answer.")
+    q.add_argument("fault", choices=("xid79", "hang"), help="the fault to inject")
+    q.add_argument("--agent", default=os.environ.get("TRANSOM_AGENT_ADDR"), metavar="HOST:PORT",
+                   help="the agent's intake address (env TRANSOM_AGENT_ADDR)")
+    q.add_argument("--gpu", type=int, default=0, help="GPU index for xid79 (default: 0)")
+    q.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer (default: 2)")
+    q.set_defaults(func=run_inject)
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from transom.broker import bootstrap_or_embedded
+    from transom.cli import wait_for_signal
+
+    from .agent import Agent
+
+    with bootstrap_or_embedded(args.bootstrap) as bootstrap:
+        agent = Agent(args.node, bootstrap, gpu_source=args.gpu_source, gpus=args.gpus, seed=args.seed,
+                      intake_port=args.intake_port, interval=args.interval)
+        agent.start()
+        try:
+            print(f"agent {args.node} intake {agent.intake_addr} bootstrap {bootstrap}", flush=True)
+            wait_for_signal()
+        finally:
+            agent.stop()
+    return 0
+
+
+def run_inject(args: argparse.Namespace) -> int:
+    from transom.config import ConfigError
+
+    from .intake import IntakeError, send_inject
+
+    if not args.agent:
+        raise ConfigError("inject: give --agent HOST:PORT (or set TRANSOM_AGENT_ADDR)")
+    try:
+        reply = send_inject(args.agent, args.fault, gpu=args.gpu if args.fault == "xid79" else None,
+                            timeout=args.timeout)
+    except (IntakeError, TimeoutError) as exc:
+        print(f"transom inject: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply), flush=True)
+    if not reply.get("ok"):
+        print(f"transom inject: refused: {reply.get('error', 'no reason given')}", file=sys.stderr)
+        return 1
+    return 0

@@ -45,7 +45,7 @@ def make_producer(bootstrap: str, **extra: Any) -> Producer:
 def make_consumer(bootstrap: str, group: str, **extra: Any) -> Consumer:
     conf = client_config(bootstrap, **{
         "group_id": group, "auto_offset_reset": "earliest", "enable_auto_commit": False,
-        "session_timeout_ms": 6000, "heartbeat_interval_ms": 1000,
+        "session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "fetch_wait_max_ms": 100,
     })
     conf.update({k.replace("_", "."): v for k, v in extra.items()})
     return Consumer(conf)
@@ -97,30 +97,51 @@ def ensure_topics(bootstrap: str, specs: Iterable[contracts.TopicSpec] = contrac
 def read_topic(bootstrap: str, topic: str, *, timeout: float = 30.0) -> Iterator[tuple[bytes | None, bytes | None, int, int]]:
     """Yield ``(key, value, partition, offset)`` of every message now on ``topic``, then stop.
 
-    Reads without a consumer group from the beginning of every partition until each reports
-    end-of-partition. (The embedded broker's high watermark can lag behind the last offset
-    when producers batch, so the end is taken from the fetch, not from the watermark.)
+    Reads without a consumer group from the beginning of every partition. A partition is done
+    at end-of-partition, or shortly after reaching the high watermark taken at the start (a
+    partition that producers keep writing never reports its end). The embedded broker's
+    watermark can lag one producer batch behind the last offset, which is why reaching it
+    leaves a short grace for the rest of that batch instead of stopping at once.
     """
     consumer = Consumer(client_config(bootstrap, group_id="transom-reader", enable_auto_commit=False,
-                                      enable_partition_eof=True))
+                                      enable_partition_eof=True, fetch_wait_max_ms=50))
+    grace = 0.3
     try:
         md = consumer.list_topics(topic, timeout=timeout)
         if topic not in md.topics or md.topics[topic].error is not None:
             return
-        pending = set(md.topics[topic].partitions)
+        ends: dict[int, int] = {}
+        for p in md.topics[topic].partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
+            ends[p] = high if high > low else -1
+        pending = set(ends)
+        reached: dict[int, float] = {}
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
         deadline = time.monotonic() + timeout
         while pending:
-            msg = consumer.poll(0.5)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            for p, when in list(reached.items()):
+                if now - when > grace:
+                    pending.discard(p)
+                    del reached[p]
+            if not pending:
+                break
+            if now > deadline:
                 raise BrokerUnavailable(f"reading {topic} did not reach its end within {timeout:.0f}s")
+            msg = consumer.poll(0.05)
             if msg is None:
                 continue
             if msg.error():
                 if msg.error().code() == KafkaError._PARTITION_EOF:
                     pending.discard(msg.partition())
+                    reached.pop(msg.partition(), None)
                 continue
-            yield msg.key(), msg.value(), msg.partition(), msg.offset()
+            p, off = msg.partition(), msg.offset()
+            if p not in pending:
+                continue
+            yield msg.key(), msg.value(), p, off
+            if ends[p] >= 0 and off + 1 >= ends[p] and p not in reached:
+                reached[p] = time.monotonic()
     finally:
         consumer.close()
 

@@ -1,0 +1,373 @@
+"""Node agent: collectors, the training intake, fault injection, publishing to a real broker.
+
+Unit tests drive the collector policy, the datagram parser and the simulated GPU source through
+the GPU collector; integration tests run agents against the session broker, with real training
+processes (subprocesses calling ``report()``) and the real ``transom`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from transom import contracts
+from transom.agents import cli as agent_cli
+from transom.agents.agent import Agent
+from transom.agents.collectors import CollectorError, RunningCollector, create_collector, register_collector
+from transom.agents.gpu import GPUCollector
+from transom.agents.intake import IntakeError, parse_datagram, report, send_inject, stats, TrainReport
+from transom.agents.simulated import SimulatedGPUSource
+from transom.broker import free_port
+from transom.contracts import DCGM, Source
+from transom.kafka import client_config
+
+from util import wait_until
+
+INTERVAL = 0.2
+TRANSOM = [sys.executable, "-m", "transom.cli"]
+
+# A real training-side process: calls report(**kwargs) for each JSON line on stdin (NaN allowed).
+CHILD = r"""
+import json, sys
+from transom.agents.intake import report
+print("ready", flush=True)
+for line in sys.stdin:
+    print("sent" if report(**json.loads(line)) else "dropped", flush=True)
+"""
+
+
+def _node(what: str) -> str:
+    return f"t-{what}-{uuid.uuid4().hex[:6]}"
+
+
+class _Tail:
+    """Reads transom.metrics from the beginning as it grows, keeping one node's batches in order.
+
+    (``transom.kafka.read_topic`` waits for the end of every partition, which a live agent's
+    partition never reaches; other tests' values on the topic are not decoded.)
+    """
+
+    def __init__(self, bootstrap: str, node: str) -> None:
+        self.key = node.encode()
+        self.batches: list[contracts.MetricBatch] = []
+        self.consumer = Consumer(client_config(bootstrap, group_id="transom-test-tail", enable_auto_commit=False))
+        md = self.consumer.list_topics(contracts.METRICS, timeout=10)
+        self.consumer.assign([TopicPartition(contracts.METRICS, p, OFFSET_BEGINNING)
+                              for p in md.topics[contracts.METRICS].partitions])
+
+    def until(self, cond, what: str, timeout: float = 15.0) -> list[contracts.MetricBatch]:
+        """Read on until ``cond(batches)`` holds; return the batches read so far."""
+        deadline = time.monotonic() + timeout
+        while not cond(self.batches):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} "
+                                     f"({len(self.batches)} batches read)")
+            for msg in self.consumer.consume(500, 0.2):
+                if msg.error() is None and msg.key() == self.key:
+                    self.batches.append(contracts.decode(contracts.METRICS, msg.value()))
+        return list(self.batches)
+
+    def count(self, n: int) -> list[contracts.MetricBatch]:
+        return self.until(lambda bs: len(bs) >= n, f"{n} batches")
+
+    def more(self, n: int) -> list[contracts.MetricBatch]:
+        return self.count(len(self.batches) + n)
+
+    def __enter__(self) -> "_Tail":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.consumer.close()
+
+
+def _train(batches, pid: int) -> list[contracts.Sample]:
+    return [s for b in batches for s in b.of(Source.TRAIN) if s.tags.get("pid") == str(pid)]
+
+
+class _Child:
+    """A training process with the launcher's environment, reporting on command."""
+
+    def __init__(self, agent: Agent, *, rank: int, job: str, generation: int = 0) -> None:
+        env = {**os.environ, "RANK": str(rank), "TRANSOM_JOB": job, "TRANSOM_GENERATION": str(generation),
+               "TRANSOM_NODE": agent.node, "TRANSOM_AGENT_ADDR": agent.intake_addr, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def report(self, **fields) -> None:
+        self.proc.stdin.write(json.dumps(fields) + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "sent"
+
+    def finish(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+# ----------------------------------------------------------------------------- unit
+
+
+class _Failing:
+    name = "failing"
+
+    def __init__(self) -> None:
+        self.message = "sensor unplugged"
+
+    def collect(self):
+        raise RuntimeError(self.message)
+
+
+class _NonFinite:
+    name = "nonfinite"
+
+    def collect(self):
+        return [contracts.Sample(Source.HOST, {"good": 1.0, "bad": math.nan, "worse": math.inf})]
+
+
+def test_running_collector_logs_each_distinct_error_once_and_drops_nonfinite_fields(caplog):
+    failing = _Failing()
+    rc = RunningCollector(failing)
+    with caplog.at_level(logging.WARNING, logger="transom.agent"):
+        for _ in range(3):
+            assert rc.collect() == []
+        failing.message = "sensor on fire"
+        assert rc.collect() == []
+        assert rc.collect() == []
+    logged = [r.getMessage() for r in caplog.records if "collector failing failed" in r.getMessage()]
+    assert len(logged) == 2 and "sensor unplugged" in logged[0] and "sensor on fire" in logged[1]
+    assert rc.errors == 5
+
+    (sample,) = RunningCollector(_NonFinite()).collect()
+    assert dict(sample.fields) == {"good": 1.0}
+    contracts.encode(sample)  # what is left follows the contract
+
+
+def test_registry_refuses_duplicate_and_unknown_names():
+    with pytest.raises(CollectorError, match="already registered"):
+        register_collector("host", lambda agent: None)
+    with pytest.raises(CollectorError, match="unknown collector 'nope'.*host"):
+        create_collector("nope", agent=None)
+
+
+def test_parse_datagram_turns_nonfinite_loss_into_a_flag_and_rejects_malformed():
+    rep = parse_datagram(json.dumps({"type": "train", "job": "j", "rank": 1, "generation": 2, "pid": 42,
+                                     "node": "n", "ts": 1.5, "step": 3, "loss": "nan", "grad_norm": "-inf",
+                                     "tokens_per_s": 10.0, "note": "text", "skipped": True}).encode())
+    assert rep == TrainReport(job="j", rank=1, generation=2, pid=42, node="n", ts=1.5,
+                              values={"step": 3, "loss_nonfinite": 1, "grad_norm_nonfinite": 1,
+                                      "tokens_per_s": 10.0, "skipped": 1})
+    for raw, reason in [(b"{oops", "not JSON"), (b"[1]", "JSON object"), (b'{"type":"x"}', "unknown"),
+                        (b'{"type":"train","rank":-1,"pid":3}', "'rank'"), (b'{"type":"train","rank":0}', "'pid'"),
+                        (b'{"type":"inject","fault":"meltdown"}', "unknown fault")]:
+        with pytest.raises(IntakeError, match=reason):
+            parse_datagram(raw)
+
+
+def test_simulated_gpus_read_through_the_gpu_collector_then_xid79_then_lost():
+    src = SimulatedGPUSource(num_gpus=2, seed=7)
+    src.nvmlInit()
+    gpu = GPUCollector(src)
+    for sample in gpu.collect():
+        f = sample.fields
+        assert 50 <= f[DCGM.GPU_UTIL] <= 100 and 40 <= f[DCGM.GPU_TEMP] <= 90
+        assert 300 <= f[DCGM.POWER_USAGE] <= 700 and 60_000 <= f[DCGM.FB_USED] <= 81_559
+        assert f[DCGM.SM_CLOCK] > 1500 and sample.tags["uuid"].startswith("GPU-")
+    ts = src.inject_xid(1, 79)
+    first = gpu.collect()
+    assert [(s.index, dict(s.fields), s.ts) for s in first if s.index == 1] == [(1, {DCGM.XID_ERRORS: 79}, ts)]
+    later = gpu.collect()
+    assert [dict(s.fields) for s in later if s.index == 1] == [{DCGM.GPU_LOST: 1}]
+    assert [DCGM.GPU_UTIL in s.fields for s in first + later if s.index == 0] == [True, True]
+    with pytest.raises(ValueError, match="no GPU 5"):
+        src.inject_xid(5, 79)
+
+
+def test_report_without_an_agent_drops_and_never_raises(monkeypatch):
+    monkeypatch.delenv("TRANSOM_AGENT_ADDR", raising=False)
+    before = stats()
+    assert report(step=1, loss=2.0) is False
+    for bad in ("nonsense", "127.0.0.1:notaport", "127.0.0.1:0"):
+        monkeypatch.setenv("TRANSOM_AGENT_ADDR", bad)
+        assert report(step=1, loss=float("nan")) is False
+    assert stats()["dropped"] == before["dropped"] + 4
+    # nobody listens on this port: UDP cannot tell, the report is handed to the socket and lost
+    monkeypatch.setenv("TRANSOM_AGENT_ADDR", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("RANK", "not-a-number")
+    assert report(step=1) is False
+    monkeypatch.setenv("RANK", "0")
+    before = stats()
+    for _ in range(200):
+        report(step=1, loss=2.0, weird=object())  # a value that is not a number is left out
+    after = stats()
+    assert after["sent"] + after["dropped"] == before["sent"] + before["dropped"] + 200
+    assert after["sent"] > before["sent"]  # (a full socket buffer may drop some, never block)
+
+
+# ----------------------------------------------------------------------------- integration
+
+
+def test_agent_command_publishes_batches_keyed_by_node_in_order(broker, transom_env):
+    node = _node("cli")
+    proc = subprocess.Popen(TRANSOM + ["agent", "--node", node, "--gpu-source", "simulated", "--gpus", "2",
+                                       "--interval", str(INTERVAL), "--bootstrap", broker.bootstrap],
+                            env=transom_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with _Tail(broker.bootstrap, node) as tail:
+        try:
+            first = proc.stdout.readline()
+            assert first.startswith(f"agent {node} intake 127.0.0.1:"), first + proc.stderr.read()
+            tail.count(4)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        sent = int(re.search(rf"agent of node {node} stopped after (\d+) batches", err).group(1))
+        batches = tail.count(sent)  # all of them were flushed before the exit
+    assert [b.seq for b in batches] == list(range(sent))
+    assert all(b.node == node and b.job is None for b in batches)
+    assert [b.ts for b in batches] == sorted(b.ts for b in batches)
+    for b in batches:
+        assert [s.source for s in b.samples] == [Source.HOST, Source.GPU, Source.GPU, Source.AGENT]
+        assert [s.index for s in b.of(Source.GPU)] == [0, 1]
+        assert {DCGM.GPU_UTIL, DCGM.FB_USED, DCGM.GPU_TEMP, DCGM.POWER_USAGE, DCGM.SM_CLOCK} <= set(b.of(Source.GPU)[0].fields)
+        assert 0 <= b.of(Source.HOST)[0].fields["mem_used_percent"] <= 100
+    assert [b.of(Source.AGENT)[0].fields["batches_sent"] for b in batches] == list(range(sent))
+
+
+def test_xid79_injected_by_the_inject_command_yields_one_xid_then_gpu_lost(broker, transom_env):
+    node = _node("xid")
+    with _Tail(broker.bootstrap, node) as tail:
+        with Agent(node, broker.bootstrap, gpu_source="simulated", gpus=2, seed=1, interval=INTERVAL) as agent:
+            tail.count(1)
+            done = subprocess.run(TRANSOM + ["inject", "--agent", agent.intake_addr, "xid79", "--gpu", "1"],
+                                  env=transom_env, capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
+            reply = json.loads(done.stdout)
+            assert reply["ok"] and reply["gpu"] == 1 and reply["node"] == node
+
+            def xid_seq(bs):
+                return next((b.seq for b in bs for s in b.of(Source.GPU) if DCGM.XID_ERRORS in s.fields), None)
+
+            tail.until(lambda bs: xid_seq(bs) is not None and bs[-1].seq >= xid_seq(bs) + 2,
+                       "two batches after the XID")
+        batches = tail.count(agent.batches_sent)
+    gpu1 = [(b.seq, s) for b in batches for s in b.of(Source.GPU) if s.index == 1]
+    xids = [(seq, s) for seq, s in gpu1 if DCGM.XID_ERRORS in s.fields]
+    assert len(xids) == 1
+    seq_xid, xid = xids[0]
+    assert dict(xid.fields) == {DCGM.XID_ERRORS: 79} and xid.ts == reply["ts"]
+    before = [s for seq, s in gpu1 if seq < seq_xid]
+    after = [s for seq, s in gpu1 if seq > seq_xid]
+    assert before and all(DCGM.GPU_UTIL in s.fields for s in before)
+    assert len(after) == len([b for b in batches if b.seq > seq_xid]) >= 2
+    assert all(dict(s.fields) == {DCGM.GPU_LOST: 1} for s in after)
+    assert [s for seq, s in gpu1 if seq == seq_xid] == [xid]  # the XID stands for GPU 1 in its batch
+    assert all(DCGM.GPU_UTIL in s.fields for b in batches for s in b.of(Source.GPU) if s.index == 0)
+
+
+def test_training_report_from_a_process_then_nan_then_dead_rank_alive0_once(broker):
+    node, job = _node("train"), f"job-{uuid.uuid4().hex[:6]}"
+    with _Tail(broker.bootstrap, node) as tail:
+        with Agent(node, broker.bootstrap, gpu_source="simulated", gpus=1, interval=INTERVAL) as agent:
+            child = _Child(agent, rank=3, job=job, generation=2)
+            try:
+                child.report(step=7, loss=2.5, tokens_per_s=1000.0, step_time=0.1, grad_norm=1.25)
+                tail.until(lambda bs: len(_train(bs, child.pid)) >= 2, "two TRAIN samples of the reporting process")
+                child.report(step=8, loss=float("nan"), tokens_per_s=990.0, step_time=0.1)
+                tail.until(lambda bs: any(s.fields.get("step") == 8 for s in _train(bs, child.pid)), "the NaN report")
+                child.finish()  # exits and is reaped: the rank is gone
+                tail.until(lambda bs: any(s.fields["alive"] == 0 for s in _train(bs, child.pid)),
+                           "alive=0 for the exited rank")
+                tail.more(2)
+            finally:
+                child.kill()
+        batches = tail.count(agent.batches_sent)
+    samples = _train(batches, child.pid)
+    first = samples[0]
+    assert first.index == 3 and dict(first.tags) == {"job": job, "generation": "2", "pid": str(child.pid)}
+    assert {k: first.fields[k] for k in ("step", "loss", "tokens_per_s", "step_time", "grad_norm", "alive")} == \
+        {"step": 7, "loss": 2.5, "tokens_per_s": 1000.0, "step_time": 0.1, "grad_norm": 1.25, "alive": 1}
+    nan = [s for s in samples if s.fields.get("step") == 8]
+    assert nan[0].fields["loss_nonfinite"] == 1 and "loss" not in nan[0].fields
+    assert [s.fields["alive"] for s in samples].count(0) == 1 and samples[-1].fields["alive"] == 0
+    with_rank = [b for b in batches if _train([b], child.pid)]
+    assert {b.job for b in with_rank} == {job}
+    assert batches[-1].seq >= with_rank[-1].seq + 2  # batches went on without the forgotten rank
+    assert all(b.job == job for b in batches if b.seq > with_rank[0].seq)  # the node's last known job
+
+
+def test_hang_injection_sigstops_the_reporting_process(broker):
+    node = _node("hang")
+    with _Tail(broker.bootstrap, node) as tail:
+        with Agent(node, broker.bootstrap, gpu_source="simulated", gpus=1, interval=INTERVAL) as agent:
+            child = _Child(agent, rank=0, job="job-hang")
+            try:
+                child.report(step=1, loss=3.0, tokens_per_s=1.0, step_time=0.5)
+                wait_until(lambda: agent.training.processes(), 10, "the agent to know the training process",
+                           interval=0.05)
+                reply = send_inject(agent.intake_addr, "hang", timeout=10)
+                assert reply["ok"] and reply["pids"] == [child.pid], reply
+                wait_until(lambda: psutil.Process(child.pid).status() == psutil.STATUS_STOPPED, 10,
+                           "the training process to be stopped", interval=0.05)
+                # a stopped process is alive: it is still reported, with its last step
+                n = len(tail.count(1))
+                later = tail.more(2)[n:]
+                assert [(s.fields["alive"], s.fields["step"]) for s in _train(later, child.pid)] == [(1, 1)] * len(later)
+            finally:
+                child.proc.send_signal(signal.SIGKILL)
+                child.proc.wait(10)
+
+
+def test_nvml_agent_refuses_injection_and_without_a_driver_says_so_once(broker, caplog):
+    node = _node("nvml")
+    with caplog.at_level(logging.INFO, logger="transom"), _Tail(broker.bootstrap, node) as tail:
+        with Agent(node, broker.bootstrap, gpu_source="nvml", interval=INTERVAL) as agent:
+            reply = send_inject(agent.intake_addr, "xid79", gpu=0, timeout=10)
+            assert reply["ok"] is False and "--gpu-source simulated" in reply["error"]
+            tail.count(3)
+            no_driver = agent.nvml is None
+        batches = tail.count(agent.batches_sent)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages.count(f"agent: refused a xid79 injection: {reply['error']}") == 1
+    assert all(b.of(Source.HOST) and b.of(Source.AGENT) for b in batches)
+    if no_driver:  # this machine has no NVIDIA driver: one clear line, no GPU samples
+        lines = [m for m in messages if "no usable NVIDIA driver" in m]
+        assert len(lines) == 1 and "--gpu-source simulated" in lines[0]
+        assert not any(b.of(Source.GPU) for b in batches)
+    else:
+        assert all(b.of(Source.GPU) for b in batches)
+
+
+def test_agent_command_has_help_and_inject_parses(capsys):
+    done = subprocess.run(TRANSOM + ["agent", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--gpu-source {nvml,simulated}" in done.stdout and "--intake-port" in done.stdout
+    # `transom inject` runs for real in the XID test; here its parser, without a second process
+    parser = argparse.ArgumentParser(prog="transom")
+    agent_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["inject", "--agent", "127.0.0.1:9", "hang"])
+    assert (args.fault, args.agent, args.func) == ("hang", "127.0.0.1:9", agent_cli.run_inject)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["inject", "--help"])
+    assert exited.value.code == 0 and "--gpu GPU" in capsys.readouterr().out
