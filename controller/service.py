@@ -128,7 +128,8 @@ class Controller:
 
     # ------------------------------------------------------------------ inputs
     def _consumer(self) -> Consumer:
-        consumer = Consumer(client_config(self.bootstrap, group_id="transom-controller", enable_auto_commit=False))
+        consumer = Consumer(client_config(self.bootstrap, group_id="transom-controller", enable_auto_commit=False,
+                                                 fetch_wait_max_ms=100))
         parts = []
         for topic, start in ((contracts.FAULTS, OFFSET_BEGINNING), (contracts.CHECKPOINTS, OFFSET_BEGINNING),
                              (contracts.METRICS, OFFSET_END)):

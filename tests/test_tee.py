@@ -18,7 +18,7 @@ from transom import kafka
 from transom.config import ConfigError
 from transom.streams.config import TEEConfig
 from transom.streams.engine import TEEEngine
-from tests.util import topic_values, wait_until
+from util import topic_values, wait_until
 
 T0 = 1_700_000_000.0
 
