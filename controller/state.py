@@ -91,7 +91,8 @@ class Job:
     checkpoint: Mapping[str, Any] | None = None   # newest checkpoint-ready event (as a dict)
     handled_faults: tuple[str, ...] = ()
     restarts: int = 0
-    last_step: int = -1                       # newest training step seen (in any generation so far)
+    last_step: int = -1                       # newest training step seen in the launched generation
+    prev_last_step: int = -1                  # newest step seen in the generation before it
     stepped_generation: int = -1              # newest generation whose first step has been seen
     failure: str = ""
 
@@ -221,7 +222,8 @@ def _relaunch(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any]
     actions.append(Launch(generation, tuple(nodes), resume))
     detail.update(generation=generation, nodes=nodes, resume_step=resume)
     new = job.moved(JobState.RECOVERING, generation=generation, nodes=tuple(nodes), spares=tuple(spares),
-                    evicted=tuple(evicted), resume_step=resume, restarts=job.restarts + 1)
+                    evicted=tuple(evicted), resume_step=resume, restarts=job.restarts + 1,
+                    prev_last_step=job.last_step)
     return Decision(new, tuple(actions), "relaunching", cause, detail)
 
 
@@ -255,16 +257,19 @@ def decide(job: Job, event: Event) -> Decision:
                         {"step": ready.step, "persisted": ready.persisted, "replicated": ready.replicated})
 
     if isinstance(event, StepSeen):
+        if (event.generation == job.launched_generation - 1 and job.stepped_generation < job.launched_generation):
+            # late reports of the generation that was just stopped: they count towards steps lost
+            return Decision(dataclasses.replace(job, prev_last_step=max(job.prev_last_step, event.step)))
         if event.generation != job.launched_generation or job.state not in (JobState.RUNNING, JobState.RECOVERING):
             return Decision(job)
         if event.generation > job.stepped_generation:
             # the first step of a generation: for a relaunch, this is where recovery ends
-            lost = job.last_step - job.resume_step if job.resume_step is not None else max(job.last_step, 0)
             new = dataclasses.replace(job, stepped_generation=event.generation, last_step=event.step)
             name = "resumed" if event.generation > 0 else "first_step"
             detail = {"generation": event.generation, "step": event.step, "resume_step": job.resume_step}
             if event.generation > 0:
-                detail["steps_lost"] = max(lost, 0)
+                # steps done before the fault that the relaunch has to compute again
+                detail["steps_lost"] = max(job.prev_last_step - (job.resume_step or 0), 0)
             return Decision(new, (), name, {}, detail)
         return Decision(dataclasses.replace(job, last_step=max(job.last_step, event.step)))
 

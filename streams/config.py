@@ -36,10 +36,10 @@ class TEEConfig:
     #: ECOD: refit the model on the window once every this many scored samples.
     ecod_refit_every: int = 10
     #: ECOD: consecutive samples above the fitted threshold before an ANOMALY fault.
-    ecod_consecutive: int = 3
+    ecod_consecutive: int = 5
     #: ECOD: share of the window taken as outliers when the threshold is fitted (pyod's
     #: ``contamination``); lower means fewer false alarms and later detection.
-    ecod_contamination: float = 0.01
+    ecod_contamination: float = 0.005
     #: How many emitted fault ids the engine remembers to drop repeats (oldest forgotten first).
     dedup_capacity: int = 100_000
 

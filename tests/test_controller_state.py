@@ -83,8 +83,10 @@ def test_first_step_after_relaunch_is_recorded_with_steps_lost():
     for step in range(1, 48):
         job = decide(job, StepSeen(0, step, 100.0 + step)).job
     job = decide(decide(job, FaultSeen(fault())).job, Launched(1, ts=300.0)).job
+    job = decide(job, StepSeen(0, 49, 301.0)).job      # a late report of the stopped generation
     d = decide(job, StepSeen(1, 41, 310.0))
-    assert d.name == "resumed" and d.detail["steps_lost"] == 47 - 40
+    assert d.name == "resumed" and d.detail["steps_lost"] == 49 - 40
+    assert decide(d.job, StepSeen(0, 50, 311.0)).job == d.job   # too late: recovery already recorded
 
 
 def test_evicted_nodes_memory_copies_do_not_count_as_surviving():

@@ -213,10 +213,11 @@ def test_ecod_fires_on_a_step_change_after_a_clean_window(engine_cfg):
     engine = TEEEngine(engine_cfg)
     found = [(b.seq, f) for b in _gpu_batches(rows) for f in engine.process(b, now=b.ts)]
     [(seq, f)] = found
-    assert seq == 47                 # the third anomalous sample in a row
+    n = engine_cfg.ecod_consecutive
+    assert seq == 45 + n - 1         # the n-th anomalous sample in a row
     assert (f.kind, f.severity, f.action, f.detector) == (c.FaultKind.ANOMALY, c.Severity.WARNING,
                                                           c.Action.OBSERVE, "pyod.ecod")
-    assert f.score > f.threshold and f.evidence["consecutive"] == 3
+    assert f.score > f.threshold and f.evidence["consecutive"] == n
     clock = f.evidence["features"][c.DCGM.SM_CLOCK]
     assert clock["value"] < 1700 < clock["median"]
     assert f.fault_id == c.stable_id("node1", "anomaly", "ecod", T0 + 45)

@@ -1,2 +1,157 @@
-def register(sub):
-    pass
+"""``transom demo``: the whole loop on one machine, with a fault injected mid-run.
+
+Starts the embedded broker, five node agents with simulated GPUs (four run the job, one is the
+spare), a TEE worker and the controller; runs the example language model with four ranks;
+injects XID 79 ("GPU has fallen off the bus") on one node halfway through; shows progress live;
+then prints the timeline of the recovery and a summary, stops everything it started, and exits
+0 only if the job completed all its steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["register", "run_demo"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run the whole loop on this machine with an injected XID 79",
+                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--steps", type=int, default=300, help="training steps of the job (default 300)")
+    p.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval in steps (default 20)")
+    p.add_argument("--fault-at", type=int, default=None, help="inject the fault once this step is reached "
+                                                             "(default: half of --steps)")
+    p.add_argument("--fault-node", default="node1", help="node to inject XID 79 on (default node1)")
+    p.add_argument("--run-dir", default=None, help="where logs, checkpoints and rank outputs go (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds (default 600)")
+    p.set_defaults(func=run_demo)
+
+
+def _inject(addr: str, fault: str) -> None:
+    host, port = addr.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(json.dumps({"type": "inject", "fault": fault, "gpu": 0}).encode(), (host, int(port)))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t0 = time.time()
+
+    def say(self, text: str, ts: float | None = None) -> None:
+        print(f"[{(ts or time.time()) - self.t0:6.1f}s] {text}", flush=True)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from . import contracts
+    from .stack import LocalStack, Monitor, train_command
+
+    clock = _Clock()
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="transom-demo-"))
+    fault_at = args.fault_at or args.steps // 2
+    stack = LocalStack(run_dir)
+    print(f"Transom demo: 4 ranks on node0..node3, spare node4; XID 79 on {args.fault_node} at step {fault_at}. "
+          f"Logs in {run_dir}/logs", flush=True)
+    job = "demo"
+    timeline: dict[str, float] = {}
+    steps_lost = None
+    last_step = -1
+    result = 1
+    try:
+        bootstrap = stack.start_broker()
+        clock.say(f"broker ready at {bootstrap}")
+        monitor = Monitor(bootstrap)
+        stack.start_agents()
+        stack.start_tee()
+        clock.say("agents (5 nodes, simulated GPUs) and the TEE worker started")
+        ctl = stack.start_controller(job, train_command(args.steps, args.ckpt_every), world_size=4)
+        clock.say("controller started; job submitted")
+        injected = False
+        deadline = time.monotonic() + args.timeout
+        next_progress = 0.0
+        drain_until = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            got = monitor.poll(0.2)
+            if ctl.popen.poll() is not None and (got is None or result == 0 or time.monotonic() > drain_until):
+                break               # the controller has ended the job: what is left is metrics traffic
+            if ctl.popen.poll() is None:
+                drain_until = time.monotonic() + 3
+            if got is None:
+                continue
+            topic, ev = got
+            if topic == contracts.METRICS:
+                for s in ev.of(contracts.Source.TRAIN):
+                    if s.tags.get("job") != job or s.index != 0 or "step" not in s.fields:
+                        continue
+                    step = int(s.fields["step"])
+                    last_step = max(last_step, step)
+                    if time.monotonic() >= next_progress:
+                        loss = s.fields.get("loss", float("nan"))
+                        clock.say(f"train  step {step:4d}/{args.steps} loss {loss:.3f} "
+                                  f"gen {s.tags.get('generation')}")
+                        next_progress = time.monotonic() + 5
+                    if not injected and step >= fault_at:
+                        _inject(stack.agents[args.fault_node], "xid79")
+                        injected = True
+                        clock.say(f"INJECT XID 79 on {args.fault_node} (GPU 0)")
+            elif topic == contracts.FAULTS and ev.job in (job, None):
+                clock.say(f"fault  {ev.kind.value} on {ev.node} by {ev.detector}: {ev.summary}", ev.detected_ts)
+                if ev.kind == contracts.FaultKind.XID and "fault_event" not in timeline:
+                    timeline["fault observed (XID sample)"] = ev.observed_ts
+                    timeline["fault event (TEE)"] = ev.detected_ts
+            elif topic == contracts.CHECKPOINTS and ev.job == job:
+                clock.say(f"ckpt   step {ev.step} ready ({len(ev.shards)} shards, "
+                          f"{sum(s.size for s in ev.shards) / 1e6:.1f} MB)", ev.ts)
+            elif topic == contracts.LIFECYCLE and ev.job == job:
+                clock.say(f"life   {ev.name} -> {ev.state} {_brief(ev.detail)}", ev.ts)
+                if ev.name == "relaunching" and "evicted" in ev.detail:
+                    timeline.setdefault("eviction decided (controller)", ev.ts)
+                elif ev.name == "launched" and ev.detail.get("generation", 0) > 0:
+                    timeline.setdefault("relaunched on the spare", ev.ts)
+                elif ev.name == "resumed":
+                    timeline.setdefault("first step after resume", ev.ts)
+                    steps_lost = ev.detail.get("steps_lost")
+                elif ev.name in ("completed", "failed"):
+                    if ev.name == "failed":
+                        clock.say(f"job failed: {ev.detail.get('reason')}")
+                    result = 0 if ev.name == "completed" else 1
+        else:
+            print(f"demo: timed out after {args.timeout:.0f}s", file=sys.stderr)
+            result = 1
+        code = ctl.popen.wait(30) if ctl.popen.poll() is None else ctl.popen.returncode
+        monitor.close()
+        if code != 0:
+            result = 1
+    finally:
+        clock.say("stopping everything the demo started")
+        stack.stop()
+    _report(timeline, steps_lost, last_step, args.steps, result)
+    return result
+
+
+def _brief(detail: dict) -> str:
+    keep = {k: v for k, v in detail.items() if k in ("generation", "nodes", "evicted", "replacement", "resume_step",
+                                                      "step", "steps_lost", "reason")}
+    return " ".join(f"{k}={v}" for k, v in keep.items())
+
+
+def _report(timeline: dict[str, float], steps_lost, last_step: int, steps: int, result: int) -> None:
+    print("\nTimeline")
+    t0 = timeline.get("fault observed (XID sample)")
+    for name, ts in sorted(timeline.items(), key=lambda kv: kv[1]):
+        rel = f"+{ts - t0:6.2f}s" if t0 else ""
+        print(f"  {time.strftime('%H:%M:%S', time.localtime(ts))}.{int(ts % 1 * 1000):03d} {rel}  {name}")
+    print("\nSummary")
+    detect = timeline.get("fault event (TEE)")
+    resumed = timeline.get("first step after resume")
+    print(f"  time to detect : {detect - t0:.2f} s" if t0 and detect else "  time to detect : n/a")
+    print(f"  time to recover: {resumed - t0:.2f} s (fault to first step after resume)" if t0 and resumed
+          else "  time to recover: n/a")
+    print(f"  steps lost     : {steps_lost if steps_lost is not None else 'n/a'}")
+    print(f"  job            : {'completed' if result == 0 else 'NOT completed'}"
+          f" (last step seen {last_step}/{steps})")
