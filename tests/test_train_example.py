@@ -1,0 +1,228 @@
+"""The example training script, run for real: 2 DDP ranks (gloo) as subprocesses on 127.0.0.1.
+
+- it trains (loss goes down), checkpoints, announces the checkpoints, and exits 0;
+- killed mid-run and relaunched, both ranks resume from the newest complete checkpoint;
+- a resumed run continues bit for bit as the uninterrupted run (model, optimizer, data position).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from transom import contracts
+from transom.broker import free_port
+from transom.checkpoint import complete_steps, step_dir
+from transom.checkpoint.layout import read_manifest
+
+from util import topic_values, wait_until
+
+pytestmark = pytest.mark.integration
+
+_PROGRESS = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) tok/s (\d+) gen (\d+)$", re.M)
+
+
+class Ranks:
+    """The ranks of one launch of train_lm, with their output in files under ``logs``."""
+
+    def __init__(self, logs: Path, ckpt: Path, world: int, args: list[str], *, job: str,
+                 generation: int = 0, bootstrap: str | None = None, env: dict | None = None) -> None:
+        port = str(free_port())
+        self.procs: list[subprocess.Popen] = []
+        self.outputs: list[Path] = []
+        for rank in range(world):
+            penv = {k: v for k, v in os.environ.items()
+                    if k not in ("TRANSOM_BOOTSTRAP", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR")}
+            penv.update(PYTHONUNBUFFERED="1", TRANSOM_CKPT_DIR=str(ckpt), TRANSOM_JOB=job,
+                       TRANSOM_GENERATION=str(generation), TRANSOM_NODE=f"node{rank}")
+            if world > 1:
+                penv.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            else:
+                for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                    penv.pop(k, None)
+            if bootstrap:
+                penv["TRANSOM_BOOTSTRAP"] = bootstrap
+            penv.update(env or {})
+            out = logs / f"gen{generation}-rank{rank}-{uuid.uuid4().hex[:6]}.log"
+            with open(out, "wb") as f:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "transom.examples.train_lm", *args],
+                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=penv))
+            self.outputs.append(out)
+
+    def wait(self, timeout: float) -> list[int]:
+        try:
+            return [p.wait(timeout) for p in self.procs]
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def output(self, rank: int = 0) -> str:
+        return self.outputs[rank].read_text(errors="replace")
+
+    def explain(self, codes: list[int] | None = None) -> str:
+        """Exit codes and the end of every rank's output, for assertion messages."""
+        tails = "".join(f"\n--- rank {r} ---\n{self.output(r)[-2500:]}" for r in range(len(self.outputs)))
+        return f"exit codes {codes}{tails}"
+
+    def port_was_taken(self) -> bool:
+        return any("EADDRINUSE" in self.output(r) for r in range(len(self.outputs)))
+
+
+def run_to_end(launches: list[Ranks], make: Callable[[], Ranks], timeout: float = 120) -> tuple[Ranks, list[int]]:
+    """Launch and wait for every rank. free_port() only finds a port that is free *now*: on a busy
+    machine another process can bind it before rank 0 does, so that one case is relaunched once
+    (with a new port) before it counts as a failure."""
+    for attempt in range(2):
+        run = make()
+        launches.append(run)
+        codes = run.wait(timeout)
+        if attempt == 0 and any(codes) and run.port_was_taken():
+            continue
+        return run, codes
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture()
+def launches():
+    started: list[Ranks] = []
+    yield started
+    for r in started:
+        r.kill()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, broker):
+    """One finished 2-rank run of 40 steps, checkpointing every 10, announcing to the broker."""
+    tmp = tmp_path_factory.mktemp("trained")
+    job = f"lm-{uuid.uuid4().hex[:8]}"
+    started: list[Ranks] = []
+    try:
+        run, codes = run_to_end(started, lambda: Ranks(
+            tmp, tmp / "ckpt", 2, ["--steps", "40", "--ckpt-every", "10"], job=job,
+            bootstrap=broker.bootstrap))
+    finally:
+        for r in started:
+            r.kill()
+    return {"job": job, "codes": codes, "out": run.output(0), "ckpt": tmp / "ckpt",
+            "explain": run.explain(codes)}
+
+
+def copy_steps(src: Path, dst: Path, *steps: int) -> Path:
+    for s in steps:
+        shutil.copytree(step_dir(src, s), step_dir(dst, s))
+    return dst
+
+
+def test_two_ranks_train_checkpoint_and_announce(trained, broker):
+    out, ckpt, job = trained["out"], trained["ckpt"], trained["job"]
+    assert trained["codes"] == [0, 0], trained["explain"]
+    losses = [float(m.group(3)) for m in _PROGRESS.finditer(out)]
+    assert len(losses) == 4, out[-3000:]
+    assert losses[-1] < losses[0] - 1.0, f"loss did not go down: {losses}"
+    assert "done: 40 steps, last checkpoint step 40" in out
+    assert complete_steps(ckpt) == [20, 30, 40], "keep 3 complete checkpoints"
+
+    def announced():
+        events = [e for e in topic_values(broker.bootstrap, contracts.CHECKPOINTS) if e.job == job]
+        return events if len(events) >= 4 else None
+
+    events = wait_until(announced, 30, f"4 checkpoint-ready events of {job}")
+    assert sorted(e.step for e in events) == [10, 20, 30, 40]
+    assert all(e.world_size == 2 and len(e.shards) == 2 for e in events)
+
+
+def test_ranks_agree_on_an_older_step_when_one_ranks_newest_shard_is_corrupt(trained, tmp_path, launches):
+    assert trained["codes"] == [0, 0], trained["explain"]
+    ckpt = copy_steps(trained["ckpt"], tmp_path / "ckpt", 30, 40)
+    shard = step_dir(ckpt, 40) / "rank-00001.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    run, codes = run_to_end(launches, lambda: Ranks(
+        tmp_path, ckpt, 2, ["--steps", "50", "--ckpt-every", "10"], job=trained["job"], generation=1))
+    assert codes == [0, 0], run.explain(codes)
+    assert "resumed from step 30 gen 1" in run.output(0), run.explain(codes)
+    assert f"{shard}: sha256 mismatch" in run.output(1), run.explain(codes)
+    assert complete_steps(ckpt) == [30, 40, 50]
+    assert read_manifest(step_dir(ckpt, 40)).generation == 1, "the corrupt step 40 was replaced"
+
+
+def test_resumed_run_continues_exactly_like_the_uninterrupted_run(trained, tmp_path, launches):
+    """Two ranks resumed from step 20 reach step 40 with the very state of the run that was not
+    interrupted: model, optimizer and data position, bit for bit."""
+    assert trained["codes"] == [0, 0], trained["explain"]
+    ckpt = copy_steps(trained["ckpt"], tmp_path / "ckpt", 20, 30)
+    run, codes = run_to_end(launches, lambda: Ranks(
+        tmp_path, ckpt, 2, ["--steps", "40", "--ckpt-every", "10"], job=trained["job"], generation=1,
+        env={"TRANSOM_RESUME_STEP": "20"}))      # the controller's choice wins over the newest, 30
+    assert codes == [0, 0], run.explain(codes)
+    assert "resumed from step 20 gen 1" in run.output(0), run.explain(codes)
+    for rank in range(2):
+        name = f"rank-{rank:05d}.pt"
+        whole = torch.load(step_dir(trained["ckpt"], 40) / name, weights_only=True)
+        resumed = torch.load(step_dir(ckpt, 40) / name, weights_only=True)
+        for part in ("model", "optimizer", "data"):
+            assert _flat(whole[part]) == _flat(resumed[part]), f"rank {rank}: {part} differs after resume"
+
+
+def test_resume_step_that_does_not_exist_exits_3(tmp_path, launches):
+    run = Ranks(tmp_path, tmp_path / "ckpt", 1, ["--steps", "5"], job="lm-none",
+                env={"TRANSOM_RESUME_STEP": "10"})
+    launches.append(run)
+    codes = run.wait(60)
+    assert codes == [3], run.explain(codes)
+    assert "cannot resume from step 10 (TRANSOM_RESUME_STEP): no checkpoint of step 10" in run.output()
+
+
+def test_killed_rank_then_relaunch_resumes_from_newest_checkpoint(tmp_path, launches):
+    ckpt = tmp_path / "ckpt"
+    first = Ranks(tmp_path, ckpt, 2, ["--steps", "2000", "--ckpt-every", "10"], job="lm-kill")
+    launches.append(first)
+    wait_until(lambda: [s for s in complete_steps(ckpt) if s >= 20]
+               or any(p.poll() is not None for p in first.procs), 90, "checkpoint step 20")
+    assert all(p.poll() is None for p in first.procs), first.explain([p.poll() for p in first.procs])
+    first.procs[1].send_signal(signal.SIGKILL)
+    rc0 = first.procs[0].wait(60)          # the surviving rank fails on its own: its peer is gone
+    first.procs[1].wait()
+    assert rc0 != 0, first.explain([rc0, -9])
+    newest = complete_steps(ckpt)[-1]
+    assert newest >= 20
+
+    second, codes = run_to_end(launches, lambda: Ranks(
+        tmp_path, ckpt, 2, ["--steps", str(newest + 20), "--ckpt-every", "10"], job="lm-kill",
+        generation=1))
+    out = second.output(0)
+    assert codes == [0, 0], second.explain(codes)
+    assert f"resumed from step {newest} gen 1" in out, second.explain(codes)
+    steps = [int(m.group(1)) for m in _PROGRESS.finditer(out)]
+    assert steps and steps[0] == newest + 10 and steps[-1] == newest + 20, steps
+    assert complete_steps(ckpt)[-1] == newest + 20
+
+
+def _flat(obj):
+    """A comparable form of a state: tensors as (dtype, shape, bytes)."""
+    if isinstance(obj, torch.Tensor):
+        return (str(obj.dtype), tuple(obj.shape), obj.contiguous().view(torch.uint8).numpy().tobytes()
+                if obj.dim() else obj.reshape(1).view(torch.uint8).numpy().tobytes())
+    if isinstance(obj, dict):
+        return {k: _flat(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_flat(v) for v in obj]
+    return obj

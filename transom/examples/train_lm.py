@@ -1,0 +1,282 @@
+"""A tiny transformer language model trained with torch DDP (gloo, CPU): the job Transom keeps alive.
+
+Run ``python -m transom.examples.train_lm --steps 300 --ckpt-every 50``. With RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set (the launcher sets them) it joins a gloo process group of
+WORLD_SIZE ranks; without them it runs alone.
+
+Contract with the rest of Transom:
+
+- resumes through :class:`transom.checkpoint.CheckpointEngine` from TRANSOM_RESUME_STEP when set
+  (every rank must load that step, else all exit with status 3), otherwise from the newest
+  complete step that every rank can load (ranks agree on it), otherwise from scratch;
+- a checkpoint holds the model, the optimizer, the RNG states and the data stream's position, so
+  a resumed run continues exactly as the uninterrupted run would have;
+- saves every ``--ckpt-every`` steps and after the last one, and waits for that save to persist
+  before exiting 0;
+- reports every step to the node agent (``transom.agents.intake.report``) and prints, on rank 0,
+  ``step 50/300 loss 2.87 tok/s 12345 gen 0`` every ``--log-every`` steps.
+
+Data: sentences from a small deterministic grammar, one stream per rank (seeded by ``--seed`` and
+the rank), read as bytes (vocabulary 256), so the loss falls from about ln 256 = 5.5 to below 2.5
+within a few hundred steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from transom import log as tlog
+from transom.checkpoint import CheckpointEngine, CheckpointError, CorruptCheckpoint, NoCheckpoint
+from transom.checkpoint.layout import complete_steps
+
+try:
+    from transom.agents.intake import report
+except ImportError:  # the agent package is optional for the example: reports are dropped
+    def report(**_fields: Any) -> None:
+        return None
+
+__all__ = ["main", "TinyLM", "TemplateText", "parse_args"]
+
+log = tlog.get("train")
+
+EXIT_RESUME_FAILED = 3
+
+# --------------------------------------------------------------------------- data
+
+_SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird",
+             "the teacher", "our neighbour", "the farmer", "a child"]
+_VERBS = ["sees", "likes", "chases", "finds", "builds", "paints", "carries", "watches", "opens", "sells"]
+_OBJECTS = ["the ball", "a red box", "the garden", "some bread", "the river", "a green door",
+            "the letter", "an apple", "the map", "a blue kite"]
+_TAILS = ["", " today", " at night", " again", " in the rain", " with care"]
+
+
+class TemplateText:
+    """An endless stream of grammar sentences as bytes; its position is part of the checkpoint."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.rng = random.Random(seed * 1_000_003 + rank)
+        self.buffer = b""
+        self.consumed = 0
+
+    def _sentence(self) -> str:
+        r = self.rng
+        if r.random() < 0.15:
+            start = r.randrange(1, 6)
+            return "count " + " ".join(str(i) for i in range(start, start + 5)) + ". "
+        s = f"{r.choice(_SUBJECTS)} {r.choice(_VERBS)} {r.choice(_OBJECTS)}{r.choice(_TAILS)}. "
+        return s[0].upper() + s[1:]
+
+    def take(self, n: int) -> bytes:
+        while len(self.buffer) < n:
+            self.buffer += self._sentence().encode()
+        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        self.consumed += n
+        return out
+
+    def batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
+        rows = [list(self.take(seq_len + 1)) for _ in range(batch_size)]
+        return torch.tensor(rows, dtype=torch.long)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate(), "buffer": self.buffer.decode("ascii"), "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(state["rng"])
+        self.buffer = state["buffer"].encode("ascii")
+        self.consumed = state["consumed"]
+
+
+# --------------------------------------------------------------------------- model
+
+class TinyLM(nn.Module):
+    """Byte-level causal transformer: embeddings, pre-norm encoder layers with a causal mask, head."""
+
+    def __init__(self, seq_len: int, vocab: int = 256, d_model: int = 64, n_heads: int = 4,
+                 n_layers: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0,
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+# --------------------------------------------------------------------------- distributed helpers
+
+def _distributed_env() -> bool:
+    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _all_min(value: int, world: int) -> int:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _newest_agreed(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
+    """The newest complete step every rank can load; ranks propose, the minimum wins, repeat."""
+    got = engine.load()
+    while True:
+        mine = got[0] if got else -1
+        agreed = _all_min(mine, world)
+        if -_all_min(-mine, world) == agreed:       # max == min: every rank proposed the same
+            return got if agreed >= 0 else None
+        got = None
+        for s in reversed(complete_steps(engine.directory)):
+            if s <= agreed:
+                try:
+                    got = engine.load(s)
+                    break
+                except (CorruptCheckpoint, NoCheckpoint) as exc:
+                    log.warning("rank %d: skipping checkpoint step %d: %s", engine.rank, s, exc)
+
+
+def _resume(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
+    raw = os.environ.get("TRANSOM_RESUME_STEP")
+    if not raw:
+        return _newest_agreed(engine, world)
+    step = int(raw)
+    got, err = None, None
+    try:
+        got = engine.load(step)
+    except CheckpointError as exc:
+        err = exc
+    if _all_min(1 if got else 0, world) == 0:
+        why = err or "another rank could not load it"
+        print(f"train_lm rank {engine.rank}: cannot resume from step {step} (TRANSOM_RESUME_STEP): {why}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_RESUME_FAILED)
+    return got
+
+
+# --------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m transom.examples.train_lm",
+        description="Train a tiny byte-level transformer LM with DDP (gloo, CPU), checkpointing "
+                    "through Transom's checkpoint engine and reporting steps to the node agent.")
+    p.add_argument("--steps", type=int, default=300, help="train until this many steps are done (default 300)")
+    p.add_argument("--ckpt-every", type=int, default=50, metavar="K",
+                   help="save a checkpoint every K steps and after the last; 0: only after the last (default 50)")
+    p.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CKPT_DIR") or "runs/train_lm",
+                   help="checkpoint directory (env TRANSOM_CKPT_DIR; default runs/train_lm)")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default 0)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after warm-up (default 3e-3)")
+    p.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every N steps (default 10)")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.ckpt_every < 0 or args.batch_size < 1 or args.seq_len < 2:
+        p.error("--steps, --batch-size must be >= 1, --seq-len >= 2, --ckpt-every >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tlog.setup()
+    torch.set_num_threads(1)
+    distributed = _distributed_env()
+    if distributed:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    generation = int(os.environ.get("TRANSOM_GENERATION") or 0)
+
+    torch.manual_seed(args.seed)                         # same init on every rank
+    model = TinyLM(args.seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    data = TemplateText(args.seed, rank)
+    random.seed(args.seed * 7919 + rank)
+    torch.manual_seed(args.seed * 7919 + rank)           # per-rank stream for anything stochastic
+
+    engine = CheckpointEngine.from_env(args.ckpt_dir, rank=rank, world_size=world, keep=args.keep)
+    step = 0
+    got = _resume(engine, world)
+    if got is not None:
+        step, state = got
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        data.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if rank == 0:
+            print(f"resumed from step {step} gen {generation}", flush=True)
+    elif rank == 0:
+        print(f"starting from scratch gen {generation}", flush=True)
+
+    net = nn.parallel.DistributedDataParallel(model) if distributed else model
+    loss_fn = nn.CrossEntropyLoss()
+    tokens = args.batch_size * args.seq_len
+    recent: list[tuple[float, float]] = []
+    last_saved = step if got is not None else None
+
+    while step < args.steps:
+        t0 = time.perf_counter()
+        for group in opt.param_groups:                   # warm-up by step number: resumable
+            group["lr"] = args.lr * min(1.0, (step + 1) / 20)
+        batch = data.batch(args.batch_size, args.seq_len)
+        logits = net(batch[:, :-1])
+        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        step_time = time.perf_counter() - t0
+        value = loss.item()
+        report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time)
+        recent = (recent + [(value, step_time)])[-args.log_every:]
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+            mean_loss = sum(v for v, _ in recent) / len(recent)
+            mean_time = sum(t for _, t in recent) / len(recent)
+            print(f"step {step}/{args.steps} loss {mean_loss:.2f} tok/s {world * tokens / mean_time:.0f} "
+                  f"gen {generation}", flush=True)
+        if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
+            engine.save(step, {
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "data": data.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "step": step, "world_size": world,
+            })
+            last_saved = step
+
+    persisted = 1
+    try:
+        engine.close()                                   # waits for the last save to persist
+    except CheckpointError as exc:
+        persisted = 0
+        print(f"train_lm rank {rank}: the last checkpoint did not persist: {exc}", file=sys.stderr, flush=True)
+    all_persisted = _all_min(persisted, world)           # also keeps ranks together until all are done
+    if distributed:
+        dist.destroy_process_group()
+    if rank == 0 and all_persisted:
+        print(f"done: {step} steps, last checkpoint step {last_saved}", flush=True)
+    return 0 if persisted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
