@@ -18,6 +18,9 @@ its business).
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import threading
 import tempfile
 import time
 from collections import defaultdict
@@ -109,6 +112,33 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     return app
 
 
+#: Seconds a worker may take to stop after SIGINT/SIGTERM before it exits anyway (Faust's own
+#: shutdown waits for the broker, which may be the very thing that is gone).
+STOP_GRACE = 15.0
+
+
+class _BoundedWorker(faust.Worker):
+    """A Faust worker whose shutdown on a signal cannot hang: it exits after ``STOP_GRACE``."""
+
+    def _arm(self, signame: str) -> None:
+        def deadline() -> None:
+            log.warning("TEE did not stop within %gs of %s (broker gone?): exiting now", STOP_GRACE, signame)
+            logging.shutdown()
+            os._exit(0)
+
+        timer = threading.Timer(STOP_GRACE, deadline)
+        timer.daemon = True
+        timer.start()
+
+    def _on_sigterm(self) -> None:
+        self._arm("SIGTERM")
+        super()._on_sigterm()
+
+    def _on_sigint(self) -> None:
+        self._arm("SIGINT")
+        super()._on_sigint()
+
+
 def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None) -> int:
     """Run one TEE worker in this process until SIGINT/SIGTERM; return its exit status."""
     engine = TEEEngine(config)   # builds the detectors (imports pyod) before joining the group
@@ -117,7 +147,7 @@ def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None)
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         # Our logging stays (override_logging=False); quiet and no spinner: no banner on stdout.
-        worker = faust.Worker(app, loop=loop, quiet=True, override_logging=False, redirect_stdouts=False)
+        worker = _BoundedWorker(app, loop=loop, quiet=True, override_logging=False, redirect_stdouts=False)
         worker.spinner = None
         log.info("TEE consuming %s from %s (hang timeout %gs, heartbeat timeout %gs)", contracts.METRICS,
                  bootstrap, config.hang_timeout, config.heartbeat_timeout)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import sys
 import tempfile
@@ -51,6 +52,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from . import contracts
     from .stack import LocalStack, Monitor, train_command
 
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)   # so that a SIGTERM still stops what the demo started
     clock = _Clock()
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="transom-demo-"))
     fault_at = args.fault_at or args.steps // 2
@@ -69,7 +74,8 @@ def run_demo(args: argparse.Namespace) -> int:
         stack.start_agents()
         stack.start_tee()
         clock.say("agents (5 nodes, simulated GPUs) and the TEE worker started")
-        ctl = stack.start_controller(job, train_command(args.steps, args.ckpt_every), world_size=4)
+        ctl = stack.start_controller(job, train_command(args.steps, args.ckpt_every), world_size=4,
+                                     extra=["--exit-when-done"])
         clock.say("controller started; job submitted")
         injected = False
         deadline = time.monotonic() + args.timeout

@@ -1,0 +1,47 @@
+# Transom: `make demo` runs the whole loop on this machine; `make test` runs the test suite.
+# Both create the virtual environment in .venv and install what they need on first use.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: all deps system-deps demo test test-fast bench clean help
+
+help:
+	@echo "make demo   - run the whole loop (broker, agents, TEE, controller, a 4-rank job, an injected XID 79)"
+	@echo "make test   - run the test suite (starts the real services its tests need)"
+	@echo "make bench  - run the benchmarks in bench/"
+	@echo "make clean  - remove the virtual environment and run outputs"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: any other version or an open range pulls several GB of CUDA wheels
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+deps: $(STAMP) system-deps
+
+# Debian packages some tests and parts need (InfluxDB server, libibverbs for Mooncake).
+system-deps:
+	@if ! command -v influxd >/dev/null 2>&1 || ! ldconfig -p | grep -q libibverbs.so.1; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq influxdb libibverbs1 >/dev/null; \
+	  else echo "note: install Debian packages influxdb and libibverbs1 (needs root)"; fi; \
+	fi
+
+demo: deps
+	$(VENV)/bin/transom demo
+
+test: deps
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+test-fast: deps
+	$(PY) -m pytest -q -m "not e2e" -p no:cacheprovider
+
+bench: deps
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

@@ -1,0 +1,47 @@
+"""End to end: `transom demo` runs the whole loop and heals the job after an injected XID 79."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+def test_demo_recovers_from_xid79_and_completes(tmp_path):
+    run_dir = tmp_path / "demo"
+    before = {p.pid for p in psutil.process_iter()}
+    proc = subprocess.run(
+        [sys.executable, "-m", "transom.cli", "demo", "--steps", "160", "--ckpt-every", "20", "--fault-at", "70",
+         "--run-dir", str(run_dir), "--timeout", "400"],
+        capture_output=True, text=True, timeout=480, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    # the live progress and the story of the recovery
+    assert "INJECT XID 79 on node1" in out
+    assert re.search(r"fault\s+xid on node1", out)
+    assert re.search(r"relaunching -> recovering .*evicted=node1 replacement=node4", out)
+    assert re.search(r"resumed -> running generation=1", out)
+    # the summary at the end
+    timeline = out[out.index("Timeline"):]
+    for name in ("fault observed", "fault event (TEE)", "eviction decided", "relaunched on the spare",
+                 "first step after resume"):
+        assert name in timeline
+    detect = float(re.search(r"time to detect : ([\d.]+) s", out).group(1))
+    recover = float(re.search(r"time to recover: ([\d.]+) s", out).group(1))
+    lost = int(re.search(r"steps lost     : (\d+)", out).group(1))
+    assert 0 <= detect < recover
+    assert lost <= 20, "steps lost must stay within one checkpoint interval"
+    assert "job            : completed" in out
+    # the relaunched ranks resumed from a checkpoint, not from scratch, and finished
+    rank_log = (run_dir / "jobs" / "demo" / "gen-1" / "rank-0.log").read_text()
+    assert re.search(r"resumed from step [1-9]\d* gen 1", rank_log)
+    # nothing the demo started is left running
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+                 and any("transom" in part for part in (p.info["cmdline"] or []))]
+    assert leftovers == []
