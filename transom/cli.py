@@ -24,6 +24,8 @@ _COMPONENT_CLIS = (
     "transom.streams.cli",
     "transom.controller.cli",
     "transom.checkpoint.cli",
+    "transom.streams.sink_cli",
+    "transom.report",
     "transom.demo",
 )
 

@@ -67,6 +67,7 @@ def run_demo(args: argparse.Namespace) -> int:
     steps_lost = None
     last_step = -1
     result = 1
+    report_path = None
     try:
         bootstrap = stack.start_broker()
         clock.say(f"broker ready at {bootstrap}")
@@ -131,12 +132,16 @@ def run_demo(args: argparse.Namespace) -> int:
             result = 1
         code = ctl.popen.wait(30) if ctl.popen.poll() is None else ctl.popen.returncode
         monitor.close()
+        from .report import write_report
+        report_path = write_report(bootstrap, job, run_dir / "report.html")
         if code != 0:
             result = 1
     finally:
         clock.say("stopping everything the demo started")
         stack.stop()
     _report(timeline, steps_lost, last_step, args.steps, result)
+    if report_path:
+        print(f"\nRun report (open in a browser): {report_path}", flush=True)
     return result
 
 

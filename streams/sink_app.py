@@ -1,0 +1,193 @@
+"""The InfluxDB sink as a faust-streaming app: Kafka at the edge, :mod:`.sink` inside.
+
+Wiring (app id ``transom-sink``, its own consumer group, at-least-once, raw bytes)::
+
+    transom.metrics, .faults, .lifecycle, .checkpoints
+        --agent "sink" (batches of up to batch_size events, or what came within flush_s)-->
+        contracts.decode --ok--> sink.to_points --> one write of the whole batch --> InfluxDB
+                         \\--ContractError--> transom.deadletter
+
+A batch is written before the stream moves on, so its offsets are committed only after the
+write: a restarted sink writes some points again, which InfluxDB keeps once (same series and
+time: the later write replaces the earlier one). When the server is unreachable (or answers 5xx
+or 429) the sink retries the batch with back-off until it succeeds, without losing it; when the
+server refuses the points (4xx), the batch is written event by event and each refused event goes
+to the dead-letter topic with the server's reason. Every 30 s the sink logs its counts.
+
+:func:`run_sink` runs one sink worker in this process until SIGINT or SIGTERM and returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import threading
+from typing import Any, Sequence
+
+import faust
+
+from transom import contracts
+from transom.config import ConfigError, kafka_security
+from transom.log import get
+
+from .sink import PointsRejected, ServerUnavailable, SinkConfig, TOPICS, open_writer, to_points
+
+__all__ = ["APP_ID", "make_app", "run_sink", "SinkStats"]
+
+APP_ID = "transom-sink"
+log = get("sink")
+
+_BACKOFF = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class SinkStats(dict):
+    """Counters: events, points, writes, retries, deadlettered."""
+
+    def __init__(self) -> None:
+        super().__init__(events=0, points=0, writes=0, retries=0, deadlettered=0)
+
+    def line(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in self.items())
+
+
+def make_app(bootstrap: str, writer: Any, config: SinkConfig, *, datadir: str,
+             stats: SinkStats | None = None) -> faust.App:
+    """Build the Faust app that writes the topics of ``bootstrap`` through ``writer``."""
+    if kafka_security():
+        raise ConfigError("TRANSOM_KAFKA_* security settings are set, but the sink does not pass them to "
+                          "Faust yet; run it against a plaintext listener")
+    from aiokafka.codec import has_lz4
+    if not has_lz4():
+        raise ConfigError("the sink needs the 'cramjam' package (aiokafka's lz4 codec) to read transom's "
+                          "lz4-compressed topics: pip install 'aiokafka[lz4]'")
+    stats = stats if stats is not None else SinkStats()
+    brokers = ";".join(f"kafka://{b.strip()}" for b in bootstrap.split(",") if b.strip())
+    app = faust.App(
+        APP_ID, broker=brokers, value_serializer="raw", key_serializer="raw",
+        processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
+        web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
+        broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
+    )
+    source = app.topic(*TOPICS, key_type=bytes, value_type=bytes)
+    deadletter = app.topic(contracts.DEADLETTER, key_type=bytes, value_type=bytes)
+
+    async def reject(event: Any, reason: str) -> None:
+        msg = event.message
+        log.warning("dead-lettered %s partition %d offset %d: %s", msg.topic, msg.partition, msg.offset, reason)
+        raw = event.value if isinstance(event.value, bytes) else None
+        letter = contracts.DeadLetter.of(raw, topic=msg.topic, reason=reason, component="sink",
+                                         partition=msg.partition, offset=msg.offset)
+        await deadletter.send(key=event.key, value=contracts.encode(letter))
+        stats["deadlettered"] += 1
+
+    async def write(points: list) -> None:
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        while True:
+            try:
+                await loop.run_in_executor(None, writer.write, points)
+                stats["writes"] += 1
+                stats["points"] += len(points)
+                return
+            except ServerUnavailable as exc:
+                delay = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
+                attempt += 1
+                stats["retries"] += 1
+                log.warning("InfluxDB write of %d points failed (%s); retry %d in %.1fs", len(points), exc,
+                            attempt, delay)
+                await asyncio.sleep(delay)
+
+    async def write_batch(items: Sequence[tuple[Any, list]]) -> None:
+        points = [p for _ev, pts in items for p in pts]
+        try:
+            await write(points)
+        except PointsRejected:
+            for ev, pts in items:   # find the events the server refuses, keep the rest
+                try:
+                    await write(pts)
+                except PointsRejected as exc:
+                    await reject(ev, f"InfluxDB refused the points of this event: {exc}")
+
+    @app.agent(source, name="sink")
+    async def sink(stream):
+        async for events in stream.take_events(config.batch_size, within=config.flush_s):
+            items = []
+            for ev in events:
+                topic = ev.message.topic
+                stats["events"] += 1
+                try:
+                    pts = to_points(topic, contracts.decode(topic, ev.value))
+                except contracts.ContractError as err:
+                    await reject(ev, str(err))
+                    continue
+                except Exception as exc:   # a conversion bug must not stop the stream: keep the input
+                    log.exception("the sink failed to convert a message of %s", topic)
+                    await reject(ev, f"sink failed to convert the event: {exc!r}")
+                    continue
+                items.append((ev, pts))
+            if items:
+                await write_batch(items)
+
+    @app.timer(30.0)
+    async def progress():
+        log.info("sink: %s", stats.line())
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(sender, assigned, **_):
+        log.info("sink assigned %s", ", ".join(sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned)))
+
+    return app
+
+
+#: Seconds the sink may take to stop after SIGINT/SIGTERM before it exits anyway (Faust's own
+#: shutdown waits for the broker, which may be the very thing that is gone).
+STOP_GRACE = 15.0
+
+
+class _BoundedWorker(faust.Worker):
+    """A Faust worker whose shutdown on a signal cannot hang: it exits after ``STOP_GRACE``."""
+
+    def _arm(self, signame: str) -> None:
+        def deadline() -> None:
+            log.warning("sink did not stop within %gs of %s (broker gone?): exiting now", STOP_GRACE, signame)
+            logging.shutdown()
+            os._exit(0)
+
+        timer = threading.Timer(STOP_GRACE, deadline)
+        timer.daemon = True
+        timer.start()
+
+    def _on_sigterm(self) -> None:
+        self._arm("SIGTERM")
+        super()._on_sigterm()
+
+    def _on_sigint(self) -> None:
+        self._arm("SIGINT")
+        super()._on_sigint()
+
+
+def run_sink(bootstrap: str, config: SinkConfig, *, datadir: str | None = None) -> int:
+    """Run one sink worker in this process until SIGINT/SIGTERM; return its exit status."""
+    writer = open_writer(config)
+    stats = SinkStats()
+    log.info("sink writing %s to %s (InfluxDB %s, %s write path, database/bucket %r)", ", ".join(TOPICS),
+             config.url, writer.version or "?", writer.api, config.database)
+    try:
+        with tempfile.TemporaryDirectory(prefix="transom-sink-") as tmp:
+            app = make_app(bootstrap, writer, config, datadir=datadir or tmp, stats=stats)
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            worker = _BoundedWorker(app, loop=loop, quiet=True, override_logging=False, redirect_stdouts=False)
+            worker.spinner = None
+            try:
+                worker.execute_from_commandline()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            else:
+                code = 0
+    finally:
+        writer.close()
+    log.info("sink stopped: %s", stats.line())
+    return code

@@ -1,0 +1,289 @@
+"""Deploy files against the code: docker-compose, the Dockerfile and the kustomize base for Kubernetes.
+
+Each test reads what the code does (environment variables it reads, its command line, the
+topics' partitions, the Kubernetes calls of the controller's backend) and fails where a deploy
+file disagrees.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from transom import config, contracts
+from transom.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+CODE = ("transom", "agents", "streams", "controller", "checkpoint")
+
+#: Set by the controller's backends for the ranks they launch (never by an operator).
+LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR", "TRANSOM_AGENTS"}
+#: Given per node or per pod, not in the shared settings: the node id (a flag or the pod's node name),
+#: the InfluxDB token (a secret).
+PER_NODE = {"TRANSOM_NODE"}
+SECRET = {"TRANSOM_INFLUX_TOKEN"}
+
+
+def code_env() -> dict[str, set[str]]:
+    """Every TRANSOM_* variable the code reads or sets -> the files that name it."""
+    found: dict[str, set[str]] = {}
+    for top in CODE:
+        for path in (ROOT / top).rglob("*.py"):
+            for name in re.findall(r"""["'](TRANSOM_[A-Z0-9_]*[A-Z0-9])["']""", path.read_text()):
+                found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    for name in config.ENV:
+        found.setdefault(name, set()).add("transom/config.py")
+    return {k: v for k, v in found.items() if "_TEST_" not in k}     # test hooks are not settings
+
+
+def operator_env() -> set[str]:
+    return set(code_env()) - LAUNCHER_SET
+
+
+def test_launcher_set_variables_are_set_by_a_launcher():
+    env = code_env()
+    for name in LAUNCHER_SET:
+        assert any(f.startswith("controller/") for f in env.get(name, ())), \
+            f"{name} is no longer set by the controller's backends: move it out of LAUNCHER_SET"
+
+
+# --------------------------------------------------------------------------- docker compose
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def _transom_services(compose: dict) -> dict[str, dict]:
+    return {n: s for n, s in compose["services"].items() if str(s.get("image", "")).startswith("transom:")}
+
+
+def test_compose_has_the_live_system(compose):
+    services = compose["services"]
+    for name in ("kafka", "influxdb", "grafana", "tee", "sink", "controller"):
+        assert name in services, f"compose lacks service {name}"
+    kafka = services["kafka"]
+    assert kafka["image"].startswith("apache/kafka:")
+    assert set(kafka["environment"]["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}   # KRaft
+    assert not any("zookeeper" in n for n in services)
+    assert services["influxdb"]["image"].startswith("influxdb:2")
+    assert services["influxdb"]["environment"]["DOCKER_INFLUXDB_INIT_MODE"] == "setup"
+    agents = [s for s in _transom_services(compose).values() if s["command"][0] == "agent"]
+    assert agents and all(s["command"][s["command"].index("--gpu-source") + 1] == "simulated" for s in agents)
+
+
+def test_compose_commands_parse_with_the_real_cli(compose):
+    parser = build_parser()
+    commands = set()
+    for name, s in _transom_services(compose).items():
+        try:
+            parser.parse_args(s["command"])
+        except SystemExit:
+            pytest.fail(f"compose service {name}: `transom {' '.join(s['command'])}` does not parse")
+        commands.add(s["command"][0])
+        assert s["build"]["dockerfile"] == "deploy/Dockerfile"
+        assert (DEPLOY / s["build"]["context"] / s["build"]["dockerfile"]).resolve().is_file()
+    assert {"tee", "sink", "controller", "agent", "ckpt-server"} <= commands
+
+
+def test_compose_sets_every_variable_the_code_reads(compose):
+    wanted = operator_env()
+    for name, s in _transom_services(compose).items():
+        env = s["environment"]
+        missing = wanted - set(env) - PER_NODE
+        assert not missing, f"compose service {name} does not set {sorted(missing)} (read by the code)"
+        stale = {k for k in env if k.startswith("TRANSOM_")} - set(code_env())
+        assert not stale, f"compose service {name} sets {sorted(stale)}, which no code reads"
+
+
+def test_compose_addresses_and_ports_agree(compose):
+    services = compose["services"]
+    kenv = services["kafka"]["environment"]
+    listeners = dict(re.findall(r"(\w+)://([^,]+)", kenv["KAFKA_ADVERTISED_LISTENERS"]))
+    ports = {name: hp.rsplit(":", 1)[1] for name, hp in re.findall(r"(\w+)://([^,]+)", kenv["KAFKA_LISTENERS"])}
+    assert listeners["PLAINTEXT"].endswith(":" + ports["PLAINTEXT"])
+    influx_port = "8086"        # InfluxDB's own default http bind port
+    assert f"{influx_port}:{influx_port}" in services["influxdb"]["ports"]
+    for name, s in _transom_services(compose).items():
+        assert s["environment"]["TRANSOM_BOOTSTRAP"] == listeners["PLAINTEXT"], name
+        assert s["environment"]["TRANSOM_INFLUX_URL"] == f"http://influxdb:{influx_port}", name
+    # the controller reaches each agent's intake on 127.0.0.1: the agents share its network namespace
+    ctl = services["controller"]["command"]
+    nodes = dict(ctl[i + 1].split("=", 1) for i, a in enumerate(ctl) if a == "--node")
+    agents = {s["command"][s["command"].index("--node") + 1]: s for s in _transom_services(compose).values()
+              if s["command"][0] == "agent"}
+    assert set(nodes) == set(agents)
+    for node, addr in nodes.items():
+        s = agents[node]
+        assert s["network_mode"] == "service:controller"
+        assert addr == f"127.0.0.1:{s['command'][s['command'].index('--intake-port') + 1]}"
+    daemons = {s["command"][s["command"].index("--node") + 1]: s for s in _transom_services(compose).values()
+               if s["command"][0] == "ckpt-server"}
+    assert set(daemons) == set(nodes)        # a TCE daemon per node, in the ranks' IPC namespace
+    assert all(d["ipc"] == "service:controller" for d in daemons.values())
+
+
+def test_compose_grafana_is_provisioned(compose):
+    g = compose["services"]["grafana"]
+    mounts = {Path(src): dst.split(":")[0] for src, dst in (v.split(":", 1) for v in g["volumes"])}
+    for src in mounts:
+        assert (DEPLOY / src).is_dir(), f"grafana mounts {src}, which does not exist"
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/transom.yaml").read_text())["providers"][0]
+    assert mounts[Path("grafana/dashboards")] == provider["options"]["path"]
+    assert list((DEPLOY / "grafana/dashboards").glob("*.json"))
+    ds_text = (DEPLOY / "grafana/provisioning/datasources/transom.yaml").read_text()
+    needed = set(re.findall(r"\$\{(\w+)\}", ds_text))
+    assert needed and needed <= set(g["environment"]), f"grafana lacks {needed - set(g['environment'])}"
+    assert g["environment"]["TRANSOM_INFLUX_URL"] == compose["services"]["sink"]["environment"]["TRANSOM_INFLUX_URL"]
+    assert g["environment"]["TRANSOM_INFLUX_DB"] == compose["services"]["influxdb"]["environment"][
+        "DOCKER_INFLUXDB_INIT_BUCKET"] == compose["services"]["sink"]["environment"]["TRANSOM_INFLUX_DB"]
+    init = [v.split(":")[0] for v in compose["services"]["influxdb"]["volumes"] if "initdb" in v]
+    assert init and (DEPLOY / init[0]).is_file()
+    assert "v1 dbrp create" in (DEPLOY / init[0]).read_text()      # InfluxQL on InfluxDB 2 needs the mapping
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+def test_dockerfile_installs_every_package_and_the_pinned_torch():
+    text = (DEPLOY / "Dockerfile").read_text()
+    copied = {src.rstrip("/") for src in re.findall(r"^COPY (\S+) \S+$", text, re.M)}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    dirs = set(project["tool"]["setuptools"]["package-dir"].values())
+    assert dirs <= copied, f"the Dockerfile does not copy {sorted(dirs - copied)}"
+    for src in copied:
+        assert (ROOT / src).exists(), f"the Dockerfile copies {src}, which does not exist"
+    (torch,) = [d for d in project["project"]["dependencies"] if d.startswith("torch")]
+    assert f"TORCH_VERSION={torch.split('==')[1]}" in text
+    assert 'ENTRYPOINT ["transom"]' in text
+
+
+# --------------------------------------------------------------------------- Kubernetes (kustomize)
+
+@pytest.fixture(scope="module")
+def k8s() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not installed: test_deploy renders deploy/kustomize with `kubectl kustomize`",
+                    pytrace=False)
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "kustomize")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _one(objs: list[dict], kind: str, name: str) -> dict:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"kustomize output has {len(found)} {kind} {name}"
+    return found[0]
+
+
+def _containers(obj: dict) -> list[dict]:
+    return obj["spec"]["template"]["spec"]["containers"]
+
+
+def test_k8s_commands_parse_with_the_real_cli(k8s):
+    parser = build_parser()
+    seen = set()
+    for obj in k8s:
+        if obj["kind"] not in ("DaemonSet", "Deployment"):
+            continue
+        for c in _containers(obj):
+            args = [a.replace("$(TRANSOM_NODE)", "node0") for a in c["args"]]
+            try:
+                parser.parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{obj['metadata']['name']}/{c['name']}: `transom {' '.join(args)}` does not parse")
+            seen.add(args[0])
+            assert c["image"].startswith("transom:")
+    assert {"agent", "ckpt-server", "tee", "sink", "controller"} <= seen
+
+
+def test_k8s_agent_daemonset_runs_on_gpu_nodes_without_taking_a_gpu(k8s):
+    ds = _one(k8s, "DaemonSet", "transom-agent")
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert set(containers) == {"agent", "ckpt-server"}
+    for c in containers.values():
+        for part in ("requests", "limits"):
+            assert not any("gpu" in k for k in c.get("resources", {}).get(part, {})), f"{c['name']} requests a GPU"
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env["TRANSOM_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    agent_env = {e["name"]: e.get("value") for e in containers["agent"]["env"]}
+    assert agent_env["NVIDIA_VISIBLE_DEVICES"] == "all" and spec["runtimeClassName"] == "nvidia"
+    assert containers["agent"]["args"][containers["agent"]["args"].index("--gpu-source") + 1] == "nvml"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    shm = [m for m in containers["ckpt-server"]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert shm, "the TCE daemon has no /dev/shm mount"
+    vol = volumes[shm[0]["name"]]["emptyDir"]
+    assert vol["medium"] == "Memory" and vol["sizeLimit"]
+
+
+def test_k8s_tee_is_sized_by_partitions_and_one_controller(k8s):
+    partitions = next(t.partitions for t in contracts.TOPICS if t.name == contracts.METRICS)
+    tee = _one(k8s, "Deployment", "transom-tee")
+    assert 1 <= tee["spec"]["replicas"] <= partitions, \
+        f"{tee['spec']['replicas']} TEE replicas for {partitions} partitions of {contracts.METRICS}"
+    assert _one(k8s, "Deployment", "transom-controller")["spec"]["replicas"] == 1
+
+
+_K8S_CALLS = {   # kubernetes client method -> (resource, verb, namespaced)
+    "create_namespaced_pod": ("pods", "create", True), "delete_namespaced_pod": ("pods", "delete", True),
+    "list_namespaced_pod": ("pods", "list", True), "read_namespaced_pod": ("pods", "get", True),
+    "create_namespaced_service": ("services", "create", True),
+    "delete_namespaced_service": ("services", "delete", True),
+    "list_node": ("nodes", "list", False), "read_node": ("nodes", "get", False), "patch_node": ("nodes", "patch", False),
+}
+
+
+def test_k8s_controller_rbac_is_what_the_backend_calls(k8s):
+    source = (ROOT / "controller/kubernetes.py").read_text()
+    calls = set(re.findall(r"\.((?:create|delete|list|read|patch|replace)_\w+)\(", source))
+    unknown = calls - set(_K8S_CALLS)
+    assert not unknown, f"controller/kubernetes.py calls {sorted(unknown)}: add them to _K8S_CALLS and the RBAC"
+    need = {True: set(), False: set()}
+    for call in calls:
+        resource, verb, namespaced = _K8S_CALLS[call]
+        need[namespaced].add((resource, verb))
+
+    def granted(kind: str, name: str) -> set[tuple[str, str]]:
+        rules = _one(k8s, kind, name)["rules"]
+        assert all(r["apiGroups"] == [""] for r in rules)
+        return {(res, verb) for r in rules for res in r["resources"] for verb in r["verbs"]}
+
+    assert granted("Role", "transom-controller") == need[True]
+    assert granted("ClusterRole", "transom-controller-nodes") == need[False]
+    ctl = _containers(_one(k8s, "Deployment", "transom-controller"))[0]
+    assert ctl["args"][ctl["args"].index("--backend") + 1] == "kubernetes"
+    sa = _one(k8s, "Deployment", "transom-controller")["spec"]["template"]["spec"]["serviceAccountName"]
+    bindings = [b for b in k8s if b["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert bindings and all(b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "transom"}]
+                            or b["subjects"][0]["name"] == sa for b in bindings)
+
+
+def test_k8s_config_sets_every_variable_the_code_reads(k8s):
+    cm = _one(k8s, "ConfigMap", "transom-env")["data"]
+    secret = _one(k8s, "Secret", "transom-influx")["data"]
+    missing = operator_env() - set(cm) - PER_NODE - SECRET
+    assert not missing, f"deploy/kustomize/config.env does not set {sorted(missing)} (read by the code)"
+    stale = set(cm) - set(code_env())
+    assert not stale, f"deploy/kustomize/config.env sets {sorted(stale)}, which no code reads"
+    assert SECRET <= set(secret)
+    for obj in k8s:
+        if obj["kind"] in ("DaemonSet", "Deployment"):
+            for c in _containers(obj):
+                refs = [e.get("configMapRef", {}).get("name") for e in c.get("envFrom", [])]
+                assert "transom-env" in refs, f"{obj['metadata']['name']}/{c['name']} misses transom-env"
+    sink = _containers(_one(k8s, "Deployment", "transom-sink"))[0]
+    assert {"name": "transom-influx"} in [e.get("secretRef") for e in sink["envFrom"]]
+    assert re.fullmatch(r"[\w.-]+:\d+(,[\w.-]+:\d+)*", cm["TRANSOM_BOOTSTRAP"])
+    assert re.fullmatch(r"https?://[\w.-]+:8086", cm["TRANSOM_INFLUX_URL"])
