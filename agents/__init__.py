@@ -2,12 +2,17 @@
 
 Modules:
 
-- ``collectors``  the Collector protocol, the registry by name, the error policy (RunningCollector)
+- ``collectors``  the Collector protocol, the registry by name, the runner (interval, tags, error policy)
+- ``config``      AgentConfig from a TOML file, TRANSOM_AGENT__* variables and flags
 - ``host``        host metrics (psutil)
-- ``gpu``         GPU metrics and XID events over an NVML-like module; ``open_nvml``
-- ``simulated``   SimulatedGPUSource: a named fake of NVML with fault injection
+- ``gpu``         GPU metrics (DCGM names) and XID events over an NVML-like module; ``open_nvml``
+- ``nic``         Ethernet and InfiniBand counters, rates and link state from sysfs
+- ``fakenvml``    FakeNVML: a named fake of pynvml for tests (never a default)
+- ``simulated``   SimulatedGPUSource (FakeNVML with noise and a fault scenario), SimulatedSysfs
 - ``intake``      training intake: ``report()`` (client, stdlib only) and the UDP server
 - ``training``    the latest report and liveness of each training rank
+- ``spool``       the bounded on-disk spool and the node's sequence state
+- ``delivery``    Publisher: producer, spool, replay in order, flush on stop
 - ``agent``       Agent: runs the collectors and publishes
 - ``cli``         ``transom agent`` and ``transom inject``
 

@@ -1,35 +1,48 @@
-"""The collector seam: a small protocol, a registry by name, and the wrapper that applies policy.
+"""The collector seam: a small protocol, a registry by name, and the runner that applies policy.
 
-A collector is anything with a ``name`` and ``collect() -> list[contracts.Sample]``; it may have
-``close()``. Collectors know nothing about intervals, Kafka or error handling: the agent calls
-each one through a :class:`RunningCollector` once per interval, which
+A collector is a small class with a ``name``, an optional ``Settings`` dataclass (its config
+section ``[collectors.<name>]``, every field documented and defaulted) and one
+``collect() -> list[contracts.Sample]``; a push source also has ``start(emit)`` / ``stop()``
+and calls ``emit(samples)`` from its own thread. It may have ``close()``. Collectors know nothing
+about intervals, tags, Kafka or error handling: the agent calls each through a
+:class:`RunningCollector`, which applies once, for all of them,
 
-- turns an exception into "no samples this time", logged once per distinct error (the agent
-  keeps going and counts the failures);
-- drops fields that the metrics contract would refuse (non-numbers, NaN, Inf), logged once, so
-  one bad value never costs the whole batch.
+- the interval: ``interval`` seconds (a key every section accepts; default the agent's) rounded to
+  a whole number of agent ticks;
+- the tags: the agent's ``tags`` and the section's ``tags`` table are added to every sample
+  (a collector's own tag of the same name wins);
+- the error policy: an exception is "no samples this time", logged once per distinct error and
+  counted in ``errors``; fields the metrics contract would refuse (non-numbers, NaN, Inf) are
+  dropped, logged once, so one bad value never costs the whole batch.
 
-The registry maps a name to a factory ``factory(agent) -> Collector | None`` (``None``: nothing
-to collect on this node, e.g. no GPU); a second registration under one name is refused.
+The registry maps a name to ``(factory, Settings)``, where ``factory(ctx, settings)`` returns the
+collector or ``None`` (nothing to collect on this node). A second registration under one name is
+refused; an unknown name is an error that lists the known ones.
 
 Exception tree::
 
-    CollectorError(ValueError)     unknown or duplicate collector name
+    CollectorError(ConfigError)     unknown or duplicate collector name
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from typing import Any, Callable, Hashable, Protocol, runtime_checkable
+from typing import Any, Callable, Hashable, Mapping, Protocol, runtime_checkable
 
 from transom import contracts
+from transom.config import ConfigError
 from transom.log import get
 
-__all__ = ["Collector", "CollectorError", "LogOnce", "RunningCollector",
-           "register_collector", "create_collector", "collector_names"]
+__all__ = ["Collector", "PushCollector", "CollectorError", "LogOnce", "RunningCollector", "Registration",
+           "register_collector", "create_collector", "collector_names", "registration", "COMMON_KEYS"]
 
 log = get("agent")
+
+#: Keys every ``[collectors.<name>]`` section accepts, applied by the runner.
+COMMON_KEYS = {"interval": "seconds between collects (default: the agent's interval)",
+               "tags": "table of tags added to every sample of this collector"}
 
 
 @runtime_checkable
@@ -41,31 +54,56 @@ class Collector(Protocol):
     def collect(self) -> list[contracts.Sample]: ...
 
 
-class CollectorError(ValueError):
+@runtime_checkable
+class PushCollector(Collector, Protocol):
+    """A collector that also hands samples to ``emit`` as they happen (e.g. XID events)."""
+
+    def start(self, emit: Callable[[list[contracts.Sample]], None]) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class CollectorError(ConfigError):
     """A collector name is unknown, or already registered."""
 
 
-Factory = Callable[[Any], "Collector | None"]
-_REGISTRY: dict[str, Factory] = {}
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    name: str
+    factory: Callable[[Any, Any], "Collector | None"]
+    settings: type | None
+    doc: str
 
 
-def register_collector(name: str, factory: Factory) -> None:
-    """Register ``factory(agent)`` under ``name``; refuse a name that is taken."""
+_REGISTRY: dict[str, Registration] = {}
+
+
+def register_collector(name: str, factory: Callable[[Any, Any], "Collector | None"],
+                       settings: type | None = None, doc: str = "") -> None:
+    """Register ``factory(ctx, settings)`` under ``name``; refuse a name that is taken."""
     if name in _REGISTRY:
         raise CollectorError(f"a collector named '{name}' is already registered")
-    _REGISTRY[name] = factory
+    if settings is not None and not dataclasses.is_dataclass(settings):
+        raise TypeError(f"collector {name}: settings must be a dataclass, got {settings!r}")
+    _REGISTRY[name] = Registration(name, factory, settings, doc)
 
 
 def collector_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_collector(name: str, agent: Any) -> "Collector | None":
+def registration(name: str) -> Registration:
     try:
-        factory = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
-        raise CollectorError(f"unknown collector '{name}'; known: {', '.join(collector_names())}") from None
-    return factory(agent)
+        raise CollectorError(f"unknown collector '{name}'; valid: {', '.join(collector_names())}") from None
+
+
+def create_collector(name: str, ctx: Any, settings: Any = None) -> "Collector | None":
+    reg = registration(name)
+    if settings is None and reg.settings is not None:
+        settings = reg.settings()
+    return reg.factory(ctx, settings)
 
 
 class LogOnce:
@@ -92,14 +130,32 @@ def _finite_number(value: Any) -> bool:
 
 
 class RunningCollector:
-    """A collector with the agent's error policy applied; ``errors`` counts failed collects."""
+    """A collector with the agent's policy applied; ``errors`` counts failed collects."""
 
-    def __init__(self, collector: Collector, logger: logging.Logger = log) -> None:
+    def __init__(self, collector: Collector, logger: logging.Logger = log, *, every: int = 1,
+                 tags: Mapping[str, str] | None = None) -> None:
         self.collector = collector
         self.name = collector.name
+        self.every = max(1, int(every))
+        self.tags = dict(tags or {})
         self.errors = 0
         self.dropped_fields = 0
+        self._tick = 0
         self._once = LogOnce(logger)
+
+    @property
+    def is_push(self) -> bool:
+        return callable(getattr(self.collector, "start", None))
+
+    def start(self, emit: Callable[[list[contracts.Sample]], None]) -> None:
+        if self.is_push:
+            self.collector.start(lambda samples: emit([self._clean(s) for s in samples]))  # type: ignore[attr-defined]
+
+    def due(self) -> bool:
+        """True on the ticks this collector runs (every ``every``-th agent tick, the first included)."""
+        due = self._tick % self.every == 0
+        self._tick += 1
+        return due
 
     def collect(self) -> list[contracts.Sample]:
         try:
@@ -114,20 +170,22 @@ class RunningCollector:
 
     def _clean(self, sample: contracts.Sample) -> contracts.Sample:
         bad = [k for k, v in sample.fields.items() if not _finite_number(v)]
-        if not bad:
+        if not bad and not self.tags:
             return sample
         self.dropped_fields += len(bad)
         for k in bad:
             self._once(("field", k), logging.WARNING,
                        "collector %s produced %s=%r, which is not a finite number; field dropped",
                        self.name, k, sample.fields[k])
-        return contracts.Sample(sample.source, {k: v for k, v in sample.fields.items() if k not in bad},
-                                index=sample.index, tags=sample.tags, ts=sample.ts)
+        fields = {k: v for k, v in sample.fields.items() if k not in bad} if bad else sample.fields
+        tags = {**self.tags, **sample.tags} if self.tags else sample.tags
+        return contracts.Sample(sample.source, fields, index=sample.index, tags=tags, ts=sample.ts)
 
     def close(self) -> None:
-        close = getattr(self.collector, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception as exc:
-                log.warning("closing collector %s failed: %s", self.name, exc)
+        for method in ("stop", "close"):
+            fn = getattr(self.collector, method, None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception as exc:
+                    log.warning("%s of collector %s failed: %s", method, self.name, exc)

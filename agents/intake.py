@@ -292,7 +292,7 @@ class IntakeServer:
         except OSError:
             s.close()
             raise
-        s.settimeout(0.2)
+        s.settimeout(1.0)  # only how long stop() may wait for the thread
         self._sock = s
         self._thread = threading.Thread(target=self._serve, name="transom-intake", daemon=True)
         self._thread.start()

@@ -39,7 +39,8 @@ def code_env() -> dict[str, set[str]]:
             for name in re.findall(r"""["'](TRANSOM_[A-Z0-9_]*[A-Z0-9])["']""", path.read_text()):
                 found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     for name in config.ENV:
-        found.setdefault(name, set()).add("transom/config.py")
+        if "<" not in name:      # a pattern (TRANSOM_AGENT__<KEY>), optional by nature
+            found.setdefault(name, set()).add("transom/config.py")
     return {k: v for k, v in found.items() if "_TEST_" not in k}     # test hooks are not settings
 
 
