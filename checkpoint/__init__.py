@@ -1,19 +1,23 @@
-"""TCE, the checkpoint engine (thin version: one shared directory, no peer replication yet).
+"""TCE, the checkpoint engine: in-memory checkpoints on two nodes, persisted, verified on load.
 
 Stages, each in its own module and testable alone:
 
-1. snapshot (:mod:`.snapshot`, blocking): copy every tensor of the state into reused CPU buffers,
-   deep-copy the rest; ``save()`` returns after this.
-2. persist (:mod:`.store`, background thread): ``torch.save`` the rank's shard to a temp file,
-   fsync, rename; sha256 and size into the rank's shard manifest, written the same way.
-3. commit (:mod:`.store`): when every rank's shard manifest exists, one rank wins an ``O_EXCL``
-   lock and writes ``manifest.json``; its presence means the step is complete.
-4. announce (:mod:`.engine`): that rank publishes one :class:`transom.contracts.CheckpointReady`
+1. snapshot (:mod:`.engine` + :mod:`.shardfmt`, blocking): the rank copies its state, laid out as
+   one safetensors shard, into a reused shared-memory segment of its node's daemon
+   (:mod:`.server`, :mod:`.segments`); ``save()`` returns after this.
+2. hash, replicate (:mod:`.transport`: Mooncake Transfer Engine or plain TCP) into the ring
+   neighbour daemon's memory, persist (:mod:`.store`) to local disk and the shared directory.
+3. commit (:mod:`.store`): when every rank's shard manifest exists, one daemon wins an ``O_EXCL``
+   lock and writes ``manifest.json`` with every copy; its presence means the step is complete.
+4. announce (:mod:`.server`): that daemon publishes one :class:`transom.contracts.CheckpointReady`
    to ``transom.checkpoints``, then keeps only the newest ``keep`` complete steps.
 
-Layout (see :mod:`.layout`)::
+``load()`` takes the fastest copy whose sha256 verifies: local memory, peer memory, local disk,
+shared directory. :mod:`.planner` sizes memory (the paper's formulas) and checks a node.
 
-    DIR/step-00000100/rank-00003.pt     rank-00003.json     manifest.json
+Layout of the shared directory (see :mod:`.layout`)::
+
+    DIR/step-00000100/rank-00003.safetensors     rank-00003.json     manifest.json
 
 Use::
 
@@ -29,6 +33,8 @@ Exception tree::
      +-- CorruptCheckpoint           a committed shard is missing, truncated, has the wrong
      |                               sha256, or cannot be read; names the file and the problem
      +-- NoCheckpoint                the step does not exist or was never committed
+     +-- DaemonError                 a TCE daemon refused a request or cannot be reached
+     +-- CapacityError               this node's /dev/shm or RAM cannot hold the checkpoints
 """
 
 from __future__ import annotations
@@ -40,20 +46,23 @@ from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
 from .layout import StepInfo, complete_steps, list_steps, prune, step_dir
 
 if TYPE_CHECKING:
-    from .engine import CheckpointEngine, SavePolicy
-    from .snapshot import Snapshotter
+    from .engine import TIERS, CheckpointEngine, SavePolicy
+    from .planner import CapacityError
+    from .server import CheckpointServer
     from .store import persist_shard, read_shard, try_commit, uncommit_older, verify_shard
+    from .wire import DaemonError
 
 __all__ = [
-    "CheckpointEngine", "SavePolicy", "CheckpointError", "CorruptCheckpoint", "NoCheckpoint",
-    "Snapshotter", "StepInfo", "list_steps", "complete_steps", "prune", "step_dir",
-    "persist_shard", "uncommit_older", "try_commit", "read_shard", "verify_shard",
+    "CheckpointEngine", "SavePolicy", "TIERS", "CheckpointServer", "CheckpointError", "CorruptCheckpoint",
+    "NoCheckpoint", "DaemonError", "CapacityError", "StepInfo", "list_steps", "complete_steps", "prune",
+    "step_dir", "persist_shard", "uncommit_older", "try_commit", "read_shard", "verify_shard",
 ]
 
 # Modules that import torch load on first use, so `transom --help` (which imports this package
 # through checkpoint/cli.py) stays fast.
 _LAZY = {
-    "CheckpointEngine": ".engine", "SavePolicy": ".engine", "Snapshotter": ".snapshot",
+    "CheckpointEngine": ".engine", "SavePolicy": ".engine", "TIERS": ".engine", "CheckpointServer": ".server",
+    "DaemonError": ".wire", "CapacityError": ".planner",
     "persist_shard": ".store", "uncommit_older": ".store", "try_commit": ".store",
     "read_shard": ".store", "verify_shard": ".store",
 }

@@ -1,4 +1,9 @@
-"""``transom ckpt``: inspect checkpoint directories written by the checkpoint engine.
+"""``transom ckpt``, ``transom ckpt-server``: the checkpoint engine's commands.
+
+``transom ckpt-server --node NODE`` runs the node's TCE daemon (:mod:`.server`) until SIGTERM.
+``transom ckpt plan --params P --dp DP --nodes N`` prints the paper's per-node memory and load
+time; with ``--check`` it also compares this node's /dev/shm and RAM and exits 2 with the reason
+when they cannot hold the checkpoints.
 
 ``transom ckpt list --dir D [--verify]`` prints one line per step dir: complete steps (those
 with manifest.json) and incomplete ones, flagged. With ``--verify`` every shard of a complete
@@ -29,6 +34,90 @@ def register(sub) -> None:
     p.add_argument("--verify", action="store_true",
                    help="check every shard of complete steps against its size and sha256")
     p.set_defaults(func=_list)
+
+    pl = ckpt_sub.add_parser(
+        "plan", help="per-node checkpoint memory and load time (the paper's formulas)",
+        description="Print the memory one node needs for checkpoints and the expected load time, from "
+                    "the TRANSOM paper's model; --check also tests this node's /dev/shm and RAM.")
+    pl.add_argument("--params", type=float, required=True, help="model parameters, e.g. 7e9")
+    pl.add_argument("--dp", type=int, required=True, help="data-parallel degree")
+    pl.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    pl.add_argument("--b-mem", type=float, default=10e9, help="host memory bandwidth, bytes/s (default 10e9)")
+    pl.add_argument("--b-rdma", type=float, default=12.5e9, help="RDMA bandwidth, bytes/s (default 12.5e9)")
+    pl.add_argument("--mem-keep", type=int, default=1, help="in-memory copies kept besides the one being "
+                                                             "written (default 1)")
+    pl.add_argument("--check", action="store_true", help="check this node's /dev/shm and RAM; exit 2 if short")
+    pl.add_argument("--runtime", default=None, help="runtime dir whose filesystem is checked "
+                                                    "(env TRANSOM_CKPT_RUNTIME; default /dev/shm/...)")
+    pl.set_defaults(func=_plan)
+
+    srv = sub.add_parser("ckpt-server", help="run this node's checkpoint daemon (TCE)",
+                         description="Run a node's TCE daemon: owns the shared-memory segments ranks "
+                                     "checkpoint into, replicates them to the ring neighbour's daemon, "
+                                     "persists them and announces complete checkpoints.")
+    srv.add_argument("--node", required=True, help="node id (ranks find the daemon by TRANSOM_NODE)")
+    srv.add_argument("--runtime", default=None, help="runtime dir shared by the node's daemons and ranks "
+                                                     "(env TRANSOM_CKPT_RUNTIME; default /dev/shm/transom-ckpt-UID)")
+    srv.add_argument("--disk-dir", default=None, help="local disk dir for persisted shards "
+                                                      "(env TRANSOM_CKPT_LOCAL_DIR; default /tmp/transom-ckpt-local-UID)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
+    srv.add_argument("--transport", default=os.environ.get("TRANSOM_CKPT_TRANSPORT", "auto"),
+                     choices=("auto", "mooncake", "tcp"),
+                     help="replication transport (env TRANSOM_CKPT_TRANSPORT; default auto: Mooncake if installed)")
+    srv.add_argument("--protocol", default="auto", choices=("auto", "tcp", "rdma"),
+                     help="Mooncake protocol (default auto: rdma where /sys/class/infiniband has devices)")
+    srv.add_argument("--mem-keep", type=int, default=1, help="newest in-memory copies kept per rank (default 1)")
+    srv.add_argument("--disk-keep", type=int, default=3, help="newest local-disk steps kept per job (default 3)")
+    srv.add_argument("--max-bytes", type=int, default=_env_bytes(), help="shared-memory budget in bytes "
+                                                                        "(env TRANSOM_CKPT_SHM_BYTES; default: no budget)")
+    srv.add_argument("--bootstrap", default=os.environ.get("TRANSOM_BOOTSTRAP") or None,
+                     help="Kafka bootstrap for checkpoint-ready events when the rank gives none")
+    srv.set_defaults(func=_serve)
+
+
+def _env_bytes() -> int | None:
+    raw = os.environ.get("TRANSOM_CKPT_SHM_BYTES")
+    if not raw:
+        return None
+    try:
+        return int(float(raw))
+    except ValueError:
+        from transom.config import ConfigError
+        raise ConfigError(f"TRANSOM_CKPT_SHM_BYTES: expected a number of bytes, got {raw!r}") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from transom.log import setup
+
+    from .server import main
+
+    setup()
+    return main(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from . import planner, segments
+
+    p = planner.plan(args.params, args.dp, args.nodes, b_mem=args.b_mem, b_rdma=args.b_rdma,
+                     mem_keep=args.mem_keep)
+    gib = 1 << 30
+    print(f"model {args.params:.3g} parameters, DP {args.dp}, {args.nodes} nodes")
+    print(f"checkpoint bytes per node, max(S_save) = (DP+6)*P/(4N): {p.s_save / gib:10.2f} GiB")
+    print(f"with {args.mem_keep} kept + 1 being written:                 {p.per_node / gib:10.2f} GiB")
+    print(f"expected load time:                                {p.load_s:10.2f} s")
+    if args.check:
+        runtime = segments.runtime_dir(args.runtime)
+        probe = runtime if runtime.exists() else runtime.parent
+        shm, ram = planner.local_limits(probe)
+        try:
+            planner.check_node(int(p.per_node), shm_free=shm, ram_available=ram, budget=_env_bytes(),
+                               where=str(probe))
+        except planner.CapacityError as exc:
+            print(f"transom ckpt plan: {exc}", file=sys.stderr)
+            return 2
+        print(f"this node: {shm / gib:.2f} GiB free in {probe}, {ram / gib:.2f} GiB RAM available: fits")
+    return 0
 
 
 def _human(n: int) -> str:

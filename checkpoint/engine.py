@@ -1,19 +1,27 @@
-"""The per-rank checkpoint engine: snapshot, then persist, commit and announce in the background.
+"""The per-rank checkpoint engine: snapshot into the node daemon's memory, load the fastest copy.
 
-``save(step, state)`` blocks only for the snapshot (:mod:`.snapshot`); a background thread then
-persists the shard and tries to commit the step (:mod:`.store`); the rank whose commit wins
-publishes one :class:`transom.contracts.CheckpointReady` to ``transom.checkpoints`` keyed by job
-(when a bootstrap is configured) and deletes steps beyond the newest ``keep`` complete ones.
+``save(step, state)`` blocks only for stage 1 (snapshot): the state is laid out as one
+safetensors shard (:mod:`.shardfmt`) and copied into a reused, pre-faulted shared-memory segment
+that the node's TCE daemon owns (:mod:`.server`); then the daemon is told and ``save()``
+returns. Hashing, replication, persistence, commit and announce run in the daemon, so a crash of
+the training process after ``save()`` returns loses nothing, and tensors changed after it
+returns cannot reach the checkpoint (they were copied).
 
-One save is in flight per rank. A ``save()`` that finds the previous one still persisting waits
-for it (:attr:`SavePolicy.WAIT`, default) or drops the new one and logs it (:attr:`SavePolicy.SKIP`).
-A failed persist is logged and raised by the next :meth:`CheckpointEngine.wait`; it never stops
-training by itself, and neither does an unreachable broker (the announce is flushed with a
-timeout and logged).
+The daemon is found at ``$TRANSOM_CKPT_RUNTIME/daemons/$TRANSOM_NODE.json``. Without one (a job
+run outside Transom's stack) the engine starts the same daemon inside this process, says so, and
+everything works except that a crash of this process takes its memory copies with it.
 
-Saving a step that an earlier launch committed (the job was rolled back past it) replaces it:
-the old manifest is removed before this rank writes its shard, so the step is incomplete until
-this launch commits it again; a shard is never rewritten under a manifest that vouches for it.
+One save is in flight per rank: until the daemon has finished the previous one, a ``save()``
+waits (:attr:`SavePolicy.WAIT`, default) or is dropped and logged (:attr:`SavePolicy.SKIP`). A
+failed save is logged and raised by the next :meth:`CheckpointEngine.wait`; it never stops
+training by itself.
+
+``load()`` reads the committed manifests of ``directory`` (newest first) and, for this rank's
+shard, tries its copies fastest first: memory on this node (tier 0), memory on a peer node (1;
+when this rank now runs on a different node than the one that wrote the shard, the replica
+holder is asked before the writer, which is presumably the evicted node), local disk (2), the
+shared directory (3). Every copy's sha256 is checked; a torn or corrupt one is skipped with a
+warning and the next is used. :attr:`CheckpointEngine.last_restore` says which copy was used.
 """
 
 from __future__ import annotations
@@ -30,164 +38,185 @@ from transom import contracts
 from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
-from . import layout, store
+from . import layout, segments, shardfmt, store
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
-from .snapshot import Snapshotter
+from .segments import Segment
+from .wire import Conn, DaemonError, recv_exact_into, recv_msg, send_msg
 
-__all__ = ["CheckpointEngine", "SavePolicy"]
+__all__ = ["CheckpointEngine", "SavePolicy", "TIERS"]
 
 log = get("checkpoint")
 
+#: restore tiers, fastest first; the index is what ``last_restore["tier"]`` and dashboards use
+TIERS = ("local-memory", "peer-memory", "local-disk", "shared")
+
 
 class SavePolicy(str, enum.Enum):
-    """What ``save()`` does while the previous save of this rank is still persisting."""
+    """What ``save()`` does while the previous save of this rank is still in flight."""
 
     WAIT = "wait"      # block until it is done, then save
     SKIP = "skip"      # drop the new save, log it, return False
 
 
 class CheckpointEngine:
-    """Saves and loads one rank's shard of a job's checkpoints under ``directory``.
-
-    Ranks of one job share ``directory`` (a shared filesystem) and must use the same
-    ``world_size`` and ``generation``; ``generation`` tells this launch's files from those of an
-    earlier launch that died mid-save.
-    """
+    """Saves and loads one rank's shard of a job's checkpoints; ``directory`` holds the manifests
+    (and the shared copies when ``shared`` is true) and is shared by the job's ranks."""
 
     def __init__(self, directory: str | os.PathLike, job: str, rank: int, world_size: int, node: str,
                  generation: int = 0, bootstrap: str | None = None, *, keep: int = 3,
-                 policy: SavePolicy | str = SavePolicy.WAIT, announce_timeout: float = 10.0) -> None:
+                 policy: SavePolicy | str = SavePolicy.WAIT, runtime: str | os.PathLike | None = None,
+                 disk: bool = True, shared: bool = True, wait_timeout: float = 600.0) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.directory = Path(directory)
         self.job, self.rank, self.world_size, self.node = job, rank, world_size, node
-        self.generation = generation
-        self.bootstrap = bootstrap
-        self.keep = keep
+        self.generation, self.bootstrap, self.keep = generation, bootstrap, keep
         self.policy = SavePolicy(policy)
-        self.announce_timeout = announce_timeout
+        self.disk, self.shared, self.wait_timeout = disk, shared, wait_timeout
+        self.runtime = segments.runtime_dir(runtime)
         self.last_snapshot_s = 0.0
-        self.saved: list[int] = []          # steps this rank persisted, in order
-        self.committed: list[int] = []      # steps this rank committed (won the lock)
+        self.last_restore: dict[str, Any] | None = None
+        self.last_result: dict[str, Any] | None = None
+        self.saved: list[int] = []          # steps the daemon finished for this rank
+        self.committed: list[int] = []      # steps this rank's daemon committed
         self.skipped: list[int] = []        # steps dropped by SavePolicy.SKIP
-        self._snapshotter = Snapshotter()
+        self._maps: dict[str, Segment] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._producer = None
         self._closed = False
+        self._embedded = None
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.daemon_addr = self._find_daemon()
+        self._conn = Conn(self.daemon_addr)
+        self._first_of_step: set[int] = set()
+
+    def _find_daemon(self) -> str:
+        info = segments.registered(self.runtime).get(self.node)
+        if info is not None:
+            return info["addr"]
+        from .server import CheckpointServer
+
+        log.warning("rank %d: no TCE daemon for node %s in %s: running one inside this process "
+                    "(start `transom ckpt-server --node %s` so a crash keeps the memory copies)",
+                    self.rank, self.node, self.runtime, self.node)
+        budget = env_str("TRANSOM_CKPT_SHM_BYTES")
+        self._embedded = CheckpointServer(self.node, self.runtime, transport="tcp", register=False,
+                                          bootstrap=self.bootstrap,
+                                          max_bytes=int(float(budget)) if budget else None).start()
+        return self._embedded.addr
 
     @classmethod
     def from_env(cls, directory: str | os.PathLike | None = None, **kwargs: Any) -> "CheckpointEngine":
         """Build from the launcher's environment (TRANSOM_CKPT_DIR, RANK, WORLD_SIZE, TRANSOM_JOB,
-        TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP); ``kwargs`` override."""
+        TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME); ``kwargs`` override."""
         directory = directory or env_str("TRANSOM_CKPT_DIR")
         if not directory:
             raise ConfigError("TRANSOM_CKPT_DIR is not set: the checkpoint engine needs a directory")
         args: dict[str, Any] = dict(
             job=env_str("TRANSOM_JOB", "local"), rank=env_int("RANK", 0),
             world_size=env_int("WORLD_SIZE", 1), node=env_str("TRANSOM_NODE", socket.gethostname()),
-            generation=env_int("TRANSOM_GENERATION", 0), bootstrap=env_str("TRANSOM_BOOTSTRAP"))
+            generation=env_int("TRANSOM_GENERATION", 0), bootstrap=env_str("TRANSOM_BOOTSTRAP"),
+            runtime=env_str("TRANSOM_CKPT_RUNTIME"))
         args.update(kwargs)
         return cls(directory, **args)
 
     # ------------------------------------------------------------------ save
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def save(self, step: int, state: Any) -> bool:
-        """Snapshot ``state`` (blocking) and persist it in the background; False if skipped."""
+        """Snapshot ``state`` into the daemon's memory (blocking); False if skipped by policy."""
         if self._closed:
             raise CheckpointError("save() after close()")
-        if self._thread is not None and self._thread.is_alive():
+        if self.in_flight():
             if self.policy is SavePolicy.SKIP:
                 self.skipped.append(step)
-                log.warning("rank %d: skipped checkpoint of step %d: the previous save is still "
-                            "persisting (policy skip)", self.rank, step)
+                log.warning("rank %d: skipped checkpoint of step %d: the save of an earlier step is "
+                            "still in flight (policy skip)", self.rank, step)
                 return False
+            log.info("rank %d: checkpoint of step %d waits for the previous save (policy wait)", self.rank, step)
             self._thread.join()
         t0 = time.perf_counter()
-        snapshot = self._snapshotter.take(state)
+        plan = shardfmt.plan(state)                                      # stage 1: snapshot
+        seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
+                                             "size": plan.size, "ckpt_dir": str(self.directory)})["path"])
+        try:
+            shardfmt.write_into(seg.view(plan.size), plan)
+        except BaseException:
+            self._conn.call({"op": "abort", "path": str(seg.path)})
+            raise
+        msg = {"op": "staged", "path": str(seg.path), "job": self.job, "rank": self.rank, "step": step,
+               "size": plan.size, "world_size": self.world_size, "generation": self.generation,
+               "ckpt_dir": str(self.directory), "bootstrap": self.bootstrap, "keep": self.keep,
+               "disk": self.disk, "shared": self.shared}
+        self._conn.call(msg)
         self.last_snapshot_s = time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._persist, args=(step, snapshot),
-                                        name=f"ckpt-persist-{step}")
+        self._thread = threading.Thread(target=self._await, args=(step,), name=f"ckpt-wait-{step}", daemon=True)
         self._thread.start()
         return True
 
-    def _persist(self, step: int, snapshot: Any) -> None:
+    def reserve(self, state: Any) -> int:
+        """Have the daemon create (and this rank map) a segment big enough for ``state`` now, so
+        that the first ``save()`` already copies into warm memory; return its size in bytes."""
+        size = shardfmt.plan(state).size
+        got = self._conn.call({"op": "reserve", "job": self.job, "rank": self.rank, "size": size})
+        self._segment(got["path"])
+        return got["capacity"]
+
+    def _segment(self, path: str) -> Segment:
+        seg = self._maps.get(path)
+        if seg is None:
+            seg = self._maps[path] = Segment.open(path)
+        return seg
+
+    def _await(self, step: int) -> None:
+        conn = None
         try:
-            sdir = layout.step_dir(self.directory, step)
-            replaced = store.uncommit_older(sdir)
-            if replaced is not None:
-                log.info("rank %d: step %d was committed by generation %s; generation %d replaces it",
-                         self.rank, step, replaced, self.generation)
-            t0 = time.perf_counter()
-            shard = store.persist_shard(sdir, job=self.job, step=step, rank=self.rank,
-                                        world_size=self.world_size, node=self.node,
-                                        generation=self.generation, snapshot=snapshot)
+            conn = Conn(self.daemon_addr, timeout=10)
+            got = conn.call({"op": "wait", "job": self.job, "rank": self.rank, "step": step,
+                             "timeout": self.wait_timeout})
+            self.last_result = got
+            if got.get("failed"):
+                raise CheckpointError(got["failed"])
             self.saved.append(step)
-            log.debug("rank %d: persisted step %d (%d bytes) in %.3fs", self.rank, step, shard.size,
-                      time.perf_counter() - t0)
-            ready = store.try_commit(sdir, job=self.job, step=step, world_size=self.world_size,
-                                     generation=self.generation, rank=self.rank)
-            if ready is None:
-                return
-            self.committed.append(step)
-            log.info("checkpoint step %d of job %s committed by rank %d (%d shards, %d bytes)",
-                     step, self.job, self.rank, len(ready.shards), sum(s.size for s in ready.shards))
-            self._announce(ready)
-            deleted = layout.prune(self.directory, self.keep)
-            if deleted:
-                log.info("deleted checkpoint steps %s (keeping the newest %d)", deleted, self.keep)
+            if got.get("committed"):
+                self.committed.append(step)
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), never kills training
             self._error = exc
             log.error("rank %d: checkpoint of step %d failed: %s", self.rank, step, exc)
-
-    def _announce(self, ready: contracts.CheckpointReady) -> None:
-        if not self.bootstrap:
-            return
-        from transom.kafka import make_producer, publish
-
-        def delivered(err, _msg) -> None:
-            if err is not None:
-                log.warning("checkpoint-ready for step %d was not delivered: %s", ready.step, err)
-
-        try:
-            if self._producer is None:
-                self._producer = make_producer(self.bootstrap)
-            publish(self._producer, contracts.CHECKPOINTS, self.job, ready, on_delivery=delivered)
-            left = self._producer.flush(self.announce_timeout)
-        except Exception as exc:  # noqa: BLE001 - the checkpoint is on disk; the event is a bonus
-            log.warning("could not publish checkpoint-ready for step %d to %s: %s",
-                        ready.step, self.bootstrap, exc)
-            return
-        if left:
-            log.warning("checkpoint-ready for step %d not delivered to %s within %.0fs; the producer "
-                        "keeps trying in the background", ready.step, self.bootstrap, self.announce_timeout)
+        finally:
+            if conn is not None:
+                conn.close()
 
     def wait(self) -> None:
-        """Block until the in-flight save is persisted (and committed, announced if this rank
-        won); raise :class:`CheckpointError` if a save since the last ``wait()`` failed."""
+        """Block until the in-flight save is replicated, persisted (and committed, announced if this
+        rank's daemon won); raise :class:`CheckpointError` if a save since the last wait() failed."""
         if self._thread is not None:
             self._thread.join()
         err, self._error = self._error, None
         if err is not None:
             raise CheckpointError(f"rank {self.rank}: a checkpoint save failed: {err}") from err
 
+    def capacity(self) -> dict[str, Any]:
+        """What the node's daemon reports about its memory (see :func:`.planner.check_node`)."""
+        return self._conn.call({"op": "capacity"})
+
     def close(self) -> None:
-        """Wait for the in-flight save, then flush the announce producer (with a timeout)."""
+        """Wait for the in-flight save, then drop this rank's mappings (the daemon keeps the memory)."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
-            if self._producer is not None:
-                left = self._producer.flush(self.announce_timeout)
-                if left:
-                    log.warning("%d checkpoint-ready event(s) undelivered to %s at close",
-                                left, self.bootstrap)
-                self._producer = None
+            self._conn.close()
+            for seg in self._maps.values():
+                seg.close()
+            self._maps.clear()
+            if self._embedded is not None:
+                self._embedded.close()
 
     def __enter__(self) -> "CheckpointEngine":
         return self
@@ -196,38 +225,115 @@ class CheckpointEngine:
         self.close()
 
     # ------------------------------------------------------------------ load
+    def load(self, step: int | None = None, **_: Any) -> tuple[int, Any] | None:
+        """This rank's state of a committed step, as ``(step, state)``, from its fastest good copy.
 
-    def load(self, step: int | None = None, *, weights_only: bool = True) -> tuple[int, Any] | None:
-        """This rank's state of a committed step, as ``(step, state)``.
-
-        Without ``step``: the newest complete step whose shard for this rank verifies (a corrupt
-        one is skipped with a warning naming the file), or None when there is none. With
-        ``step``: that step, or :class:`NoCheckpoint` (absent, not committed) /
-        :class:`CorruptCheckpoint` (shard fails verification). Tensors are bit-identical to
-        what was saved and on the CPU.
+        Without ``step``: the newest committed step with a good copy (a step without one is
+        skipped with a warning), or None. With ``step``: that step, or :class:`NoCheckpoint`
+        (absent, not committed) / :class:`CorruptCheckpoint` (no copy verifies).
         """
         if step is not None:
-            return step, self._load_step(step, weights_only)
+            return step, self._load_step(step)
         for s in reversed(layout.complete_steps(self.directory)):
             try:
-                return s, self._load_step(s, weights_only)
+                return s, self._load_step(s)
             except (CorruptCheckpoint, NoCheckpoint) as exc:
                 log.warning("rank %d: skipping checkpoint step %d: %s", self.rank, s, exc)
         return None
 
-    def _load_step(self, step: int, weights_only: bool) -> Any:
+    def _manifest(self, step: int) -> contracts.CheckpointReady:
         sdir = layout.step_dir(self.directory, step)
         if not sdir.is_dir():
             raise NoCheckpoint(f"no checkpoint of step {step} in {self.directory}")
         try:
-            manifest = layout.read_manifest(sdir)
+            man = layout.read_manifest(sdir)
         except FileNotFoundError:
             raise NoCheckpoint(f"checkpoint step {step} in {sdir} is incomplete "
                                f"(no {layout.MANIFEST}: not every rank's shard was committed)") from None
         except (OSError, contracts.ContractError) as exc:
             raise CorruptCheckpoint(str(sdir / layout.MANIFEST), f"unreadable manifest: {exc}") from None
-        if manifest.world_size != self.world_size:
-            raise NoCheckpoint(f"checkpoint step {step} in {sdir} was written by {manifest.world_size} "
+        if man.world_size != self.world_size:
+            raise NoCheckpoint(f"checkpoint step {step} in {sdir} was written by {man.world_size} "
                                f"ranks, this job has {self.world_size} (resharding is not supported)")
-        shard = next(s for s in manifest.shards if s.rank == self.rank)
-        return store.read_shard(sdir, shard, weights_only=weights_only)
+        return man
+
+    def _candidates(self, step: int, man: contracts.CheckpointReady, shard: contracts.Shard) -> list:
+        mine = [c for c in man.copies if c.rank == self.rank]
+        writer = next((c.node for c in mine if c.tier == contracts.Tier.DISK), None) or \
+            next((c.node for c in mine if c.tier == contracts.Tier.MEMORY), None)
+        out: list[tuple[int, str, Any]] = [(0, self.node, None)]
+        peers = [c for c in mine if c.tier == contracts.Tier.MEMORY and c.node != self.node]
+        peers.sort(key=lambda c: c.node == writer)        # the replica holder before the writer
+        out += [(1, c.node, c) for c in peers]
+        out += [(2, c.node, c) for c in mine if c.tier == contracts.Tier.DISK and c.node == self.node]
+        # the shared copy is read from this job's directory, wherever it is mounted now
+        here = str(layout.step_dir(self.directory, step) / shard.name)
+        if any(c.tier == contracts.Tier.SHARED for c in mine) or Path(here).exists():
+            out.append((3, "shared", contracts.Copy(self.rank, "shared", contracts.Tier.SHARED, here)))
+        return out
+
+    def _load_step(self, step: int) -> Any:
+        man = self._manifest(step)
+        shard = next(s for s in man.shards if s.rank == self.rank)
+        problems = []
+        for tier, node, copy in self._candidates(step, man, shard):
+            t0 = time.perf_counter()
+            try:
+                buf = self._fetch(tier, node, copy, step, shard)
+                if buf is None:
+                    continue
+                state = shardfmt.decode(buf, f"{TIERS[tier]} copy on {node}")
+            except (CorruptCheckpoint, DaemonError, OSError) as exc:
+                log.warning("rank %d: step %d: %s copy on %s is unusable, trying the next: %s",
+                            self.rank, step, TIERS[tier], node, exc)
+                problems.append(f"{TIERS[tier]}@{node}: {exc}")
+                continue
+            self.last_restore = {"step": step, "tier": tier, "tier_name": TIERS[tier], "node": node,
+                                 "seconds": time.perf_counter() - t0, "bytes": shard.size}
+            log.info("rank %d: restored step %d from %s on %s (%d bytes, %.3fs)", self.rank, step,
+                     TIERS[tier], node, shard.size, self.last_restore["seconds"])
+            return state
+        raise CorruptCheckpoint(str(layout.step_dir(self.directory, step) / shard.name),
+                                "no copy verifies: " + ("; ".join(problems) or "no copy is reachable"))
+
+    def _fetch(self, tier: int, node: str, copy: contracts.Copy | None, step: int,
+               shard: contracts.Shard) -> bytearray | None:
+        if tier == 0:
+            got = self._conn.call({"op": "lookup", "job": self.job, "rank": self.rank, "step": step,
+                                   "sha256": shard.sha256})
+            if not got["found"]:
+                return None
+            seg = Segment.open(got["path"], writable=False)
+            try:
+                buf = bytearray(seg.view(shard.size))
+            finally:
+                seg.close()
+            return _verified(buf, shard, f"{got['path']} (memory on {node})")
+        if tier == 1:
+            info = segments.registered(self.runtime).get(node)
+            addr = info["addr"] if info else copy.location.split("#", 1)[0]
+            return _read_peer(addr, self.job, self.rank, step, shard, node)
+        return store.read_verified(Path(copy.location), shard)
+
+
+def _verified(buf: bytearray, shard: contracts.Shard, where: str) -> bytearray:
+    if len(buf) != shard.size:
+        raise CorruptCheckpoint(where, f"{len(buf)} bytes, manifest says {shard.size}")
+    digest = shardfmt.sha256_of(buf)
+    if digest != shard.sha256:
+        raise CorruptCheckpoint(where, f"sha256 mismatch: copy has {digest}, manifest says {shard.sha256}")
+    return buf
+
+
+def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard, node: str) -> bytearray | None:
+    conn = Conn(addr, timeout=5)
+    try:
+        send_msg(conn.sock, {"op": "read", "job": job, "rank": rank, "step": step, "sha256": shard.sha256})
+        head = recv_msg(conn.sock)
+        if not head or not head.get("found"):
+            return None
+        buf = bytearray(head["size"])
+        recv_exact_into(conn.sock, memoryview(buf))
+    finally:
+        conn.close()
+    return _verified(buf, shard, f"memory of {node} ({addr})")

@@ -2,12 +2,13 @@
 
 ::
 
-    DIR/step-00000100/rank-00003.pt      one rank's shard (torch.save of its state dict)
-    DIR/step-00000100/rank-00003.json    the shard manifest: name, size, sha256, generation, ...
+    DIR/step-00000100/rank-00003.safetensors  one rank's shard (:mod:`.shardfmt`), the shared copy
+    DIR/step-00000100/rank-00003.json         the shard manifest: name, size, sha256, generation,
+                                              every copy of the shard (memory, disk, shared), ...
     DIR/step-00000100/manifest.json      the committed step: a contracts.CheckpointReady, encoded
 
 Every file is written to a temporary name in the same directory, fsynced and renamed into place,
-so a reader sees a whole file or none. ``manifest.json`` is written last, by one rank, once every
+so a reader sees a whole file or none. ``manifest.json`` is written last, by one daemon, once every
 rank's shard manifest exists: its presence is what makes a step complete.
 """
 
@@ -26,7 +27,7 @@ from transom import contracts
 
 __all__ = [
     "MANIFEST", "step_dir", "shard_name", "rank_manifest_name", "atomic_write", "atomic_write_bytes",
-    "sha256_file", "read_rank_manifest", "read_manifest", "StepInfo", "list_steps", "complete_steps",
+    "sha256_file", "sha256_of", "read_rank_manifest", "read_manifest", "StepInfo", "list_steps", "complete_steps",
     "prune",
 ]
 
@@ -40,7 +41,7 @@ def step_dir(directory: str | os.PathLike, step: int) -> Path:
 
 
 def shard_name(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
+    return f"rank-{rank:05d}.safetensors"
 
 
 def rank_manifest_name(rank: int) -> str:
@@ -72,6 +73,10 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
+
+
+def sha256_of(buf: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(buf).hexdigest()
 
 
 def sha256_file(path: Path) -> str:

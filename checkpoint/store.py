@@ -1,12 +1,15 @@
 """Stages 2 and 3, persist and commit, and the verified read that load() builds on.
 
-- :func:`persist_shard`: ``torch.save`` a snapshot to a temp file in the step dir, fsync, rename to
-  ``rank-XXXXX.pt``; then its size and sha256 go into ``rank-XXXXX.json``, written the same way.
+- :func:`persist_shard`: write a shard's bytes (:mod:`.shardfmt`, safetensors) to a temp file in
+  the step dir, fsync, rename to ``rank-XXXXX.safetensors``; then its size, sha256 and every copy
+  of it (memory on two nodes, local disk, shared) go into ``rank-XXXXX.json``, written the same way.
 - :func:`uncommit_older`: a step re-saved by a later launch loses its old manifest first.
 - :func:`try_commit`: once every rank's shard manifest of the step exists (same generation and
   world size), exactly one caller wins an ``O_EXCL`` lock file and writes ``manifest.json``
   atomically; the others get None. A committer that dies between the lock and the manifest
   leaves that step uncommitted for this generation (the next saved step commits as usual).
+  The manifest's ``copies`` are the union of the ranks' copies; ``replicated`` means every rank's
+  shard is in memory on two nodes, ``persisted`` that every rank has a disk or shared copy.
 - :func:`verify_shard` / :func:`read_shard`: refuse a missing, truncated or altered shard with
   :class:`CorruptCheckpoint` naming the file and what is wrong.
 """
@@ -14,35 +17,47 @@
 from __future__ import annotations
 
 import os
-import pickle
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from transom import contracts
 
 from . import layout
-from .errors import CheckpointError, CorruptCheckpoint
+from .errors import CorruptCheckpoint
 
-__all__ = ["persist_shard", "uncommit_older", "try_commit", "verify_shard", "read_shard"]
+__all__ = ["persist_shard", "write_bytes", "uncommit_older", "try_commit", "verify_shard", "read_verified",
+           "read_shard"]
 
 
 def persist_shard(sdir: Path, *, job: str, step: int, rank: int, world_size: int, node: str,
-                  generation: int, snapshot: Any) -> contracts.Shard:
-    """Write this rank's shard and its shard manifest into ``sdir``; return the shard record."""
+                  generation: int, data: memoryview, sha256: str,
+                  copies: tuple[contracts.Copy, ...] = (), write_file: bool = True) -> contracts.Shard:
+    """Write this rank's shard bytes (unless ``write_file`` is false: the bytes live elsewhere) and
+    its shard manifest, with every copy of it, into ``sdir``; return the shard record."""
     sdir.mkdir(parents=True, exist_ok=True)
-    path = sdir / layout.shard_name(rank)
-    layout.atomic_write(path, lambda f: torch.save(snapshot, f))
-    shard = contracts.Shard(rank=rank, name=path.name, size=path.stat().st_size,
-                            sha256=layout.sha256_file(path))
+    name = layout.shard_name(rank)
+    if write_file:
+        write_bytes(sdir / name, data)
+        copies = (*copies, contracts.Copy(rank=rank, node="shared", tier=contracts.Tier.SHARED,
+                                          location=str((sdir / name).resolve())))
+    shard = contracts.Shard(rank=rank, name=name, size=len(data), sha256=sha256)
     record = {"v": contracts.SCHEMA_VERSION, "job": job, "step": step, "rank": rank,
               "world_size": world_size, "node": node, "generation": generation, "ts": time.time(),
-              "name": shard.name, "size": shard.size, "sha256": shard.sha256}
+              "name": shard.name, "size": shard.size, "sha256": shard.sha256,
+              "copies": [{"rank": c.rank, "node": c.node, "tier": c.tier.value, "location": c.location}
+                         for c in copies]}
     layout.atomic_write_bytes(sdir / layout.rank_manifest_name(rank), contracts.encode(record))
     return shard
+
+
+def write_bytes(path: Path, data: memoryview) -> None:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
+    def write(f) -> None:
+        mv, pos = memoryview(data), 0
+        while pos < len(mv):
+            pos += f.write(mv[pos:pos + (64 << 20)])
+    layout.atomic_write(path, write)
 
 
 def uncommit_older(sdir: Path) -> int | str | None:
@@ -72,13 +87,14 @@ def try_commit(sdir: Path, *, job: str, step: int, world_size: int, generation: 
     Shard manifests of another generation or world size (left by an earlier launch that died
     mid-save) do not count: the step waits until this launch's rank overwrites them.
     """
-    shards = []
+    shards, copies = [], []
     for r in range(world_size):
         d = layout.read_rank_manifest(sdir / layout.rank_manifest_name(r))
         if d is None or d.get("generation") != generation or d.get("world_size") != world_size \
                 or d.get("step") != step:
             return None
         shards.append(contracts.Shard(rank=r, name=d["name"], size=d["size"], sha256=d["sha256"]))
+        copies += [contracts.Copy.from_dict(c) for c in d.get("copies", ())]
     lock = sdir / f".commit-g{generation:05d}.lock"
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -88,19 +104,25 @@ def try_commit(sdir: Path, *, job: str, step: int, world_size: int, generation: 
         os.write(fd, f"rank {rank} pid {os.getpid()}\n".encode())
     finally:
         os.close(fd)
-    root = sdir.resolve()
+    replicated = all(len({c.node for c in copies if c.rank == r and c.tier == contracts.Tier.MEMORY}) >= 2
+                     for r in range(world_size))
+    persisted = all(any(c.rank == r and c.tier != contracts.Tier.MEMORY for c in copies)
+                    for r in range(world_size))
     ready = contracts.CheckpointReady(
-        job=job, step=step, world_size=world_size, shards=tuple(shards),
-        copies=tuple(contracts.Copy(rank=s.rank, node="shared", tier=contracts.Tier.SHARED,
-                                    location=str(root / s.name)) for s in shards),
-        replicated=False, persisted=True, ts=time.time(), generation=generation)
+        job=job, step=step, world_size=world_size, shards=tuple(shards), copies=tuple(copies),
+        replicated=replicated, persisted=persisted, ts=time.time(), generation=generation)
     layout.atomic_write_bytes(sdir / layout.MANIFEST, contracts.encode(ready))
     return ready
 
 
 def verify_shard(sdir: Path, shard: contracts.Shard) -> Path:
     """Check the shard file against its manifest entry (size, then sha256); return its path."""
-    path = sdir / shard.name
+    read_verified(sdir / shard.name, shard)
+    return sdir / shard.name
+
+
+def read_verified(path: Path, shard: contracts.Shard) -> bytearray:
+    """The bytes of a shard file, refused with :class:`CorruptCheckpoint` unless size and sha256 match."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -108,26 +130,23 @@ def verify_shard(sdir: Path, shard: contracts.Shard) -> Path:
     if size != shard.size:
         what = "truncated" if size < shard.size else "longer than recorded"
         raise CorruptCheckpoint(str(path), f"{what}: {size} bytes on disk, manifest says {shard.size}")
-    digest = layout.sha256_file(path)
+    buf = bytearray(size)
+    with open(path, "rb", buffering=0) as f:
+        mv, got = memoryview(buf), 0
+        while got < size:
+            k = f.readinto(mv[got:])
+            if not k:
+                raise CorruptCheckpoint(str(path), f"truncated while reading at byte {got}")
+            got += k
+    digest = layout.sha256_of(buf)
     if digest != shard.sha256:
         raise CorruptCheckpoint(str(path), f"sha256 mismatch: file has {digest}, manifest says {shard.sha256}")
-    return path
+    return buf
 
 
-def read_shard(sdir: Path, shard: contracts.Shard, *, weights_only: bool = True) -> Any:
-    """Verify, then ``torch.load`` the shard onto the CPU."""
-    path = verify_shard(sdir, shard)
-    try:
-        # pickle writes an empty bytes value as a call of the bytes global: harmless, allow it
-        with torch.serialization.safe_globals([bytes]):
-            return torch.load(path, map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as exc:
-        if weights_only and "Weights only load failed" in str(exc):
-            why = next((line.strip() for line in str(exc).splitlines() if "WeightsUnpickler" in line),
-                       str(exc).splitlines()[0])
-            raise CheckpointError(
-                f"{path}: holds objects that torch.load(weights_only=True) refuses ({why}); if you "
-                f"trust this directory, load with weights_only=False") from None
-        raise CorruptCheckpoint(str(path), f"unreadable: {exc}") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
-        raise CorruptCheckpoint(str(path), f"unreadable: {exc}") from None
+def read_shard(sdir: Path, shard: contracts.Shard, **_: Any) -> Any:
+    """Verify, then decode the shard file; tensors on the CPU."""
+    from . import shardfmt                # imports torch: not needed by the daemon
+
+    path = sdir / shard.name
+    return shardfmt.decode(read_verified(path, shard), str(path))

@@ -1,13 +1,21 @@
-"""The checkpoint engine on real files with real torch; the announce against the real broker.
+"""The checkpoint engine with real TCE daemons (``transom ckpt-server`` processes), real shared
+memory, real files and real torch; the announce against the real broker.
 
-Several ranks of one job are simulated as several engines in this process sharing a directory.
+Several "nodes" are several daemons on 127.0.0.1 sharing one runtime directory; several ranks of
+one job are several engines in this process sharing a checkpoint directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from fractions import Fraction
 from pathlib import Path
@@ -18,18 +26,100 @@ import torch
 from transom import contracts
 from transom.broker import free_port
 from transom.checkpoint import (
-    CheckpointEngine, CheckpointError, CorruptCheckpoint, NoCheckpoint, Snapshotter, complete_steps,
-    list_steps, step_dir,
+    CheckpointEngine, CheckpointError, CorruptCheckpoint, NoCheckpoint, complete_steps, list_steps, step_dir,
 )
+from transom.checkpoint import planner, segments
+from transom.checkpoint.layout import read_manifest
+from transom.checkpoint.wire import Conn
 from transom.cli import main as transom_main
 from transom.config import ConfigError
 
 from util import topic_values, wait_until
 
 
-def engines(directory, world: int, job: str = "job-t", **kw) -> list[CheckpointEngine]:
-    """The ranks of one job, as engines in this process sharing ``directory``."""
-    return [CheckpointEngine(directory, job, r, world, f"node{r}", **kw) for r in range(world)]
+class Cluster:
+    """``transom ckpt-server`` daemons for ``nodes``, one runtime dir on /dev/shm, logs in ``root``."""
+
+    def __init__(self, root: Path, nodes: list[str], transport: str = "auto") -> None:
+        self.root = root
+        self.runtime = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"transom-test-{uuid.uuid4().hex[:8]}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.engines: list[CheckpointEngine] = []
+        self.env = {**os.environ, "TRANSOM_CKPT_RUNTIME": str(self.runtime)}
+        self.env.pop("TRANSOM_CKPT_SHM_BYTES", None)
+        for node in nodes:
+            with open(root / f"daemon-{node}.log", "ab") as log:
+                self.procs[node] = subprocess.Popen(
+                    [sys.executable, "-m", "transom.cli", "ckpt-server", "--node", node, "--runtime",
+                     str(self.runtime), "--disk-dir", str(root / "local"), "--transport", transport],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
+        wait_until(lambda: set(segments.registered(self.runtime)) >= set(nodes) or None, 60,
+                   f"daemons of {nodes} registered")
+
+    def engine(self, directory, job: str, rank: int, world: int, node: str, **kw) -> CheckpointEngine:
+        eng = CheckpointEngine(directory, job, rank, world, node, runtime=self.runtime, **kw)
+        self.engines.append(eng)
+        return eng
+
+    def log(self, node: str) -> str:
+        return (self.root / f"daemon-{node}.log").read_text(errors="replace")
+
+    def signal(self, node: str, sig: int) -> None:
+        self.procs[node].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[node].wait(10)
+
+    def close(self) -> None:
+        for eng in self.engines:
+            try:
+                eng.close()
+            except CheckpointError:
+                pass
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.runtime, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Three nodes' daemons shared by the tests of this module (each test uses its own job)."""
+    c = Cluster(tmp_path_factory.mktemp("cluster"), ["node0", "node1", "node2"], transport="tcp")
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def own_cluster(tmp_path):
+    made: list[Cluster] = []
+
+    def make(nodes, **kw) -> Cluster:
+        made.append(Cluster(tmp_path, nodes, **kw))
+        return made[-1]
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture()
+def engines(cluster):
+    """``engines(directory, world, **kw)``: the ranks of one new job, rank r on node r % 3."""
+    job = f"job-{uuid.uuid4().hex[:8]}"
+
+    def make(directory, world: int, job: str = job, **kw) -> list[CheckpointEngine]:
+        return [cluster.engine(directory, job, r, world, f"node{r % 3}", **kw) for r in range(world)]
+    return make
+
+
+def one(cluster, directory, node: str = "node0", **kw) -> CheckpointEngine:
+    return cluster.engine(directory, f"job-{uuid.uuid4().hex[:8]}", 0, 1, node, **kw)
 
 
 def save_all(engs, step: int, make_state) -> None:
@@ -86,95 +176,236 @@ def rich_state() -> dict:
     }
 
 
-# --------------------------------------------------------------------------- snapshot and round trip
+def flip_bit(path: Path, at: int | None = None) -> None:
+    """Flip one bit in the middle of the file, or at byte ``at`` (a segment is larger than its shard)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2 if at is None else at)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
 
-def test_round_trip_is_bit_exact(tmp_path):
-    state = rich_state()
-    with CheckpointEngine(tmp_path, "job-t", 0, 1, "node0") as eng:
-        assert eng.save(100, state)
-        eng.wait()
-        step, loaded = eng.load()
-    assert step == 100
-    assert_same(state, loaded)
-    assert loaded["tensors"]["noncontig"].is_contiguous()
-
-
-def test_tensors_changed_after_save_returns_do_not_reach_the_checkpoint(tmp_path):
-    w = torch.ones(256, 256)
-    meta = {"seen": [1, 2]}
-    with CheckpointEngine(tmp_path, "job-t", 0, 1, "node0") as eng:
-        eng.save(1, {"w": w, "meta": meta})
-        w.add_(41.0)                       # right after save() returns, while it persists
-        meta["seen"].append(3)
-        eng.save(2, {"w": w, "meta": meta})
-        w.zero_()
-        eng.wait()
-        assert torch.equal(eng.load(1)[1]["w"], torch.ones(256, 256))
-        assert eng.load(1)[1]["meta"] == {"seen": [1, 2]}
-        assert torch.equal(eng.load(2)[1]["w"], torch.full((256, 256), 42.0))
-
-
-def test_snapshot_reuses_buffers_when_shape_and_dtype_match():
-    snap = Snapshotter()
-    state = {"a": torch.zeros(4, 4), "b": [torch.zeros(3, dtype=torch.int64)]}
-    first = snap.take(state)
-    assert snap.allocations == 2
-    state["a"].fill_(5)
-    second = snap.take(state)
-    assert snap.allocations == 2, "same shapes and dtypes must reuse the staging buffers"
-    assert second["a"].data_ptr() == first["a"].data_ptr()
-    assert torch.equal(second["a"], torch.full((4, 4), 5.0))
-    state["a"] = torch.zeros(2, 2)
-    snap.take(state)
-    assert snap.allocations == 3
-
-
-# --------------------------------------------------------------------------- verification
 
 def truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
 
 
-def flip_bit(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
+def copies_of(directory, step: int, rank: int = 0) -> dict:
+    """The manifest's copies of ``rank``'s shard by (tier, node): local paths for memory copies."""
+    man = read_manifest(step_dir(directory, step))
+    return {(c.tier.value, c.node): c.location.split("#", 1)[-1] for c in man.copies if c.rank == rank}
 
 
-@pytest.mark.parametrize("damage, problem", [(truncate, "truncated"), (flip_bit, "sha256 mismatch")])
-def test_corrupt_shard_is_refused_and_load_falls_back(tmp_path, caplog, damage, problem):
-    with CheckpointEngine(tmp_path, "job-t", 0, 1, "node0") as eng:
-        for step in (10, 20):
-            eng.save(step, {"w": torch.full((1000,), float(step))})
+# --------------------------------------------------------------------------- round trips
+
+def test_round_trip_is_bit_exact_through_every_tier(tmp_path, own_cluster, caplog):
+    c = own_cluster(["node0", "node1", "node2"], transport="tcp")
+    state = rich_state()
+    eng = c.engine(tmp_path / "ckpt", "job-rt", 0, 1, "node0")
+    assert eng.save(100, state)
+    eng.wait()
+    copies = copies_of(tmp_path / "ckpt", 100)
+    assert set(copies) == {("memory", "node0"), ("memory", "node1"), ("disk", "node0"), ("shared", "shared")}
+    seen = {}
+    step, loaded = eng.load()                                   # tier 0: this node's memory
+    seen[eng.last_restore["tier_name"]] = step
+    assert_same(state, loaded)
+    assert loaded["tensors"]["noncontig"].is_contiguous()
+    holder = c.engine(tmp_path / "ckpt", "job-rt", 0, 1, "node1")  # the replica is node1's own memory
+    assert holder.load()[0] == 100 and holder.last_restore["tier_name"] == "local-memory"
+    spare = c.engine(tmp_path / "ckpt", "job-rt", 0, 1, "node2")   # rank 0 moved: the peer's memory
+    step, loaded = spare.load()
+    seen[spare.last_restore["tier_name"]] = step
+    assert_same(state, loaded)
+    for node in ("node0", "node1"):                             # both daemons die: memory is gone
+        c.signal(node, signal.SIGKILL)
+    for path in (copies[("memory", "node0")], copies[("memory", "node1")]):
+        Path(path).unlink()
+    with caplog.at_level(logging.WARNING, logger="transom.checkpoint"):
+        again = c.engine(tmp_path / "ckpt", "job-rt", 0, 1, "node0")
+        step, loaded = again.load()                             # tier 2: local disk
+        seen[again.last_restore["tier_name"]] = step
+        assert_same(state, loaded)
+        Path(copies[("disk", "node0")]).unlink()
+        step, loaded = again.load()                             # tier 3: shared directory
+        seen[again.last_restore["tier_name"]] = step
+    assert_same(state, loaded)
+    assert seen == {"local-memory": 100, "peer-memory": 100, "local-disk": 100, "shared": 100}
+
+
+def test_shard_bytes_are_a_safetensors_file(tmp_path, cluster):
+    from safetensors.torch import load_file
+
+    eng = one(cluster, tmp_path)
+    w = torch.randn(7, 3)
+    eng.save(1, {"w": w, "n": 3})
+    eng.wait()
+    got = load_file(str(step_dir(tmp_path, 1) / "rank-00000.safetensors"))
+    assert torch.equal(got["t0"], w)
+
+
+def test_tensors_changed_after_save_returns_do_not_reach_the_checkpoint(tmp_path, cluster):
+    w = torch.ones(256, 256)
+    meta = {"seen": [1, 2]}
+    eng = one(cluster, tmp_path)
+    eng.save(1, {"w": w, "meta": meta})
+    w.add_(41.0)                       # right after save() returns, while the daemon works on it
+    meta["seen"].append(3)
+    eng.save(2, {"w": w, "meta": meta})
+    w.zero_()
+    eng.wait()
+    assert torch.equal(eng.load(1)[1]["w"], torch.ones(256, 256))
+    assert eng.load(1)[1]["meta"] == {"seen": [1, 2]}
+    assert torch.equal(eng.load(2)[1]["w"], torch.full((256, 256), 42.0))
+
+
+def test_segments_are_reused_across_saves(tmp_path, cluster):
+    eng = one(cluster, tmp_path, keep=2)
+    for step in range(1, 6):
+        eng.save(step, {"w": torch.full((1000,), float(step))})
         eng.wait()
-        shard = step_dir(tmp_path, 20) / "rank-00000.pt"
-        damage(shard)
-        with pytest.raises(CorruptCheckpoint) as err:
-            eng.load(20)
-        assert str(shard) in str(err.value) and problem in str(err.value)
-        with caplog.at_level(logging.WARNING, logger="transom.checkpoint"):
-            step, state = eng.load()
-    assert step == 10 and torch.equal(state["w"], torch.full((1000,), 10.0))
-    assert any(str(shard) in r.getMessage() for r in caplog.records), "the warning must name the file"
+    conn = Conn(eng.daemon_addr)
+    try:
+        mine = [s for s in conn.call({"op": "stats"})["slots"] if s["job"] == eng.job and s["kind"] == "own"]
+    finally:
+        conn.close()
+    assert len(mine) == 2, f"one held and one being written, reused: {mine}"
+    assert torch.equal(eng.load()[1]["w"], torch.full((1000,), 5.0))
 
 
-def test_missing_shard_file_of_a_committed_step_is_refused(tmp_path):
-    with CheckpointEngine(tmp_path, "job-t", 0, 1, "node0") as eng:
-        eng.save(5, {"w": torch.ones(3)})
+# --------------------------------------------------------------------------- failures
+
+def test_corrupted_memory_replicas_fall_back_to_disk(tmp_path, cluster, caplog):
+    eng = one(cluster, tmp_path)
+    eng.save(10, {"w": torch.arange(100_000, dtype=torch.float32)})
+    eng.wait()
+    copies = copies_of(tmp_path, 10)
+    flip_bit(Path(copies[("memory", "node0")]), at=200_000)     # inside the 400 kB shard
+    flip_bit(Path(copies[("memory", "node1")]), at=200_000)
+    with caplog.at_level(logging.WARNING, logger="transom.checkpoint"):
+        step, state = eng.load()
+    assert (step, eng.last_restore["tier_name"]) == (10, "local-disk")
+    assert torch.equal(state["w"], torch.arange(100_000, dtype=torch.float32))
+    warned = [r.getMessage() for r in caplog.records if "sha256 mismatch" in r.getMessage()]
+    assert any("local-memory copy on node0" in m for m in warned), warned
+    assert any("peer-memory copy on node1" in m for m in warned), warned
+    flip_bit(Path(copies[("disk", "node0")]))
+    truncate(Path(copies[("shared", "shared")]))
+    with pytest.raises(CorruptCheckpoint, match="no copy verifies.*truncated"):
+        eng.load(10)
+    assert eng.load() is None
+
+
+def test_evicted_nodes_shards_are_restored_on_the_spare_from_its_neighbours_memory(tmp_path, own_cluster, broker):
+    c = own_cluster(["node0", "node1", "node2", "node3"])      # auto: Mooncake when it is installed
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    ckpt = tmp_path / "ckpt"
+    states = [{"w": torch.randn(300, 300), "rank": r} for r in range(2)]
+    ranks = [c.engine(ckpt, job, r, 2, f"node{r}", bootstrap=broker.bootstrap) for r in range(2)]
+    for e in ranks:
+        e.save(40, states[e.rank])
+    for e in ranks:
+        e.wait()
+    events = wait_until(lambda: [e for e in topic_values(broker.bootstrap, contracts.CHECKPOINTS)
+                                 if e.job == job] or None, 30, f"checkpoint-ready of {job}")
+    assert len(events) == 1
+    ready = events[0]
+    assert ready.replicated and ready.persisted and ready.step == 40
+    try:
+        import mooncake.engine  # noqa: F401
+        assert "replication: Mooncake Transfer Engine, protocol tcp" in c.log("node0")
+    except ImportError:
+        assert "Mooncake is not installed: using the plain TCP transport" in c.log("node0")
+    for shard in ready.shards:
+        data = (step_dir(ckpt, 40) / shard.name).read_bytes()
+        assert shard.sha256 == hashlib.sha256(data).hexdigest() and shard.size == len(data)
+    memory = {(cp.rank, cp.node) for cp in ready.copies if cp.tier == contracts.Tier.MEMORY}
+    assert memory == {(0, "node0"), (0, "node1"), (1, "node1"), (1, "node2")}, "ring: each shard on two nodes"
+    # node1 is evicted (its daemon dies with it): by the controller's rule (a copy survives when
+    # its node is not evicted) the memory copies alone still cover every rank
+    assert {cp.rank for cp in ready.copies if cp.tier == contracts.Tier.MEMORY and cp.node != "node1"} == {0, 1}
+    c.signal("node1", signal.SIGKILL)
+    spare = c.engine(ckpt, job, 1, 2, "node3", generation=1)    # rank 1 relaunched on the spare
+    step, state = spare.load()
+    assert (step, spare.last_restore["tier_name"], spare.last_restore["node"]) == (40, "peer-memory", "node2")
+    assert torch.equal(state["w"], states[1]["w"]) and state["rank"] == 1
+
+
+_MID_SAVE = """
+import sys, torch
+from transom.checkpoint import CheckpointEngine
+eng = CheckpointEngine(sys.argv[1], sys.argv[2], 0, 1, "node0", runtime=sys.argv[3])
+eng.save(10, {"w": torch.full((1000,), 10.0)})
+eng.wait()
+print("saved 10", flush=True)
+big = {"w": torch.ones(32 << 20)}
+print("saving 20", flush=True)
+eng.save(20, big)
+eng.wait()
+print("saved 20", flush=True)
+"""
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, cluster):
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-c", _MID_SAVE, str(tmp_path), job, str(cluster.runtime)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cluster.env)
+    conn = Conn(segments.registered(cluster.runtime)["node0"]["addr"])
+    try:
+        assert proc.stdout.readline().decode().startswith("saved 10")
+        assert proc.stdout.readline().decode().startswith("saving 20")
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:   # kill it once the copy is under way
+            slots = conn.call({"op": "stats"})["slots"]
+            if any(s["job"] == job and s["state"] == "staging" and s["step"] == 20 for s in slots):
+                break
+            time.sleep(0.002)
+        proc.kill()                                    # mid-copy (128 MiB), or later on a fast host
+        proc.wait(10)
+        assert complete_steps(tmp_path) in ([10], [10, 20])
+        eng = cluster.engine(tmp_path, job, 0, 1, "node0")
+        assert eng.load(10)[1]["w"].eq(10.0).all()
+        assert eng.last_restore["tier_name"] == "local-memory"
+        eng.save(30, {"w": torch.full((1000,), 30.0)})      # the half-written segment is taken back
         eng.wait()
-        (step_dir(tmp_path, 5) / "rank-00000.pt").unlink()
-        with pytest.raises(CorruptCheckpoint, match="rank-00000.pt: file is missing"):
-            eng.load(5)
-        assert eng.load() is None
+        assert eng.load()[0] == 30
+    finally:
+        conn.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
-def test_step_missing_one_ranks_shard_is_never_loaded(tmp_path):
+def test_state_a_load_would_refuse_is_refused_by_save_with_the_fix(tmp_path, cluster):
+    eng = one(cluster, tmp_path)
+    with pytest.raises(CheckpointError, match="Fraction.*builtin types"):
+        eng.save(1, {"ratio": Fraction(1, 3)})
+    with pytest.raises(CheckpointError, match="builtin types"):
+        eng.save(1, {"fn": lambda: None})
+    assert eng.save(2, {"w": torch.ones(1)})
+    eng.wait()
+    assert complete_steps(tmp_path) == [2]
+
+
+def test_failed_persist_does_not_raise_in_save_but_in_wait(tmp_path, cluster):
+    eng = one(cluster, tmp_path)
+    step_dir(tmp_path, 1).write_text("in the way")            # the step dir cannot be created
+    assert eng.save(1, {"w": torch.ones(3)})
+    with pytest.raises(CheckpointError, match="a checkpoint save failed"):
+        eng.wait()
+    eng.save(2, {"w": torch.ones(1)})
+    eng.wait()
+    assert complete_steps(tmp_path) == [2]
+
+
+# --------------------------------------------------------------------------- commit
+
+def test_step_missing_one_ranks_shard_is_never_loaded(tmp_path, engines):
     r0, r1 = engines(tmp_path, 2)
     save_all([r0, r1], 10, lambda r, s: {"w": torch.full((4,), float(r + s))})
     r0.save(20, {"w": torch.zeros(4)})        # rank 1 never saves step 20 (it died)
     r0.wait()
-    assert (step_dir(tmp_path, 20) / "rank-00000.pt").exists()
+    assert (step_dir(tmp_path, 20) / "rank-00000.safetensors").exists()
     assert complete_steps(tmp_path) == [10]
     assert r0.load()[0] == 10
     with pytest.raises(NoCheckpoint, match="incomplete"):
@@ -185,7 +416,7 @@ def test_step_missing_one_ranks_shard_is_never_loaded(tmp_path):
     assert not info[20].complete and info[20].ranks == (0,)
 
 
-def test_shards_of_an_earlier_generation_do_not_complete_a_step(tmp_path):
+def test_shards_of_an_earlier_generation_do_not_complete_a_step(tmp_path, engines):
     _, old_r1 = engines(tmp_path, 2, generation=0)
     old_r1.save(30, {"w": torch.ones(2)})      # gen 0 died after rank 1 wrote step 30
     old_r1.wait()
@@ -199,22 +430,7 @@ def test_shards_of_an_earlier_generation_do_not_complete_a_step(tmp_path):
     assert torch.equal(new_r1.load(30)[1]["w"], torch.full((2,), 8.0))
 
 
-def test_a_later_launch_replaces_a_step_an_earlier_one_committed(tmp_path):
-    save_all(engines(tmp_path, 2, generation=0), 30, lambda r, s: {"w": torch.zeros(2)})
-    new_r0, new_r1 = engines(tmp_path, 2, generation=1)
-    new_r0.save(30, {"w": torch.full((2,), 7.0)})
-    new_r0.wait()
-    assert complete_steps(tmp_path) == [], "a step half re-saved must not be loadable"
-    new_r1.save(30, {"w": torch.full((2,), 8.0)})
-    new_r1.wait()
-    assert complete_steps(tmp_path) == [30]
-    assert torch.equal(new_r0.load(30)[1]["w"], torch.full((2,), 7.0))
-    save_all(engines(tmp_path, 2, generation=1), 30, lambda r, s: {"w": torch.ones(2)})
-    assert complete_steps(tmp_path) == [30], "a launch reusing the generation commits again"
-    assert torch.equal(new_r1.load(30)[1]["w"], torch.ones(2))
-
-
-def test_concurrent_ranks_commit_each_step_exactly_once(tmp_path):
+def test_concurrent_ranks_commit_each_step_exactly_once(tmp_path, engines):
     engs = engines(tmp_path, 4, keep=10)
 
     def run(e):
@@ -233,7 +449,7 @@ def test_concurrent_ranks_commit_each_step_exactly_once(tmp_path):
         assert torch.equal(e.load(3)[1]["w"], torch.full((5000,), float(e.rank * 100 + 3)))
 
 
-def test_keep_k_deletes_older_steps_only_after_newer_are_complete(tmp_path):
+def test_keep_k_deletes_older_steps_only_after_newer_are_complete(tmp_path, engines):
     r0, r1 = engines(tmp_path, 2, keep=2)
     state = lambda r, s: {"w": torch.full((4,), float(s))}  # noqa: E731
     save_all([r0, r1], 10, state)
@@ -252,123 +468,80 @@ def test_keep_k_deletes_older_steps_only_after_newer_are_complete(tmp_path):
 
 # --------------------------------------------------------------------------- one save in flight
 
-class Gate:
-    """A state value whose serialisation waits for the test: holds a persist in flight."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        assert self.open.wait(30), "gate never opened"
-        return (str, ("gate",))
-
-
-def test_skip_policy_drops_a_save_while_one_is_in_flight(tmp_path, caplog):
-    gate = Gate()
-    with CheckpointEngine(tmp_path, "job-t", 0, 1, "node0", policy="skip") as eng:
-        assert eng.save(1, {"g": gate})
+def test_skip_and_wait_policies_while_a_save_is_in_flight(tmp_path, cluster, caplog):
+    """The neighbour daemon is stopped (SIGSTOP), so replication, and the save, stay in flight."""
+    skip = one(cluster, tmp_path / "skip", policy="skip")
+    wait = one(cluster, tmp_path / "wait")
+    cluster.signal("node1", signal.SIGSTOP)
+    try:
+        assert skip.save(1, {"w": torch.ones(2)})
         with caplog.at_level(logging.WARNING, logger="transom.checkpoint"):
-            assert eng.save(2, {"w": torch.ones(2)}) is False
-        gate.open.set()
-        eng.wait()
-        assert eng.skipped == [2]
-    assert complete_steps(tmp_path) == [1]
-    assert any("skipped checkpoint of step 2" in r.getMessage() for r in caplog.records)
-
-
-def test_wait_policy_blocks_the_next_save_until_the_previous_persisted(tmp_path):
-    gate = Gate()
-    with CheckpointEngine(tmp_path, "job-t", 0, 1, "node0") as eng:
-        assert eng.save(1, {"g": gate})
-        second = threading.Thread(target=eng.save, args=(2, {"w": torch.ones(2)}))
+            assert skip.save(2, {"w": torch.ones(2)}) is False
+        assert any("skipped checkpoint of step 2" in r.getMessage() for r in caplog.records)
+        assert wait.save(1, {"w": torch.ones(2)})
+        second = threading.Thread(target=wait.save, args=(2, {"w": torch.ones(2)}))
         second.start()
         second.join(0.5)
-        assert second.is_alive(), "save(2) must wait for step 1 to persist"
-        assert complete_steps(tmp_path) == []
-        gate.open.set()
-        second.join(30)
-        eng.wait()
-    assert complete_steps(tmp_path) == [1, 2]
-
-
-def test_objects_refused_by_weights_only_load_say_what_to_do(tmp_path):
-    with CheckpointEngine(tmp_path, "job-t", 0, 1, "node0") as eng:
-        eng.save(1, {"ratio": Fraction(1, 3)})
-        eng.wait()
-        with pytest.raises(CheckpointError, match="Fraction.*weights_only=False") as err:
-            eng.load(1)
-        assert not isinstance(err.value, CorruptCheckpoint)
-        assert eng.load(1, weights_only=False) == (1, {"ratio": Fraction(1, 3)})
-
-
-def test_failed_persist_does_not_raise_in_save_but_in_wait(tmp_path):
-    eng = CheckpointEngine(tmp_path, "job-t", 0, 1, "node0")
-    assert eng.save(1, {"fn": lambda: None})   # cannot be pickled
-    with pytest.raises(CheckpointError, match="a checkpoint save failed"):
-        eng.wait()
-    assert list_steps(tmp_path)[0].ranks == () and complete_steps(tmp_path) == []
-    assert not [p for p in step_dir(tmp_path, 1).iterdir() if ".tmp-" in p.name], "temp file left"
-    eng.save(2, {"w": torch.ones(1)})
-    eng.close()
-    assert complete_steps(tmp_path) == [2]
+        assert second.is_alive(), "save(2) must wait for step 1"
+        assert complete_steps(tmp_path / "wait") == []
+    finally:
+        cluster.signal("node1", signal.SIGCONT)
+    second.join(60)
+    skip.wait()
+    wait.wait()
+    assert skip.skipped == [2] and complete_steps(tmp_path / "skip") == [1]
+    assert complete_steps(tmp_path / "wait") == [1, 2]
 
 
 # --------------------------------------------------------------------------- announce
 
-def test_checkpoint_ready_is_published_once_with_every_shard_sha256(tmp_path, broker):
-    job = f"job-{uuid.uuid4().hex[:8]}"
-    engs = engines(tmp_path, 3, job=job, bootstrap=broker.bootstrap)
-    save_all(engs, 7, lambda r, s: {"w": torch.randn(100 + r)})
-    for e in engs:
-        e.close()
-
-    def mine():
-        return [e for e in topic_values(broker.bootstrap, contracts.CHECKPOINTS) if e.job == job]
-
-    events = wait_until(mine, 30, f"checkpoint-ready of {job}")
-    assert len(events) == 1
-    ready = events[0]
-    assert (ready.step, ready.world_size, ready.persisted) == (7, 3, True)
-    sdir = step_dir(tmp_path, 7)
-    for shard in ready.shards:
-        data = (sdir / shard.name).read_bytes()
-        assert shard.sha256 == hashlib.sha256(data).hexdigest() and shard.size == len(data)
-    assert {(c.rank, c.tier, c.node) for c in ready.copies} == {
-        (r, contracts.Tier.SHARED, "shared") for r in range(3)}
-    assert all(Path(c.location).is_file() for c in ready.copies)
-
-
-def test_unreachable_broker_does_not_stop_the_checkpoint(tmp_path, caplog):
+def test_unreachable_broker_does_not_stop_the_checkpoint(tmp_path, cluster):
     dead = f"127.0.0.1:{free_port()}"
-    eng = CheckpointEngine(tmp_path, "job-t", 0, 1, "node0", bootstrap=dead, announce_timeout=1.0)
-    with caplog.at_level(logging.WARNING, logger="transom.checkpoint"):
-        eng.save(3, {"w": torch.ones(3)})
-        eng.wait()
-        eng.close()
+    eng = one(cluster, tmp_path, bootstrap=dead)
+    eng.save(3, {"w": torch.ones(3)})
+    eng.wait()
     assert complete_steps(tmp_path) == [3]
-    assert any("not delivered" in r.getMessage() or "undelivered" in r.getMessage()
-               for r in caplog.records)
+    wait_until(lambda: "checkpoint-ready for step 3 not yet delivered" in cluster.log("node0")
+               or "could not publish" in cluster.log("node0") or None, 10, "the daemon's warning")
 
 
-# --------------------------------------------------------------------------- env and CLI
+# --------------------------------------------------------------------------- capacity, env and CLI
 
-def test_from_env_reads_the_launcher_environment(tmp_path, monkeypatch):
+def test_planner_implements_the_papers_formulas():
+    p = planner.plan(7e9, 8, 4, b_mem=10e9, b_rdma=12.5e9)
+    assert p.s_save == pytest.approx((8 + 6) * 7e9 / 16)
+    assert p.load_s == pytest.approx((8 + 6) * 7e9 / (16 * 10e9))
+    q = planner.plan(7e9, 16, 4, b_mem=10e9, b_rdma=12.5e9, mem_keep=2)
+    assert q.load_s == pytest.approx(3 * 7e9 / (8 * 10e9) + 8 * 16 * 7e9 / (128 * 12.5e9))
+    assert q.per_node == pytest.approx(3 * q.s_save)
+
+
+def test_too_small_shm_is_a_clear_error_before_training(tmp_path, capsys):
+    with pytest.raises(planner.CapacityError, match=r"need 4\.00 GiB .*free space in /dev/shm 1\.00 GiB.*--mem-keep"):
+        planner.check_node(4 << 30, shm_free=1 << 30, ram_available=64 << 30, where="/dev/shm")
+    assert transom_main(["ckpt", "plan", "--params", "1e13", "--dp", "8", "--nodes", "1", "--check",
+                         "--runtime", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoints need" in err and "free space in" in err
+
+
+def test_from_env_reads_the_launcher_environment(tmp_path, monkeypatch, cluster):
     for key, value in {"TRANSOM_CKPT_DIR": str(tmp_path), "RANK": "2", "WORLD_SIZE": "4",
-                       "TRANSOM_JOB": "j1", "TRANSOM_NODE": "node3", "TRANSOM_GENERATION": "5"}.items():
+                       "TRANSOM_JOB": "j1", "TRANSOM_NODE": "node2", "TRANSOM_GENERATION": "5",
+                       "TRANSOM_CKPT_RUNTIME": str(cluster.runtime)}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TRANSOM_BOOTSTRAP", raising=False)
     eng = CheckpointEngine.from_env()
+    cluster.engines.append(eng)
     assert (eng.directory, eng.rank, eng.world_size, eng.job, eng.node, eng.generation, eng.bootstrap) == \
-        (tmp_path, 2, 4, "j1", "node3", 5, None)
+        (tmp_path, 2, 4, "j1", "node2", 5, None)
+    assert eng.daemon_addr == segments.registered(cluster.runtime)["node2"]["addr"]
     monkeypatch.delenv("TRANSOM_CKPT_DIR")
     with pytest.raises(ConfigError, match="TRANSOM_CKPT_DIR"):
         CheckpointEngine.from_env()
 
 
-def test_ckpt_list_shows_complete_and_flags_incomplete_steps(tmp_path, capsys):
+def test_ckpt_list_shows_complete_and_flags_incomplete_steps(tmp_path, engines, capsys):
     r0, r1 = engines(tmp_path, 2)
     save_all([r0, r1], 10, lambda r, s: {"w": torch.ones(8)})
     r0.save(20, {"w": torch.ones(8)})
@@ -377,7 +550,7 @@ def test_ckpt_list_shows_complete_and_flags_incomplete_steps(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     row = {int(line.split()[0]): line.split() for line in lines if line.split()[0].isdigit()}
     assert row[10][1:3] == ["complete", "2/2"] and row[20][1:3] == ["INCOMPLETE", "1/2"]
-    flip_bit(step_dir(tmp_path, 10) / "rank-00001.pt")
+    flip_bit(step_dir(tmp_path, 10) / "rank-00001.safetensors")
     assert transom_main(["ckpt", "list", "--dir", str(tmp_path), "--verify"]) == 1
     out = capsys.readouterr().out
-    assert "CORRUPT" in out and "rank-00001.pt: sha256 mismatch" in out
+    assert "CORRUPT" in out and "rank-00001.safetensors: sha256 mismatch" in out

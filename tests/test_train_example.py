@@ -2,15 +2,22 @@
 
 - it trains (loss goes down), checkpoints, announces the checkpoints, and exits 0;
 - killed mid-run and relaunched, both ranks resume from the newest complete checkpoint;
-- a resumed run continues bit for bit as the uninterrupted run (model, optimizer, data position).
+- a resumed run continues bit for bit as the uninterrupted run (model, optimizer, data position);
+- a rank relaunched on a spare node restores from its old node's replica in the neighbour's memory,
+  and reports ``ckpt_stall_s``, ``restore_s`` and ``restore_tier`` to the agent;
+- a node whose shared memory cannot hold the checkpoints stops the job before its first step.
+
+The ranks checkpoint through real TCE daemons (``transom ckpt-server``), one per simulated node.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -23,8 +30,10 @@ import torch
 from transom import contracts
 from transom.broker import free_port
 from transom.checkpoint import complete_steps, step_dir
+from transom.checkpoint import shardfmt
 from transom.checkpoint.layout import read_manifest
 
+from test_checkpoint import Cluster, copies_of, flip_bit
 from util import topic_values, wait_until
 
 pytestmark = pytest.mark.integration
@@ -36,7 +45,8 @@ class Ranks:
     """The ranks of one launch of train_lm, with their output in files under ``logs``."""
 
     def __init__(self, logs: Path, ckpt: Path, world: int, args: list[str], *, job: str,
-                 generation: int = 0, bootstrap: str | None = None, env: dict | None = None) -> None:
+                 generation: int = 0, bootstrap: str | None = None, env: dict | None = None,
+                 nodes: list[str] | None = None) -> None:
         port = str(free_port())
         self.procs: list[subprocess.Popen] = []
         self.outputs: list[Path] = []
@@ -44,7 +54,8 @@ class Ranks:
             penv = {k: v for k, v in os.environ.items()
                     if k not in ("TRANSOM_BOOTSTRAP", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR")}
             penv.update(PYTHONUNBUFFERED="1", TRANSOM_CKPT_DIR=str(ckpt), TRANSOM_JOB=job,
-                       TRANSOM_GENERATION=str(generation), TRANSOM_NODE=f"node{rank}")
+                       TRANSOM_GENERATION=str(generation), TRANSOM_NODE=nodes[rank] if nodes else f"node{rank}",
+                       TRANSOM_CKPT_RUNTIME=_RUNTIME.get("dir", ""))
             if world > 1:
                 penv.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -99,6 +110,19 @@ def run_to_end(launches: list[Ranks], make: Callable[[], Ranks], timeout: float 
     raise AssertionError("unreachable")
 
 
+_RUNTIME: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def daemons(tmp_path_factory):
+    """One TCE daemon per simulated node (node0..node3), for every launch of this module."""
+    c = Cluster(tmp_path_factory.mktemp("daemons"), ["node0", "node1", "node2", "node3"], transport="tcp")
+    _RUNTIME["dir"] = str(c.runtime)
+    yield c
+    _RUNTIME.clear()
+    c.close()
+
+
 @pytest.fixture()
 def launches():
     started: list[Ranks] = []
@@ -151,10 +175,12 @@ def test_two_ranks_train_checkpoint_and_announce(trained, broker):
 def test_ranks_agree_on_an_older_step_when_one_ranks_newest_shard_is_corrupt(trained, tmp_path, launches):
     assert trained["codes"] == [0, 0], trained["explain"]
     ckpt = copy_steps(trained["ckpt"], tmp_path / "ckpt", 30, 40)
-    shard = step_dir(ckpt, 40) / "rank-00001.pt"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    shard = step_dir(ckpt, 40) / "rank-00001.safetensors"
+    flip_bit(shard)
+    size = read_manifest(step_dir(ckpt, 40)).shards[1].size
+    for (tier, _node), where in copies_of(ckpt, 40, rank=1).items():   # every other copy too
+        if tier != "shared":
+            flip_bit(Path(where), at=size // 2)
     run, codes = run_to_end(launches, lambda: Ranks(
         tmp_path, ckpt, 2, ["--steps", "50", "--ckpt-every", "10"], job=trained["job"], generation=1))
     assert codes == [0, 0], run.explain(codes)
@@ -175,9 +201,9 @@ def test_resumed_run_continues_exactly_like_the_uninterrupted_run(trained, tmp_p
     assert codes == [0, 0], run.explain(codes)
     assert "resumed from step 20 gen 1" in run.output(0), run.explain(codes)
     for rank in range(2):
-        name = f"rank-{rank:05d}.pt"
-        whole = torch.load(step_dir(trained["ckpt"], 40) / name, weights_only=True)
-        resumed = torch.load(step_dir(ckpt, 40) / name, weights_only=True)
+        name = f"rank-{rank:05d}.safetensors"
+        whole = shardfmt.decode(bytearray((step_dir(trained["ckpt"], 40) / name).read_bytes()))
+        resumed = shardfmt.decode(bytearray((step_dir(ckpt, 40) / name).read_bytes()))
         for part in ("model", "optimizer", "data"):
             assert _flat(whole[part]) == _flat(resumed[part]), f"rank {rank}: {part} differs after resume"
 
@@ -205,15 +231,47 @@ def test_killed_rank_then_relaunch_resumes_from_newest_checkpoint(tmp_path, laun
     newest = complete_steps(ckpt)[-1]
     assert newest >= 20
 
-    second, codes = run_to_end(launches, lambda: Ranks(
-        tmp_path, ckpt, 2, ["--steps", str(newest + 20), "--ckpt-every", "10"], job="lm-kill",
-        generation=1))
+    agent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)     # stands in for the node agent's intake
+    agent.bind(("127.0.0.1", 0))
+    agent.settimeout(0.2)
+    addr = f"127.0.0.1:{agent.getsockname()[1]}"
+    try:
+        second, codes = run_to_end(launches, lambda: Ranks(      # node1 is gone: rank 1 runs on node3
+            tmp_path, ckpt, 2, ["--steps", str(newest + 20), "--ckpt-every", "10"], job="lm-kill",
+            generation=1, nodes=["node0", "node3"], env={"TRANSOM_AGENT_ADDR": addr}))
+        reports = []
+        while True:
+            try:
+                reports.append(json.loads(agent.recv(65536)))
+            except (TimeoutError, socket.timeout):
+                break
+    finally:
+        agent.close()
     out = second.output(0)
     assert codes == [0, 0], second.explain(codes)
     assert f"resumed from step {newest} gen 1" in out, second.explain(codes)
+    assert f"rank 0: restored step {newest} from local-memory on node0" in out, second.explain(codes)
+    assert f"rank 1: restored step {newest} from peer-memory on node2" in second.output(1), second.explain(codes)
+    restore = {r["rank"]: r for r in reports if "restore_tier" in r}
+    assert restore[0]["restore_tier"] == 0 and restore[1]["restore_tier"] == 1, reports[:4]
+    assert all(r["restore_s"] > 0 and r["step"] == newest + 1 for r in restore.values())
+    stalls = [r for r in reports if "ckpt_stall_s" in r]
+    assert sorted({r["step"] for r in stalls}) == [newest + 10, newest + 20]
+    assert all(r["ckpt_stall_s"] > 0 for r in stalls)
     steps = [int(m.group(1)) for m in _PROGRESS.finditer(out)]
     assert steps and steps[0] == newest + 10 and steps[-1] == newest + 20, steps
     assert complete_steps(ckpt)[-1] == newest + 20
+
+
+def test_too_small_shared_memory_stops_the_job_before_training(tmp_path, launches):
+    run = Ranks(tmp_path, tmp_path / "ckpt", 1, ["--steps", "5"], job="lm-small",
+                env={"TRANSOM_CKPT_SHM_BYTES": "100000", "TRANSOM_NODE": "node-small"})
+    launches.append(run)
+    codes = run.wait(60)
+    out = run.output()
+    assert codes == [4], run.explain(codes)
+    assert "cannot start: checkpoints need" in out and "budget" in out and "--mem-keep" in out, out[-2000:]
+    assert "step 1/" not in out and complete_steps(tmp_path / "ckpt") == []
 
 
 def _flat(obj):

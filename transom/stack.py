@@ -51,9 +51,17 @@ class LocalStack:
     agents: dict[str, str] = field(default_factory=dict)
     broker: EmbeddedBroker | None = None
 
+    ckpt_runtime: Path | None = None
+
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.ckpt_runtime is None:
+            # the TCE daemons' shared memory and registry; every process started here gets it
+            import hashlib
+            base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+            tag = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:10]
+            self.ckpt_runtime = base / f"transom-ckpt-{tag}"
 
     # ------------------------------------------------------------------ parts
     def start_broker(self) -> str:
@@ -64,7 +72,9 @@ class LocalStack:
 
     def _spawn(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> _Proc:
         logfile = self.run_dir / "logs" / f"{name}.log"
-        full_env = {**os.environ, "TRANSOM_BOOTSTRAP": self.bootstrap or "", "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**os.environ, "TRANSOM_BOOTSTRAP": self.bootstrap or "", "PYTHONUNBUFFERED": "1",
+                    "TRANSOM_CKPT_RUNTIME": str(self.ckpt_runtime),
+                    "TRANSOM_CKPT_LOCAL_DIR": str(self.run_dir / "ckpt-local"), **(env or {})}
         popen = subprocess.Popen([sys.executable, "-m", "transom.cli", *args], env=full_env,
                                  stdout=open(logfile, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
@@ -79,6 +89,7 @@ class LocalStack:
                                           "--gpus", str(self.gpus_per_node), "--intake-port", str(port),
                                           "--interval", str(self.interval), "--bootstrap", self.bootstrap])
             self.agents[node] = f"127.0.0.1:{port}"
+            self._spawn(f"ckpt-{node}", ["ckpt-server", "--node", node])    # the node's TCE daemon
         return self.agents
 
     def start_tee(self, *extra: str, name: str = "tee") -> _Proc:
@@ -127,6 +138,9 @@ class LocalStack:
                 LocalBackend(jobs_dir, {}).stop(gen_dir.parent.name, int(gen_dir.name.split("-")[1]), timeout=5)
         if self.broker is not None:
             self.broker.stop()
+        if self.ckpt_runtime is not None:
+            import shutil
+            shutil.rmtree(self.ckpt_runtime, ignore_errors=True)   # segments of daemons that were killed
 
     def __enter__(self) -> "LocalStack":
         return self

@@ -11,8 +11,13 @@ Contract with the rest of Transom:
   complete step that every rank can load (ranks agree on it), otherwise from scratch;
 - a checkpoint holds the model, the optimizer, the RNG states and the data stream's position, so
   a resumed run continues exactly as the uninterrupted run would have;
+- checks before the first step that this node's shared memory (/dev/shm, RAM, the daemon's
+  budget) can hold its checkpoints, and exits 4 with the reason when it cannot;
 - saves every ``--ckpt-every`` steps and after the last one, and waits for that save to persist
   before exiting 0;
+- reports checkpoint figures to the agent: ``ckpt_stall_s`` (how long ``save()`` blocked) on a
+  save step, ``restore_s`` and ``restore_tier`` (0 local memory, 1 peer memory, 2 local disk,
+  3 shared) on the first step after a resume;
 - reports every step to the node agent (``transom.agents.intake.report``) and prints, on rank 0,
   ``step 50/300 loss 2.87 tok/s 12345 gen 0`` every ``--log-every`` steps.
 
@@ -38,6 +43,7 @@ from torch import nn
 from transom import log as tlog
 from transom.checkpoint import CheckpointEngine, CheckpointError, CorruptCheckpoint, NoCheckpoint
 from transom.checkpoint.layout import complete_steps
+from transom.checkpoint.planner import CapacityError, check_node, node_need
 
 try:
     from transom.agents.intake import report
@@ -50,6 +56,7 @@ __all__ = ["main", "TinyLM", "TemplateText", "parse_args"]
 log = tlog.get("train")
 
 EXIT_RESUME_FAILED = 3
+EXIT_NO_CAPACITY = 4
 
 # --------------------------------------------------------------------------- data
 
@@ -174,6 +181,19 @@ def _resume(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
 
 # --------------------------------------------------------------------------- main
 
+def _check_capacity(engine: CheckpointEngine, model: nn.Module) -> None:
+    """Stop before training when this node cannot hold the checkpoints (model + AdamW's two moments)."""
+    shard = 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + (1 << 20)
+    cap = engine.capacity()
+    try:
+        check_node(node_need(shard, 1, cap.get("mem_keep", 1)), shm_free=cap["shm_free"],
+                   ram_available=cap["ram_available"], budget=cap.get("budget"), where=cap["shm_path"])
+    except CapacityError as exc:
+        print(f"train_lm rank {engine.rank}: cannot start: {exc}", file=sys.stderr, flush=True)
+        engine.close()
+        raise SystemExit(EXIT_NO_CAPACITY) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m transom.examples.train_lm",
@@ -215,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed * 7919 + rank)           # per-rank stream for anything stochastic
 
     engine = CheckpointEngine.from_env(args.ckpt_dir, rank=rank, world_size=world, keep=args.keep)
+    _check_capacity(engine, model)
     step = 0
     got = _resume(engine, world)
+    restored: dict[str, float] = {}
     if got is not None:
         step, state = got
         model.load_state_dict(state["model"])
@@ -224,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         data.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        where = engine.last_restore or {}
+        restored = {"restore_s": where.get("seconds", 0.0), "restore_tier": where.get("tier", 3)}
+        print(f"rank {rank}: restored step {step} from {where.get('tier_name')} on {where.get('node')} "
+              f"in {restored['restore_s']:.3f}s", flush=True)
         if rank == 0:
             print(f"resumed from step {step} gen {generation}", flush=True)
     elif rank == 0:
@@ -249,13 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         step_time = time.perf_counter() - t0
         value = loss.item()
-        report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time)
-        recent = (recent + [(value, step_time)])[-args.log_every:]
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-            mean_loss = sum(v for v, _ in recent) / len(recent)
-            mean_time = sum(t for _, t in recent) / len(recent)
-            print(f"step {step}/{args.steps} loss {mean_loss:.2f} tok/s {world * tokens / mean_time:.0f} "
-                  f"gen {generation}", flush=True)
+        ckpt: dict[str, float] = {}
         if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
             engine.save(step, {
                 "model": model.state_dict(), "optimizer": opt.state_dict(), "data": data.state_dict(),
@@ -263,6 +283,15 @@ def main(argv: list[str] | None = None) -> int:
                 "step": step, "world_size": world,
             })
             last_saved = step
+            ckpt["ckpt_stall_s"] = engine.last_snapshot_s
+        report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time, **ckpt, **restored)
+        restored = {}
+        recent = (recent + [(value, step_time)])[-args.log_every:]
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+            mean_loss = sum(v for v, _ in recent) / len(recent)
+            mean_time = sum(t for _, t in recent) / len(recent)
+            print(f"step {step}/{args.steps} loss {mean_loss:.2f} tok/s {world * tokens / mean_time:.0f} "
+                  f"gen {generation}", flush=True)
 
     persisted = 1
     try:

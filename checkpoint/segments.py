@@ -1,0 +1,165 @@
+"""Shared-memory segments and the runtime directory where TCE daemons meet their ranks and peers.
+
+Runtime directory (``TRANSOM_CKPT_RUNTIME``, default ``/dev/shm/transom-ckpt-<uid>``)::
+
+    RUNTIME/daemons/NODE.json      {"node", "addr", "pid", "transport", "mooncake"}: one per daemon
+    RUNTIME/NODE/seg-*             segments of that node's daemon (files on tmpfs = host memory)
+
+A rank finds its node's daemon at ``RUNTIME/daemons/$TRANSOM_NODE.json``; a daemon's ring
+neighbour is the next registered node in name order (cyclic), never itself. The daemon creates,
+sizes and deletes segments; ranks only map them. A segment is pre-faulted for writing in every
+process that maps it to write (``MADV_POPULATE_WRITE``, else one write per page), so a save
+copies into warm memory without a page fault.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .wire import pid_alive
+
+__all__ = ["default_runtime", "runtime_dir", "registry_path", "register", "unregister", "registered",
+           "neighbour", "Segment", "safe_name"]
+
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
+
+
+def _prefault_write(mm: mmap.mmap, size: int) -> None:
+    """Fault every page in for writing now. MAP_POPULATE alone maps a shared mapping read-only,
+    so the first write to each page would still fault (a second per GiB) inside save()."""
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+        return
+    except (OSError, AttributeError, ValueError):
+        pass
+    mv = memoryview(mm)
+    try:
+        for off in range(0, size, _PAGE):
+            mv[off] = mv[off]
+    finally:
+        mv.release()
+
+
+def default_runtime() -> Path:
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path("/tmp")
+    return base / f"transom-ckpt-{os.getuid()}"
+
+
+def runtime_dir(value: str | os.PathLike | None = None) -> Path:
+    return Path(value or os.environ.get("TRANSOM_CKPT_RUNTIME") or default_runtime())
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+def registry_path(runtime: Path, node: str) -> Path:
+    return runtime / "daemons" / f"{safe_name(node)}.json"
+
+
+def register(runtime: Path, node: str, info: dict[str, Any]) -> None:
+    path = registry_path(runtime, node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"node": node, **info}))
+    os.replace(tmp, path)
+
+
+def unregister(runtime: Path, node: str, pid: int) -> None:
+    path = registry_path(runtime, node)
+    try:
+        if json.loads(path.read_text()).get("pid") == pid:
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def registered(runtime: Path) -> dict[str, dict[str, Any]]:
+    """Every daemon registered under ``runtime`` whose process is alive (same host), by node."""
+    out = {}
+    for f in sorted((runtime / "daemons").glob("*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if d.get("host") == os.uname().nodename and not pid_alive(int(d.get("pid", 0))):
+            continue                 # a daemon that died without unregistering
+        out[d["node"]] = d
+    return out
+
+
+def neighbour(runtime: Path, node: str) -> dict[str, Any] | None:
+    """The ring neighbour of ``node``: the next registered node after it in name order."""
+    peers = registered(runtime)
+    names = sorted(set(peers) | {node})
+    if len(names) < 2:
+        return None
+    nxt = names[(names.index(node) + 1) % len(names)]
+    return peers[nxt] if nxt != node else None
+
+
+class Segment:
+    """One file on tmpfs, mapped shared; ``create`` sizes and pre-faults it."""
+
+    def __init__(self, path: Path, capacity: int, mm: mmap.mmap) -> None:
+        self.path, self.capacity, self.mm = path, capacity, mm
+        self._addr: int | None = None
+
+    @classmethod
+    def create(cls, path: Path, capacity: int) -> "Segment":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, max(capacity, 1))
+            try:
+                os.posix_fallocate(fd, 0, max(capacity, 1))   # ENOSPC now, not SIGBUS mid-copy
+            except OSError as exc:
+                os.close(fd)
+                fd = -1
+                path.unlink(missing_ok=True)
+                raise OSError(exc.errno, f"{path}: cannot reserve {capacity} bytes of shared "
+                                         f"memory ({exc.strerror})") from None
+            mm = mmap.mmap(fd, max(capacity, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            _prefault_write(mm, max(capacity, 1))
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return cls(path, capacity, mm)
+
+    @classmethod
+    def open(cls, path: str | Path, writable: bool = True) -> "Segment":
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+            if writable:
+                _prefault_write(mm, size)
+        finally:
+            os.close(fd)
+        return cls(Path(path), size, mm)
+
+    @property
+    def addr(self) -> int:
+        """Address of the mapping in this process (for registering it with a transfer engine)."""
+        if self._addr is None:
+            self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        return self._addr
+
+    def view(self, size: int | None = None) -> memoryview:
+        return memoryview(self.mm)[: self.capacity if size is None else size]
+
+    def close(self, unlink: bool = False) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass                       # a view is still exported; the mapping goes with the process
+        if unlink:
+            self.path.unlink(missing_ok=True)

@@ -1,0 +1,473 @@
+"""The per-node TCE daemon (``transom ckpt-server``): owns the checkpoint memory of one node.
+
+Ranks of the node write their shard into a shared-memory segment the daemon hands out
+(``acquire``), then tell it the shard is there (``staged``); from then on a crash of the
+training process loses nothing. For every staged shard the daemon runs, in order, on its
+pipeline thread:
+
+1. hash        sha256 of the shard bytes (the same bytes are every copy, see :mod:`.shardfmt`)
+2. replicate   into the ring neighbour daemon's memory (:mod:`.transport`); never on this node
+3. persist     to local disk (``--disk-dir``) and, if the rank asked, the job's shared directory
+4. commit      this rank's shard manifest with all its copies; when every rank's is there, one
+               daemon wins the commit and writes ``manifest.json`` (:func:`.store.try_commit`)
+5. announce    that daemon publishes one :class:`transom.contracts.CheckpointReady`
+
+Segment states: free -> staging (the rank copies into it) -> queued (handed over) -> held (hashed:
+a valid copy) -> free. A rank that acquires a segment again while one of its segments is still
+``staging`` died mid-save: that segment is reused, the held copies stay.
+
+Segments are reused: a rank's segment returns to its free pool once a newer step of the job is
+committed and ``--mem-keep`` newer copies exist; a segment being written (``staging``) is never
+handed to anyone, so a rank killed mid-save leaves the previous step's copy whole.
+
+Requests (JSON messages, :mod:`.wire`): reserve, forget, acquire, staged, abort, wait, lookup, read, replica_put,
+replica_alloc, replica_done, replica_abort, capacity, stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import queue
+import shutil
+import signal
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transom import contracts
+from transom.log import get
+
+from . import layout, segments, store
+from .layout import sha256_of
+from .segments import Segment, safe_name
+from .transport import Replicator, make_replicator
+from .wire import recv_exact_into, recv_msg, send_file, send_msg
+
+__all__ = ["CheckpointServer", "Slot", "main"]
+
+log = get("checkpoint.server")
+_MiB = 1 << 20
+
+
+@dataclass
+class Slot:
+    seg: Segment
+    kind: str                     # "own" (a local rank's shard) or "replica" (a neighbour's)
+    job: str
+    rank: int
+    state: str = "free"           # free -> staging -> held -> free
+    step: int = -1
+    size: int = 0
+    sha256: str = ""
+    origin: str = ""              # node that wrote the shard
+    generation: int = 0
+
+
+@dataclass
+class _Result:
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointServer:
+    """The daemon's state and pipeline; :meth:`serve` listens, :meth:`close` removes its segments."""
+
+    def __init__(self, node: str, runtime: str | os.PathLike | None = None, *, disk_dir: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0, transport: str = "auto", protocol: str = "auto",
+                 mem_keep: int = 1, disk_keep: int = 3, max_bytes: int | None = None,
+                 bootstrap: str | None = None, register: bool = True) -> None:
+        self.node = node
+        self.runtime = segments.runtime_dir(runtime)
+        self.seg_dir = self.runtime / safe_name(node)
+        self.disk_dir = Path(disk_dir or os.environ.get("TRANSOM_CKPT_LOCAL_DIR")
+                             or f"/tmp/transom-ckpt-local-{os.getuid()}") / safe_name(node)
+        self.mem_keep, self.disk_keep = mem_keep, disk_keep
+        self.max_bytes = max_bytes
+        self.bootstrap = bootstrap
+        self.slots: dict[str, Slot] = {}
+        self.lock = threading.Lock()
+        self.results: dict[tuple[str, int, int], _Result] = {}
+        self.queue: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._producer = None
+        self.replicator: Replicator
+        self.replicator, self.mooncake = make_replicator(transport, host, protocol)
+        self.seg_dir.mkdir(parents=True, exist_ok=True)
+        self.disk_dir.mkdir(parents=True, exist_ok=True)
+        self._sweep()
+        server = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                server._handle(self.request)
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.tcp = socketserver.ThreadingTCPServer((host, port), Handler, bind_and_activate=True)
+        self.tcp.daemon_threads = True
+        self.addr = f"{host}:{self.tcp.server_address[1]}"
+        self._register = register
+        self._threads = [threading.Thread(target=self.tcp.serve_forever, name="ckpt-serve", daemon=True),
+                         threading.Thread(target=self._pipeline, name="ckpt-pipeline", daemon=True)]
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "CheckpointServer":
+        for t in self._threads:
+            t.start()
+        if self._register:
+            segments.register(self.runtime, self.node, {
+                "addr": self.addr, "pid": os.getpid(), "host": os.uname().nodename,
+                "transport": self.replicator.name, "mooncake": self.mooncake.name if self.mooncake else None})
+        log.info("TCE daemon of %s at %s (runtime %s, disk %s, replication %s)", self.node, self.addr,
+                 self.runtime, self.disk_dir, self.replicator.name)
+        return self
+
+    def close(self) -> None:
+        if self._register:
+            segments.unregister(self.runtime, self.node, os.getpid())
+        self.queue.put(None)
+        self.tcp.shutdown()
+        self.tcp.server_close()
+        with self.lock:
+            for slot in self.slots.values():
+                slot.seg.close(unlink=True)
+            self.slots.clear()
+        if self._producer is not None:
+            self._producer.flush(5)
+
+    def _sweep(self) -> None:
+        """Delete segments left in this node's dir by daemons that died (the pid ends the name)."""
+        from .wire import pid_alive
+
+        for f in self.seg_dir.iterdir():
+            pid = f.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                f.unlink(missing_ok=True)
+                log.info("%s: removed %s, left by a daemon that is gone", self.node, f.name)
+
+    # ------------------------------------------------------------------ slots
+    def _used(self) -> int:
+        return sum(s.seg.capacity for s in self.slots.values())
+
+    def _new_slot(self, kind: str, job: str, rank: int, size: int, origin: str) -> Slot:
+        cap = max(_MiB, -(-size // _MiB) * _MiB)
+        if self.max_bytes is not None and self._used() + cap > self.max_bytes:
+            raise MemoryError(f"node {self.node}: checkpoint memory budget exhausted: {self._used()} bytes "
+                              f"in use, {cap} more needed, budget {self.max_bytes} (--max-bytes / "
+                              f"TRANSOM_CKPT_SHM_BYTES); lower --mem-keep or give /dev/shm more room")
+        name = f"{kind}-{safe_name(job)}-r{rank}-{safe_name(origin)}-{next(self._ids)}-{os.getpid()}"
+        seg = Segment.create(self.seg_dir / name, cap)
+        slot = Slot(seg, kind, job, rank, origin=origin)
+        self.slots[str(seg.path)] = slot
+        return slot
+
+    def _take(self, kind: str, job: str, rank: int, size: int, origin: str) -> Slot:
+        """A free slot of this (kind, job, rank) big enough, grown or new otherwise (lock held)."""
+        free = [s for s in self.slots.values() if s.state == "free" and s.kind == kind and s.job == job
+                and s.rank == rank]
+        fit = [s for s in free if s.seg.capacity >= size]
+        if fit:
+            return min(fit, key=lambda s: s.seg.capacity)
+        for s in free:                        # too small: give its memory back first
+            self._drop(s)
+        return self._new_slot(kind, job, rank, size, origin)
+
+    def _drop(self, slot: Slot) -> None:
+        if self.mooncake is not None:
+            self.mooncake.unregister(slot.seg)
+        self.slots.pop(str(slot.seg.path), None)
+        slot.seg.close(unlink=True)
+
+    def _release_old(self, kind: str, job: str, rank: int, ckpt_dir: str | None) -> None:
+        """Free held slots of (kind, job, rank) older than both the newest committed step and the
+        newest ``mem_keep`` held ones (lock held)."""
+        held = sorted((s for s in self.slots.values() if s.state == "held" and s.kind == kind
+                       and s.job == job and s.rank == rank), key=lambda s: s.step)
+        committed = layout.complete_steps(ckpt_dir) if ckpt_dir else []
+        newest = committed[-1] if committed else None
+        for s in held[:-self.mem_keep] if self.mem_keep else held:
+            if newest is not None and s.step < newest:
+                s.state = "free"
+
+    def _find(self, job: str, rank: int, step: int, sha256: str | None) -> Slot | None:
+        cands = [s for s in self.slots.values() if s.state == "held" and s.job == job and s.rank == rank
+                 and s.step == step and (sha256 is None or s.sha256 == sha256)]
+        return max(cands, key=lambda s: s.kind == "own", default=None)
+
+    # ------------------------------------------------------------------ requests
+    def _handle(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            try:
+                msg = recv_msg(sock)
+            except (OSError, ValueError):
+                return
+            if msg is None:
+                return
+            op = msg.get("op")
+            try:
+                reply = getattr(self, f"_op_{op}")(sock, msg)
+            except AttributeError as exc:
+                reply = {"error": f"unknown request {op!r}" if f"_op_{op}" in str(exc) else repr(exc)}
+            except Exception as exc:  # noqa: BLE001 - the reason goes back to the caller
+                log.warning("%s request %s failed: %s", self.node, op, exc)
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            if reply is not None:
+                try:
+                    send_msg(sock, reply)
+                except OSError:
+                    return
+
+    def _op_hello(self, _sock, _msg) -> dict:
+        return {"node": self.node, "addr": self.addr, "transport": self.replicator.name}
+
+    def _op_capacity(self, _sock, _msg) -> dict:
+        import psutil
+
+        st = os.statvfs(self.seg_dir)
+        return {"shm_free": st.f_bavail * st.f_frsize, "shm_path": str(self.seg_dir),
+                "ram_available": psutil.virtual_memory().available, "used": self._used(),
+                "budget": self.max_bytes, "mem_keep": self.mem_keep}
+
+    def _op_stats(self, _sock, _msg) -> dict:
+        with self.lock:
+            return {"slots": [{"kind": s.kind, "job": s.job, "rank": s.rank, "state": s.state, "step": s.step,
+                               "size": s.size, "capacity": s.seg.capacity, "path": str(s.seg.path),
+                               "origin": s.origin} for s in self.slots.values()], "used": self._used()}
+
+    def _op_acquire(self, _sock, msg) -> dict:
+        with self.lock:
+            self._release_old("own", msg["job"], msg["rank"], msg.get("ckpt_dir"))
+            for s in self.slots.values():
+                if s.state == "staging" and s.kind == "own" and (s.job, s.rank) == (msg["job"], msg["rank"]):
+                    log.warning("%s: rank %d of job %s left step %d half written (it died mid-save): "
+                                "segment reused", self.node, s.rank, s.job, s.step)
+                    s.state = "free"     # one rank per (job, rank): the writer of this one is gone
+            slot = self._take("own", msg["job"], msg["rank"], msg["size"], self.node)
+            slot.state, slot.step, slot.size = "staging", msg["step"], msg["size"]
+            return {"path": str(slot.seg.path), "capacity": slot.seg.capacity}
+
+    def _op_reserve(self, _sock, msg) -> dict:
+        with self.lock:
+            slot = self._take("own", msg["job"], msg["rank"], msg["size"], self.node)   # stays free
+            return {"path": str(slot.seg.path), "capacity": slot.seg.capacity}
+
+    def _op_forget(self, _sock, msg) -> dict:
+        """Drop every memory copy of a job on this node (the job is over; frees /dev/shm now)."""
+        with self.lock:
+            gone = [s for s in self.slots.values() if s.job == msg["job"] and s.state in ("free", "held")]
+            for s in gone:
+                self._drop(s)
+        return {"dropped": len(gone)}
+
+    def _op_abort(self, _sock, msg) -> dict:
+        with self.lock:
+            slot = self.slots.get(msg["path"])
+            if slot is not None and slot.state == "staging":
+                slot.state = "free"
+        return {"ok": True}
+
+    def _op_staged(self, _sock, msg) -> dict:
+        with self.lock:
+            slot = self.slots.get(msg["path"])
+            if slot is None or slot.state != "staging":
+                return {"error": f"{msg['path']} is not a segment being staged on {self.node}"}
+            slot.state = "queued"
+            key = (msg["job"], msg["rank"], msg["step"])
+            self.results[key] = _Result()
+        self.queue.put((slot, msg))
+        return {"ok": True}
+
+    def _op_wait(self, _sock, msg) -> dict:
+        res = self.results.get((msg["job"], msg["rank"], msg["step"]))
+        if res is None:
+            return {"error": f"no save of step {msg['step']} of rank {msg['rank']} is known on {self.node}"}
+        if not res.done.wait(msg.get("timeout")):
+            return {"error": f"step {msg['step']} of rank {msg['rank']} still in progress"}
+        return {"ok": res.error is None, "failed": res.error, **res.info}
+
+    def _op_lookup(self, _sock, msg) -> dict:
+        with self.lock:
+            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("sha256"))
+            if slot is None:
+                return {"found": False}
+            return {"found": True, "path": str(slot.seg.path), "size": slot.size, "sha256": slot.sha256,
+                    "kind": slot.kind, "origin": slot.origin}
+
+    def _op_read(self, sock, msg) -> None:
+        with self.lock:
+            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("sha256"))
+            if slot is not None:
+                slot.state = "reading"        # not reused while it is being sent
+        if slot is None:
+            send_msg(sock, {"found": False})
+            return None
+        try:
+            send_msg(sock, {"found": True, "size": slot.size, "sha256": slot.sha256, "kind": slot.kind})
+            send_file(sock, str(slot.seg.path), slot.size)
+        finally:
+            with self.lock:
+                slot.state = "held"
+        return None
+
+    def _replica_slot(self, msg) -> Slot:
+        with self.lock:
+            self._release_old("replica", msg["job"], msg["rank"], msg.get("ckpt_dir"))
+            slot = self._take("replica", msg["job"], msg["rank"], msg["size"], msg["origin"])
+            slot.state, slot.step, slot.size, slot.origin = "staging", msg["step"], msg["size"], msg["origin"]
+            slot.generation = msg.get("generation", 0)
+            return slot
+
+    def _finish_replica(self, slot: Slot, msg) -> dict:
+        digest = sha256_of(slot.seg.view(slot.size))
+        with self.lock:
+            if digest != msg["sha256"]:
+                slot.state = "free"
+                return {"error": f"replica of rank {msg['rank']} step {msg['step']} arrived with sha256 "
+                                 f"{digest}, sender says {msg['sha256']}: dropped"}
+            for other in self.slots.values():        # an older replica of the same step is stale now
+                if other is not slot and other.state == "held" and other.kind == "replica" and \
+                        (other.job, other.rank, other.step) == (slot.job, slot.rank, slot.step):
+                    other.state = "free"
+            slot.sha256, slot.state = digest, "held"
+        return {"path": str(slot.seg.path), "node": self.node}
+
+    def _op_replica_put(self, sock, msg) -> dict:
+        slot = self._replica_slot(msg)
+        t0 = time.perf_counter()
+        try:
+            recv_exact_into(sock, slot.seg.view(slot.size))
+        except OSError:
+            with self.lock:
+                slot.state = "free"
+            raise
+        dt = time.perf_counter() - t0
+        return {**self._finish_replica(slot, msg), "transfer_s": dt}
+
+    def _op_replica_alloc(self, _sock, msg) -> dict:
+        if self.mooncake is None:
+            return {"error": f"{self.node} runs the tcp transport, not Mooncake"}
+        slot = self._replica_slot(msg)
+        return {"path": str(slot.seg.path), "addr": self.mooncake.register(slot.seg)}
+
+    def _op_replica_done(self, _sock, msg) -> dict:
+        slot = self.slots.get(msg["path"])
+        if slot is None or slot.state != "staging":
+            return {"error": f"{msg['path']}: no replica being received"}
+        return self._finish_replica(slot, msg)
+
+    def _op_replica_abort(self, _sock, msg) -> dict:
+        return self._op_abort(_sock, msg)
+
+    # ------------------------------------------------------------------ pipeline
+    def _pipeline(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            slot, msg = item
+            res = self.results[(msg["job"], msg["rank"], msg["step"])]
+            try:
+                res.info = self._run_stages(slot, msg)
+            except Exception as exc:  # noqa: BLE001 - reported to the rank through wait()
+                res.error = f"{type(exc).__name__}: {exc}"
+                log.error("%s: checkpoint of job %s rank %d step %d failed: %s", self.node, msg["job"],
+                          msg["rank"], msg["step"], res.error)
+            finally:
+                res.done.set()
+
+    def _run_stages(self, slot: Slot, msg: dict) -> dict:
+        job, rank, step, gen = msg["job"], msg["rank"], msg["step"], msg.get("generation", 0)
+        size, t = msg["size"], {}
+        data = slot.seg.view(size)
+        t0 = time.perf_counter()
+        sha = sha256_of(data)                                           # 1. hash
+        with self.lock:
+            slot.sha256, slot.state, slot.generation, slot.origin = sha, "held", gen, self.node
+        t["hash_s"] = time.perf_counter() - t0
+        copies = [contracts.Copy(rank, self.node, contracts.Tier.MEMORY, f"{self.addr}#{slot.seg.path}")]
+        meta = {"job": job, "rank": rank, "step": step, "size": size, "sha256": sha, "origin": self.node,
+                "generation": gen, "ckpt_dir": msg.get("ckpt_dir")}
+        peer = segments.neighbour(self.runtime, self.node)              # 2. replicate
+        if peer is None:
+            log.warning("%s: no other TCE daemon is registered in %s: step %d of rank %d has no peer "
+                        "replica", self.node, self.runtime, step, rank)
+        else:
+            t1 = time.perf_counter()
+            where, t["transfer_s"] = self.replicator.replicate(peer, slot.seg, meta)
+            t["replicate_s"] = time.perf_counter() - t1
+            copies.append(contracts.Copy(rank, peer["node"], contracts.Tier.MEMORY, f"{peer['addr']}#{where}"))
+        t2 = time.perf_counter()                                        # 3. persist
+        if msg.get("disk", True):
+            ddir = layout.step_dir(self.disk_dir / safe_name(job), step)
+            ddir.mkdir(parents=True, exist_ok=True)
+            store.write_bytes(ddir / layout.shard_name(rank), data)
+            copies.append(contracts.Copy(rank, self.node, contracts.Tier.DISK, str(ddir / layout.shard_name(rank))))
+        t["persist_s"] = time.perf_counter() - t2
+        ready = None
+        if msg.get("ckpt_dir"):                                         # 4. commit
+            sdir = layout.step_dir(msg["ckpt_dir"], step)
+            replaced = store.uncommit_older(sdir) if msg.get("first_of_step", True) else None
+            if replaced is not None:
+                log.info("step %d was committed by generation %s; generation %d replaces it", step, replaced, gen)
+            t3 = time.perf_counter()
+            store.persist_shard(sdir, job=job, step=step, rank=rank, world_size=msg["world_size"],
+                                node=self.node, generation=gen, data=data, sha256=sha, copies=tuple(copies),
+                                write_file=bool(msg.get("shared", True)))
+            t["persist_s"] += time.perf_counter() - t3
+            ready = store.try_commit(sdir, job=job, step=step, world_size=msg["world_size"], generation=gen,
+                                     rank=rank)
+        if ready is not None:                                           # 5. announce
+            log.info("checkpoint step %d of job %s committed by %s (%d shards, replicated %s)",
+                     step, job, self.node, len(ready.shards), ready.replicated)
+            self._announce(ready, msg.get("bootstrap") or self.bootstrap)
+            deleted = layout.prune(msg["ckpt_dir"], msg.get("keep", 3))
+            if deleted:
+                log.info("deleted checkpoint steps %s (keeping the newest %d)", deleted, msg.get("keep", 3))
+        self._prune_disk(job)
+        t["total_s"] = time.perf_counter() - t0
+        return {"sha256": sha, "committed": ready is not None, "copies": [c.__dict__ | {"tier": c.tier.value}
+                                                                          for c in copies], **t}
+
+    def _announce(self, ready: contracts.CheckpointReady, bootstrap: str | None) -> None:
+        if not bootstrap:
+            return
+        from transom.kafka import make_producer, publish
+
+        try:
+            if self._producer is None:
+                self._producer = make_producer(bootstrap)
+            publish(self._producer, contracts.CHECKPOINTS, ready.job, ready)
+            if self._producer.flush(2):
+                log.warning("checkpoint-ready for step %d not yet delivered to %s", ready.step, bootstrap)
+        except Exception as exc:  # noqa: BLE001 - the checkpoint exists; the event is a bonus
+            log.warning("could not publish checkpoint-ready for step %d to %s: %s", ready.step, bootstrap, exc)
+
+    def _prune_disk(self, job: str) -> None:
+        root = self.disk_dir / safe_name(job)
+        steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for p in steps[:-self.disk_keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def serve(self) -> None:
+        """Run until SIGTERM or SIGINT, then remove every segment and unregister."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        stop.wait()
+        log.info("TCE daemon of %s stopping", self.node)
+        self.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    CheckpointServer(args.node, args.runtime, disk_dir=args.disk_dir, host=args.host, port=args.port,
+                     transport=args.transport, protocol=args.protocol, mem_keep=args.mem_keep,
+                     disk_keep=args.disk_keep, max_bytes=args.max_bytes, bootstrap=args.bootstrap).serve()
+    return 0
