@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["Backend", "RankStatus", "register_backend", "create_backend", "BACKENDS"]
 
@@ -22,7 +22,7 @@ class RankStatus:
 
 
 class Backend(abc.ABC):
-    """Launch, stop and watch one job's ranks on a set of nodes."""
+    """Launch, stop and watch one job's ranks on a set of nodes; cordon nodes; report node health."""
 
     name: str = ""
 
@@ -49,6 +49,20 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def nodes(self) -> list[str]:
         """Nodes this backend can run ranks on (cordoned ones excluded)."""
+
+    @abc.abstractmethod
+    def health(self, nodes: Sequence[str]) -> dict[str, str]:
+        """What the platform says is wrong with each of ``nodes`` (node -> reason); healthy ones absent."""
+
+    def collective_test(self, job: str, generation: int, nodes: Sequence[str], timeout: float) -> dict[str, str] | None:
+        """Run a tiny all-reduce across ``nodes``; node -> reason for those that failed.
+
+        None means this backend cannot run one (the pre-check then rests on health alone).
+        """
+        return None
+
+    def close(self) -> None:
+        """Release what the backend holds (helper processes, connections); the jobs keep running."""
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {}

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import psutil
 
@@ -48,6 +48,7 @@ class LocalBackend(Backend):
         self.ckpt_dir = ckpt_dir
         self.bootstrap = bootstrap
         self.extra_env = dict(env or {})
+        self._workers: dict[str, subprocess.Popen] = {}
 
     # ------------------------------------------------------------------ paths
     def _gen_dir(self, job: str, generation: int) -> Path:
@@ -153,6 +154,111 @@ class LocalBackend(Backend):
                 _signal_group(pid, signal.SIGKILL)
         self._reap()
         log.info("stopped job %s generation %d", job, generation)
+
+    def health(self, nodes: Sequence[str]) -> dict[str, str]:
+        cordoned = self._cordoned()
+        out = {}
+        for node in nodes:
+            if node not in self.agents:
+                out[node] = "no agent address (give --node NAME=HOST:PORT)"
+            elif node in cordoned:
+                out[node] = f"cordoned: {cordoned[node]}"
+        return out
+
+    def collective_test(self, job: str, generation: int, nodes: Sequence[str], timeout: float) -> dict[str, str]:
+        """A gloo all-reduce across one process per node (``TRANSOM_NODE`` set); retried once on a new port.
+
+        The processes are kept warm between tests (``collective --serve``, one per node, started
+        at the first test for every node this backend knows), so a relaunch pays no torch import.
+        """
+        failed: dict[str, str] = {}
+        for _attempt in range(2):
+            failed = self._collective_warm(nodes, timeout)
+            if failed is None:
+                failed = self._collective_once(nodes, timeout)
+            if len(failed) < len(nodes):
+                return failed
+            log.warning("collective test failed on every node (%s); retrying once on a new port",
+                        next(iter(failed.values()), ""))
+        return failed
+
+    def _worker(self, node: str) -> subprocess.Popen:
+        proc = self._workers.get(node)
+        if proc is None or proc.poll() is not None:
+            env = {**os.environ, **self.extra_env, "TRANSOM_NODE": node}
+            proc = subprocess.Popen([sys.executable, "-m", "transom.controller.collective", "--serve"], env=env,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    text=True, bufsize=1, start_new_session=True)
+            self._workers[node] = proc
+        return proc
+
+    def _collective_warm(self, nodes: Sequence[str], timeout: float) -> dict[str, str] | None:
+        """The test through the warm workers; None when they cannot be used (then a one-off run)."""
+        import select
+
+        for node in self.agents:          # start every node's worker at once: spares get warm too
+            self._worker(node)
+        workers = [self._worker(n) for n in nodes]
+        master = f"127.0.0.1:{free_port()}"
+        deadline = time.monotonic() + timeout + 30         # the first test waits for torch's import
+        try:
+            for rank, w in enumerate(workers):
+                w.stdin.write(f"{rank} {len(nodes)} {master} {timeout}\n")
+                w.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        answers: dict[int, str] = {}
+        while len(answers) < len(workers) and time.monotonic() < deadline:
+            pending = {w.stdout: r for r, w in enumerate(workers) if r not in answers}
+            ready, _, _ = select.select(list(pending), [], [], 0.2)
+            for f in ready:
+                line = f.readline()
+                if line.strip() == "ready":
+                    continue
+                answers[pending[f]] = line.strip() or "fail the worker exited"
+        failed = {}
+        for rank, node in enumerate(nodes):
+            answer = answers.get(rank)
+            if answer is None:
+                failed[node] = "collective test did not answer in time"
+                _signal_group(workers[rank].pid, signal.SIGKILL)
+                self._workers.pop(node, None)
+            elif answer != "ok":
+                failed[node] = answer.removeprefix("fail ")
+        return failed
+
+    def close(self) -> None:
+        """Stop the warm collective-test workers."""
+        for proc in self._workers.values():
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._workers.clear()
+
+    def _collective_once(self, nodes: Sequence[str], timeout: float) -> dict[str, str]:
+        master = f"127.0.0.1:{free_port()}"
+        procs = []
+        for rank, node in enumerate(nodes):
+            env = {**os.environ, **self.extra_env, "TRANSOM_NODE": node}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "transom.controller.collective", "--rank", str(rank), "--world",
+                 str(len(nodes)), "--master", master, "--timeout", str(timeout)],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True))
+        failed = {}
+        deadline = time.monotonic() + timeout + 15     # torch's import on a loaded machine
+        for node, proc in zip(nodes, procs):
+            try:
+                _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                failed[node] = f"collective test did not finish in {timeout + 15:.0f}s"
+                continue
+            if proc.returncode != 0:
+                lines = err.decode(errors="replace").strip().splitlines()
+                failed[node] = f"collective test exited {proc.returncode}: {lines[-1] if lines else ''}"
+        return failed
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

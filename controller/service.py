@@ -1,46 +1,63 @@
-"""The controller service: replays ``transom.lifecycle``, then drives jobs from Kafka events.
+"""The controller service: holds the lease, replays ``transom.lifecycle``, then drives jobs.
 
 Order of work for every decision (see :mod:`transom.controller.state`): decide, record the
-lifecycle event with the job's new snapshot (flushed to the broker), then carry out the actions.
-A controller killed anywhere in between finds, on restart, a snapshot whose ``generation`` is
-ahead of its ``launched_generation`` and finishes that launch; the backend adopts a launch that
-had already happened, so nothing runs twice.
+lifecycle event with the job's new snapshot (flushed to the broker), then carry out the actions,
+then feed their outcome back (``StepDone``, ``PrecheckDone``, ``Launched``). A controller killed
+anywhere in between finds, on restart, the snapshot of the step it was in and carries out that
+step's actions again (:func:`~transom.controller.state.pending_actions`); every action is
+idempotent by job generation (a launch that already happened is adopted), so nothing is done
+twice and nothing is lost.
+
+Only the lease holder (:mod:`transom.controller.lease`) replays and acts; a standby keeps its
+node-health view warm from ``transom.metrics`` and takes over when the lease lapses.
 
 Inputs: ``transom.faults`` and ``transom.checkpoints`` from their beginning (decisions are
-idempotent by fault id and checkpoint step), training samples on ``transom.metrics`` from now on,
-and rank exits polled from the backend.
+idempotent by fault id and checkpoint step), ``transom.metrics`` from now on (training steps and
+node health for the pre-check), and rank exits polled from the backend.
+
+Test hook: ``TRANSOM_TEST_CRASH_AT=STEP`` (off by default; for crash-safety tests only) makes the
+controller SIGKILL itself right after carrying out the actions of ``STEP`` (a recovery step such
+as ``evicting`` or ``relaunching``, or ``prechecking``), before their outcome is recorded.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartition
 
 from transom import contracts
 from transom.contracts import ContractError, Source
 from transom.kafka import DeadLetterWriter, client_config, make_producer, publish, read_topic
 from transom.log import get
 
-from confluent_kafka import Consumer
-
 from .backend import Backend
+from .health import HealthBook
+from .lease import LEASE_KEY, Lease, LeaseLost
 from .state import (CheckpointSeen, Cordon, Decision, FaultSeen, Job, JobSpec, JobState, Launch, Launched,
-                    RanksExited, StepSeen, Stop, Submitted, decide)
+                    Precheck, PrecheckDone, RanksExited, RecoveryStep, StepDone, StepSeen, Stop, Submitted, decide,
+                    pending_actions)
 
-__all__ = ["Controller", "replay"]
+__all__ = ["Controller", "PrecheckConfig", "replay", "CRASH_ENV"]
 
 log = get("controller")
 TERMINAL = (JobState.COMPLETED, JobState.FAILED)
+CRASH_ENV = "TRANSOM_TEST_CRASH_AT"
+EXIT_LEASE_LOST = 3
 
 
 def replay(bootstrap: str) -> tuple[dict[str, Job], dict[str, int]]:
     """Jobs and their next lifecycle seq, rebuilt from the lifecycle topic."""
     jobs: dict[str, Job] = {}
     seqs: dict[str, int] = {}
-    for _k, value, _p, _o in read_topic(bootstrap, contracts.LIFECYCLE):
+    for key, value, _p, _o in read_topic(bootstrap, contracts.LIFECYCLE):
+        if key == LEASE_KEY.encode():
+            continue
         try:
             ev = contracts.decode(contracts.LIFECYCLE, value)
         except ContractError as exc:
@@ -52,30 +69,50 @@ def replay(bootstrap: str) -> tuple[dict[str, Job], dict[str, int]]:
     return jobs, seqs
 
 
-class Controller:
-    """Drives every job it knows through the state machine; one instance acts at a time."""
+@dataclass(frozen=True)
+class PrecheckConfig:
+    """How the pre-check before every launch judges the chosen nodes."""
 
-    def __init__(self, bootstrap: str, backend: Backend, *, poll_interval: float = 0.5) -> None:
+    metrics: bool = True              # node health from the agents' newest batches
+    collective: bool = True           # a tiny gloo all-reduce across the chosen nodes
+    wait_s: float = 4.0               # how long to wait for a first heartbeat of a node not seen yet
+    collective_timeout_s: float = 15.0
+
+
+class Controller:
+    """Drives every job it knows through the state machine, while it holds the lease."""
+
+    def __init__(self, bootstrap: str, backend: Backend, *, poll_interval: float = 0.5,
+                 precheck: PrecheckConfig | None = None, health: HealthBook | None = None,
+                 lease: Lease | None = None, holder: str | None = None) -> None:
         self.bootstrap = bootstrap
         self.backend = backend
         self.poll_interval = poll_interval
+        self.precheck = precheck or PrecheckConfig()
+        self.health = health or HealthBook()
+        self.lease = lease or Lease(bootstrap, holder)
         self.producer = make_producer(bootstrap)
         self.deadletters = DeadLetterWriter(self.producer, "controller")
-        self.jobs, self.seqs = replay(bootstrap)
+        self.jobs: dict[str, Job] = {}
+        self.seqs: dict[str, int] = {}
+        self.submissions: list[tuple[str, JobSpec, tuple[str, ...]]] = []
         self.stopping = threading.Event()
-        if self.jobs:
-            log.info("replayed %d job(s) from %s: %s", len(self.jobs), contracts.LIFECYCLE,
-                     ", ".join(f"{j.job}={j.state.value}/gen{j.generation}" for j in self.jobs.values()))
+        self.crash_at = os.environ.get(CRASH_ENV) or None
+        self._metrics: Consumer | None = None
 
     # ------------------------------------------------------------------ submission
     def submit(self, job_id: str, spec: JobSpec, nodes: tuple[str, ...]) -> None:
-        """Submit a job unless the lifecycle already knows it (so a restart does not resubmit)."""
+        """Submit a job once this controller holds the lease, unless the lifecycle already knows it."""
+        self.submissions.append((job_id, spec, tuple(nodes)))
+
+    def _submit_now(self, job_id: str, spec: JobSpec, nodes: tuple[str, ...]) -> None:
         if job_id in self.jobs:
             log.info("job %s is already known (%s); not submitting again", job_id, self.jobs[job_id].state.value)
             return
         job = Job(job=job_id, spec=spec)
         self.jobs[job_id] = job
-        self._record(Decision(job, (), "submitted", {}, {"command": list(spec.command), "nodes": list(nodes)}))
+        self._record(Decision(job, (), "submitted", {}, {"command": list(spec.command), "nodes": list(nodes),
+                                                         "spec": spec.to_dict()}))
         self.apply(job_id, Submitted(tuple(nodes)))
 
     # ------------------------------------------------------------------ core
@@ -84,10 +121,39 @@ class Controller:
         self.jobs[job_id] = decision.job
         if decision.name:
             self._record(decision)
-        for action in decision.actions:
-            self._execute(decision.job, action)
+        self._act(decision.job, decision.actions)
+
+    def _act(self, job: Job, actions: tuple[Any, ...]) -> None:
+        """Carry out ``actions`` of ``job``'s current step, then feed their outcome back."""
+        if not actions:
+            return
+        outcome: list[Any] = []
+        for action in actions:
+            if isinstance(action, Stop):
+                self.backend.stop(job.job, action.generation)
+            elif isinstance(action, Cordon):
+                self.backend.cordon(action.node, action.reason)
+            elif isinstance(action, Precheck):
+                outcome.append(PrecheckDone(action.generation, self._precheck(job, action)))
+            elif isinstance(action, Launch):
+                self._wait_until(action.not_before)
+                handle = self.backend.launch(job.job, action.generation, action.nodes, job.spec.command,
+                                             action.resume_step)
+                outcome.append(Launched(action.generation, time.time(), dict(handle)))
+            else:
+                raise TypeError(f"unknown action {action!r}")
+        label = job.step.value if job.state == JobState.RECOVERING and job.step else job.state.value
+        if self.crash_at == label:
+            log.warning("%s=%s: killing this controller with SIGKILL (a test hook)", CRASH_ENV, label)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not outcome and job.state == JobState.RECOVERING and job.step in (RecoveryStep.STOPPING,
+                                                                            RecoveryStep.EVICTING):
+            outcome.append(StepDone(job.generation, job.step))
+        for event in outcome:
+            self.apply(job.job, event)
 
     def _record(self, d: Decision) -> None:
+        self.lease.check()
         seq = self.seqs.get(d.job.job, 0)
         ev = contracts.LifecycleEvent(job=d.job.job, seq=seq, ts=time.time(), name=d.name, state=d.job.state.value,
                                       cause=dict(d.cause), detail=dict(d.detail), snapshot=d.job.to_dict())
@@ -97,73 +163,125 @@ class Controller:
             raise RuntimeError(f"could not write lifecycle event '{d.name}' of {d.job.job} to the broker; "
                                "refusing to act on an unrecorded decision")
         self.seqs[d.job.job] = seq + 1
-        log.info("job %s: %s -> %s %s%s", d.job.job, d.name, d.job.state.value,
-                 " ".join(f"{k}={v}" for k, v in d.detail.items() if k not in ("command",)),
+        step = f"/{d.job.step.value}" if d.job.step else ""
+        log.info("job %s: %s -> %s%s %s%s", d.job.job, d.name, d.job.state.value, step,
+                 " ".join(f"{k}={v}" for k, v in d.detail.items() if k not in ("command", "spec")),
                  f" cause={dict(d.cause)}" if d.cause else "")
 
-    def _execute(self, job: Job, action: Any) -> None:
-        if isinstance(action, Stop):
-            self.backend.stop(job.job, action.generation)
-        elif isinstance(action, Cordon):
-            self.backend.cordon(action.node, action.reason)
-        elif isinstance(action, Launch):
-            handle = self.backend.launch(job.job, action.generation, action.nodes, job.spec.command,
-                                         action.resume_step)
-            self.apply(job.job, Launched(action.generation, time.time(), dict(handle)))
-        else:
-            raise TypeError(f"unknown action {action!r}")
+    def _wait_until(self, ts: float) -> None:
+        while time.time() < ts and not self.stopping.is_set():
+            self._pump_metrics(min(0.2, ts - time.time()))
 
     def reconcile(self) -> None:
-        """Finish what a previous controller decided but did not carry out."""
+        """Carry out again the actions of the step each job was in when the last controller stopped."""
         for job in list(self.jobs.values()):
-            if job.state in TERMINAL or job.generation <= job.launched_generation:
-                continue
-            log.info("job %s: generation %d was decided but its launch not recorded; completing it",
-                     job.job, job.generation)
-            if job.launched_generation >= 0:
-                self.backend.stop(job.job, job.launched_generation)
-            for node in job.evicted:
-                self.backend.cordon(node, "evicted")
-            self._execute(job, Launch(job.generation, job.nodes, job.resume_step))
+            actions = pending_actions(job)
+            if actions and job.state != JobState.FAILED:
+                log.info("job %s: resuming %s%s of generation %d after a controller restart", job.job,
+                         job.state.value, f"/{job.step.value}" if job.step else "", job.generation)
+            self._act(job, actions)
+
+    # ------------------------------------------------------------------ pre-check
+    def _precheck(self, job: Job, action: Precheck) -> dict[str, str]:
+        nodes = list(action.nodes)
+        failed = dict(self.backend.health(nodes))
+        if self.precheck.metrics:
+            deadline = time.monotonic() + self.precheck.wait_s
+            while time.monotonic() < deadline and any(not self.health.fresh(n) for n in nodes if n not in failed):
+                self._pump_metrics(0.2)
+            for node in nodes:
+                if node not in failed and (why := self.health.problem(node)):
+                    failed[node] = why
+        if not failed and self.precheck.collective:
+            got = self.backend.collective_test(job.job, action.generation, nodes, self.precheck.collective_timeout_s)
+            failed.update(got or {})
+        if failed:
+            log.warning("job %s: pre-check of generation %d failed: %s", job.job, action.generation,
+                        "; ".join(f"{n}: {r}" for n, r in failed.items()))
+        return failed
 
     # ------------------------------------------------------------------ inputs
-    def _consumer(self) -> Consumer:
+    def _metrics_consumer(self) -> Consumer:
         consumer = Consumer(client_config(self.bootstrap, group_id="transom-controller", enable_auto_commit=False,
-                                                 fetch_wait_max_ms=100))
+                                          fetch_wait_max_ms=100))
+        md = consumer.list_topics(contracts.METRICS, timeout=30)
+        consumer.assign([TopicPartition(contracts.METRICS, p, OFFSET_END)
+                         for p in md.topics[contracts.METRICS].partitions])
+        return consumer
+
+    def _events_consumer(self) -> Consumer:
+        consumer = Consumer(client_config(self.bootstrap, group_id="transom-controller", enable_auto_commit=False,
+                                          fetch_wait_max_ms=100))
         parts = []
-        for topic, start in ((contracts.FAULTS, OFFSET_BEGINNING), (contracts.CHECKPOINTS, OFFSET_BEGINNING),
-                             (contracts.METRICS, OFFSET_END)):
+        for topic in (contracts.FAULTS, contracts.CHECKPOINTS, contracts.LIFECYCLE):
             md = consumer.list_topics(topic, timeout=30)
-            parts += [TopicPartition(topic, p, start) for p in md.topics[topic].partitions]
+            parts += [TopicPartition(topic, p, OFFSET_BEGINNING) for p in md.topics[topic].partitions]
         consumer.assign(parts)
         return consumer
 
-    def _on_message(self, msg) -> None:
+    def _pump_metrics(self, timeout: float) -> None:
+        if self._metrics is None:
+            time.sleep(max(timeout, 0))
+            return
+        msg = self._metrics.poll(max(timeout, 0))
+        while msg is not None:
+            if not msg.error():
+                self._on_metrics(msg)
+            msg = self._metrics.poll(0)
+
+    def _on_metrics(self, msg) -> None:
+        try:
+            batch = contracts.decode(contracts.METRICS, msg.value())
+        except ContractError:
+            return          # the TEE dead-letters malformed metrics already
+        self.health.observe(batch)
+        for sample in batch.of(Source.TRAIN):
+            job_id = sample.tags.get("job")
+            if job_id in self.jobs and "step" in sample.fields and "generation" in sample.tags:
+                self.apply(job_id, StepSeen(int(sample.tags["generation"]), int(sample.fields["step"]),
+                                            sample.ts or batch.ts))
+
+    def _on_event(self, msg) -> None:
         topic = msg.topic()
+        if topic == contracts.LIFECYCLE:
+            if msg.key() != LEASE_KEY.encode():
+                self._on_lifecycle(msg)
+            return
         try:
             value = contracts.decode(topic, msg.value())
         except ContractError as exc:
-            if topic != contracts.METRICS:      # the TEE dead-letters malformed metrics already
-                self.deadletters.reject(topic=topic, key=msg.key(), value=msg.value(), reason=str(exc),
-                                        partition=msg.partition(), offset=msg.offset())
+            self.deadletters.reject(topic=topic, key=msg.key(), value=msg.value(), reason=str(exc),
+                                    partition=msg.partition(), offset=msg.offset())
             return
         if topic == contracts.FAULTS:
-            for job_id, job in self.jobs.items():
+            for job_id, job in list(self.jobs.items()):
                 if value.job in (None, job_id) and job.state not in TERMINAL:
-                    self.apply(job_id, FaultSeen(value))
-        elif topic == contracts.CHECKPOINTS:
-            if value.job in self.jobs:
-                self.apply(value.job, CheckpointSeen(value))
-        else:
-            for sample in value.of(Source.TRAIN):
-                job_id = sample.tags.get("job")
-                if job_id in self.jobs and "step" in sample.fields and "generation" in sample.tags:
-                    self.apply(job_id, StepSeen(int(sample.tags["generation"]), int(sample.fields["step"]),
-                                                sample.ts or value.ts))
+                    self.apply(job_id, FaultSeen(value, time.time()))
+        elif topic == contracts.CHECKPOINTS and value.job in self.jobs:
+            self.apply(value.job, CheckpointSeen(value))
+
+    def _on_lifecycle(self, msg) -> None:
+        """Pick up a job submitted with ``transom run`` (a ``submit_requested`` event) once."""
+        try:
+            ev = contracts.decode(contracts.LIFECYCLE, msg.value())
+        except ContractError:
+            return
+        if ev.name != "submit_requested" or ev.job in self.jobs:
+            return
+        try:
+            spec = JobSpec.from_dict(ev.detail["spec"])
+            spares = int(ev.detail.get("spares", 0))
+        except (KeyError, TypeError, ValueError) as exc:
+            self.deadletters.reject(topic=msg.topic(), key=msg.key(), value=msg.value(),
+                                    reason=f"submit_requested: bad spec ({exc!r})", offset=msg.offset())
+            return
+        busy = {n for j in self.jobs.values() if j.state not in TERMINAL for n in j.nodes + j.spares}
+        free = [n for n in self.backend.nodes() if n not in busy]
+        self._submit_now(ev.job, spec, tuple(free[: spec.world_size + spares]))
 
     def _poll_ranks(self) -> None:
         for job in list(self.jobs.values()):
-            if job.state != JobState.RUNNING:
+            if not (job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING):
                 continue
             statuses = self.backend.status(job.job, job.launched_generation)
             if not statuses:
@@ -172,32 +290,59 @@ class Controller:
             if failed or all(not s.running for s in statuses):
                 codes = {s.rank: (s.exit_code if s.exit_code is not None else 0) for s in statuses
                          if not s.running}
-                self.apply(job.job, RanksExited(job.launched_generation, codes))
+                self.apply(job.job, RanksExited(job.launched_generation, codes, time.time()))
 
     # ------------------------------------------------------------------ loop
     def run(self, *, exit_when_done: bool = False) -> int:
-        """Process events until stopped (or, with ``exit_when_done``, until every job has ended).
+        """Wait for the lease, then process events until stopped (or, with ``exit_when_done``, until the
+        jobs submitted on the command line, or every job when none was, have ended).
 
-        Returns 0 when every job completed, 1 when one failed.
+        Returns 0 when those jobs completed, 1 when one failed, 3 when the lease was lost.
         """
-        self.reconcile()
-        consumer = self._consumer()
-        next_poll = 0.0
+        self._metrics = self._metrics_consumer()
+        events: Consumer | None = None
         try:
+            if not self.lease.acquire(self.stopping, idle=lambda: self._pump_metrics(0)):
+                return 0
+            self.jobs, self.seqs = replay(self.bootstrap)
+            if self.jobs:
+                log.info("replayed %d job(s) from %s: %s", len(self.jobs), contracts.LIFECYCLE,
+                         ", ".join(f"{j.job}={j.state.value}/gen{j.generation}" for j in self.jobs.values()))
+            self.reconcile()
+            for submission in self.submissions:
+                self._submit_now(*submission)
+            events = self._events_consumer()
+            next_poll = 0.0
             while not self.stopping.is_set():
-                msg = consumer.poll(0.2)
-                if msg is not None and not msg.error():
-                    self._on_message(msg)
+                self.lease.check()
+                msg, handled = events.poll(0.1), 0
+                while msg is not None and handled < 500:      # drain what is there, then see to the rest
+                    if not msg.error():
+                        self._on_event(msg)
+                    msg, handled = events.poll(0), handled + 1
+                self._pump_metrics(0.05)
                 now = time.monotonic()
                 if now >= next_poll:
                     self._poll_ranks()
                     next_poll = now + self.poll_interval
-                    if exit_when_done and self.jobs and all(j.state in TERMINAL for j in self.jobs.values()):
+                    if exit_when_done and self._watched() and all(j.state in TERMINAL for j in self._watched()):
                         break
+        except LeaseLost as exc:
+            log.error("%s", exc)
+            return EXIT_LEASE_LOST
         finally:
-            consumer.close()
+            if events is not None:
+                events.close()
+            self._metrics.close()
+            self.backend.close()
+            self.lease.release()
             self.producer.flush(10)
-        return 1 if any(j.state == JobState.FAILED for j in self.jobs.values()) else 0
+        return 1 if any(j.state == JobState.FAILED for j in self._watched()) else 0
+
+    def _watched(self) -> list[Job]:
+        """The jobs submitted on this controller's command line, or, without any, every job it knows."""
+        mine = {s[0] for s in self.submissions}
+        return [j for j in self.jobs.values() if not mine or j.job in mine]
 
     def stop(self) -> None:
         self.stopping.set()

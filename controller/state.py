@@ -1,21 +1,28 @@
 """The job state machine of the controller (TOL), as data and one pure function.
 
-States and their transitions (``TRANSITIONS`` is the table; anything else raises
-:class:`IllegalTransition`)::
+States (``TRANSITIONS`` is the table; anything else raises :class:`IllegalTransition`)::
 
-    PENDING ──▶ RUNNING ──▶ COMPLETED
-                  │  ▲
-                  ▼  │ (relaunched)
-               RECOVERING ──▶ FAILED        (restart budget spent, or no node to replace with)
+    PENDING ──▶ PRECHECKING ──▶ RUNNING ──▶ COMPLETED
+                    │             │  ▲
+                    │             ▼  │ (first step of the new generation)
+                    └──────▶  RECOVERING ──▶ FAILED  (budget spent, no node to replace with)
 
-``decide(job, event)`` returns the new job record and the actions to carry out; it touches no
-Kafka and no process, so tests drive it directly. The controller writes one lifecycle event per
-decision (with the job snapshot) *before* carrying out its actions, which makes every action
-idempotent by job generation: on restart the controller sees what it had decided and whether the
-launch of that generation already happened.
+A recovering job walks the steps of :class:`RecoveryStep` along the table ``RECOVERY_STEPS``
+(``EVICTING`` is skipped when nothing is evicted; a fault while RESUMING starts over)::
 
-Policy (what a fault kind does) is the table ``FAULT_POLICY``; a fault on a node that is not in
-the job, observed before the current generation started, or already handled is ignored.
+    STOPPING ─▶ EVICTING ─▶ REPLACING ─▶ RELAUNCHING ─▶ RESUMING ─▶ (RUNNING)
+                                │  ▲
+                                └──┘ a node failed its pre-check: evict it, take another spare
+
+``decide(job, event)`` returns the new job record, the actions to carry out and the lifecycle
+event to record; it touches no Kafka and no process. The actions of a job follow from its
+state alone (:func:`pending_actions`), and each is idempotent by job generation, so a controller
+that restarts from the last recorded snapshot carries out the actions of that step again without
+doing anything twice (a launch that already happened is adopted by the backend).
+
+Policy is data: ``FAULT_POLICY`` maps a fault kind and severity to evict, restart or observe;
+``JobSpec`` carries the restart budget (``max_restarts`` per ``restart_window_s``), the backoff
+between restarts and the smallest world size the job accepts when no spare is left.
 """
 
 from __future__ import annotations
@@ -25,29 +32,49 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
-from transom.contracts import Action, CheckpointReady, FaultEvent, FaultKind, Tier
+from transom.contracts import Action, CheckpointReady, FaultEvent, FaultKind, Severity, Tier
 
 __all__ = [
-    "JobState", "TRANSITIONS", "IllegalTransition", "FAULT_POLICY", "JobSpec", "Job",
-    "Submitted", "Launched", "FaultSeen", "CheckpointSeen", "RanksExited", "StepSeen",
-    "Launch", "Stop", "Cordon", "Decision", "decide", "surviving_checkpoint",
+    "JobState", "RecoveryStep", "TRANSITIONS", "RECOVERY_STEPS", "IllegalTransition", "FAULT_POLICY",
+    "policy_for", "JobSpec", "Job",
+    "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CheckpointSeen", "RanksExited", "StepSeen",
+    "Precheck", "Launch", "Stop", "Cordon", "Decision", "decide", "pending_actions", "surviving_checkpoint",
 ]
 
 
 class JobState(str, enum.Enum):
     PENDING = "pending"
+    PRECHECKING = "prechecking"     # first launch: checking the chosen nodes
     RUNNING = "running"
-    RECOVERING = "recovering"
+    RECOVERING = "recovering"       # see Job.step for where in the recovery
     COMPLETED = "completed"
     FAILED = "failed"
 
 
+class RecoveryStep(str, enum.Enum):
+    STOPPING = "stopping"           # stop every rank of the faulty generation
+    EVICTING = "evicting"           # cordon the faulty node(s)
+    REPLACING = "replacing"         # pre-check the new node set (spares in place of the evicted)
+    RELAUNCHING = "relaunching"     # launch the new generation (after the backoff)
+    RESUMING = "resuming"           # launched; waiting for its first training step
+
+
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.RUNNING, JobState.FAILED}),
+    JobState.PENDING: frozenset({JobState.PRECHECKING, JobState.FAILED}),
+    JobState.PRECHECKING: frozenset({JobState.RUNNING, JobState.FAILED}),
     JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.COMPLETED, JobState.FAILED}),
-    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.FAILED}),
+    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.COMPLETED, JobState.FAILED}),
     JobState.COMPLETED: frozenset(),
     JobState.FAILED: frozenset(),
+}
+
+#: The steps of a recovery and where each may go next (a fault while RESUMING starts a new recovery).
+RECOVERY_STEPS: Mapping[RecoveryStep, frozenset[RecoveryStep]] = {
+    RecoveryStep.STOPPING: frozenset({RecoveryStep.EVICTING, RecoveryStep.REPLACING}),
+    RecoveryStep.EVICTING: frozenset({RecoveryStep.REPLACING}),
+    RecoveryStep.REPLACING: frozenset({RecoveryStep.RELAUNCHING}),
+    RecoveryStep.RELAUNCHING: frozenset({RecoveryStep.RESUMING}),
+    RecoveryStep.RESUMING: frozenset({RecoveryStep.STOPPING}),
 }
 
 
@@ -55,23 +82,53 @@ class IllegalTransition(RuntimeError):
     """A decision tried to move a job along an edge that ``TRANSITIONS`` does not have."""
 
 
-#: What the controller does about each fault kind (the TEE's suggestion is evidence, not orders).
-FAULT_POLICY: Mapping[FaultKind, Action] = {
-    FaultKind.XID: Action.EVICT,
-    FaultKind.GPU_LOST: Action.EVICT,
-    FaultKind.NODE_LOST: Action.EVICT,
-    FaultKind.HANG: Action.RESTART,
-    FaultKind.NAN_LOSS: Action.RESTART,
-    FaultKind.RANK_EXIT: Action.RESTART,
-    FaultKind.ANOMALY: Action.OBSERVE,
+_EVICT_ON_CRITICAL = {Severity.CRITICAL: Action.EVICT, Severity.WARNING: Action.OBSERVE, Severity.INFO: Action.OBSERVE}
+_RESTART = {Severity.CRITICAL: Action.RESTART, Severity.WARNING: Action.RESTART, Severity.INFO: Action.OBSERVE}
+_OBSERVE = {s: Action.OBSERVE for s in Severity}
+
+#: What the controller does about a fault, by kind and severity (the TEE's suggestion is evidence,
+#: not orders). A kind missing here falls back to the fault's own suggested action.
+FAULT_POLICY: Mapping[FaultKind, Mapping[Severity, Action]] = {
+    FaultKind.XID: _EVICT_ON_CRITICAL,
+    FaultKind.GPU_LOST: {s: Action.EVICT for s in Severity},
+    FaultKind.NODE_LOST: {**_EVICT_ON_CRITICAL, Severity.WARNING: Action.EVICT},
+    FaultKind.HANG: _RESTART,
+    FaultKind.NAN_LOSS: _RESTART,
+    FaultKind.RANK_EXIT: _RESTART,
+    FaultKind.ANOMALY: _OBSERVE,
 }
+
+
+def policy_for(fault: FaultEvent) -> Action:
+    return FAULT_POLICY.get(fault.kind, {}).get(fault.severity, fault.action)
 
 
 @dataclass(frozen=True)
 class JobSpec:
+    """What the user asked for, and the job's healing policy."""
+
     command: tuple[str, ...]
     world_size: int
-    max_restarts: int = 5
+    max_restarts: int = 5             # relaunches allowed within restart_window_s ...
+    restart_window_s: float = 3600.0  # ... after which the job fails with the reason
+    backoff_s: float = 0.0            # delay before the 2nd restart in the window; doubles each time after
+    backoff_max_s: float = 60.0
+    min_world_size: int = 0           # 0: same as world_size (never shrink)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["command"] = list(self.command)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "JobSpec":
+        kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
+        kw["command"] = tuple(d["command"])
+        return cls(**kw)
+
+    @property
+    def smallest(self) -> int:
+        return self.min_world_size or self.world_size
 
 
 @dataclass(frozen=True)
@@ -81,15 +138,22 @@ class Job:
     job: str
     spec: JobSpec
     state: JobState = JobState.PENDING
+    step: RecoveryStep | None = None          # where in the recovery, while RECOVERING
     generation: int = -1                      # generation decided most recently (-1: none yet)
     launched_generation: int = -1             # generation whose launch has been carried out
+    prechecked_generation: int = -1           # generation whose nodes passed the pre-check
+    stop_generation: int = -1                 # generation the recovery stops
     launched_ts: float = 0.0                  # when the current generation was launched
+    not_before: float = 0.0                   # the relaunch waits until then (backoff)
     nodes: tuple[str, ...] = ()               # rank -> node for the current generation
     spares: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
+    to_evict: tuple[str, ...] = ()            # nodes the EVICTING step cordons
+    evict_reasons: tuple[str, ...] = ()       # one per to_evict
     resume_step: int | None = None
-    checkpoint: Mapping[str, Any] | None = None   # newest checkpoint-ready event (as a dict)
+    checkpoints: tuple[Mapping[str, Any], ...] = ()   # newest checkpoint-ready events (dicts), oldest first
     handled_faults: tuple[str, ...] = ()
+    restart_times: tuple[float, ...] = ()     # when each relaunch was decided (within the window)
     restarts: int = 0
     last_step: int = -1                       # newest training step seen in the launched generation
     prev_last_step: int = -1                  # newest step seen in the generation before it
@@ -99,24 +163,31 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["state"] = self.state.value
-        d["spec"] = {"command": list(self.spec.command), "world_size": self.spec.world_size,
-                     "max_restarts": self.spec.max_restarts}
+        d["step"] = self.step.value if self.step else None
+        d["spec"] = self.spec.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Job":
-        spec = d["spec"]
         kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
-        kw["spec"] = JobSpec(tuple(spec["command"]), int(spec["world_size"]), int(spec.get("max_restarts", 5)))
+        kw["spec"] = JobSpec.from_dict(d["spec"])
         kw["state"] = JobState(d["state"])
-        for name in ("nodes", "spares", "evicted", "handled_faults"):
+        kw["step"] = RecoveryStep(d["step"]) if d.get("step") else None
+        for name in ("nodes", "spares", "evicted", "to_evict", "evict_reasons", "handled_faults", "restart_times",
+                     "checkpoints"):
             kw[name] = tuple(d.get(name, ()))
         return cls(**kw)
 
-    def moved(self, to: JobState, **changes: Any) -> "Job":
+    def moved(self, to: JobState, step: RecoveryStep | None = None, **changes: Any) -> "Job":
         if to != self.state and to not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"job {self.job}: {self.state.value} -> {to.value} is not allowed")
-        return dataclasses.replace(self, state=to, **changes)
+        if to == JobState.RECOVERING and self.state == JobState.RECOVERING and step and self.step:
+            if step != self.step and step not in RECOVERY_STEPS[self.step]:
+                raise IllegalTransition(f"job {self.job}: recovery step {self.step.value} -> {step.value} "
+                                        "is not allowed")
+        if to == JobState.RECOVERING and step is None:
+            raise IllegalTransition(f"job {self.job}: recovering needs a recovery step")
+        return dataclasses.replace(self, state=to, step=step if to == JobState.RECOVERING else None, **changes)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -124,6 +195,20 @@ class Job:
 @dataclass(frozen=True)
 class Submitted:
     nodes: tuple[str, ...]      # every node the job may use: the first world_size run it, the rest are spares
+
+
+@dataclass(frozen=True)
+class PrecheckDone:
+    generation: int
+    failed: Mapping[str, str] = field(default_factory=dict)   # node -> why it failed; empty: all passed
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """The actions of recovery step ``step`` of ``generation`` have been carried out."""
+
+    generation: int
+    step: RecoveryStep
 
 
 @dataclass(frozen=True)
@@ -136,6 +221,7 @@ class Launched:
 @dataclass(frozen=True)
 class FaultSeen:
     fault: FaultEvent
+    ts: float = 0.0             # when the controller saw it (for the restart window); 0: the fault's time
 
 
 @dataclass(frozen=True)
@@ -147,6 +233,7 @@ class CheckpointSeen:
 class RanksExited:
     generation: int
     codes: Mapping[int, int]    # rank -> exit code, for every rank once all have exited or one failed
+    ts: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,16 +243,23 @@ class StepSeen:
     ts: float
 
 
-Event = Union[Submitted, Launched, FaultSeen, CheckpointSeen, RanksExited, StepSeen]
+Event = Union[Submitted, PrecheckDone, StepDone, Launched, FaultSeen, CheckpointSeen, RanksExited, StepSeen]
 
 
 # --------------------------------------------------------------------------- actions
+
+@dataclass(frozen=True)
+class Precheck:
+    generation: int
+    nodes: tuple[str, ...]
+
 
 @dataclass(frozen=True)
 class Launch:
     generation: int
     nodes: tuple[str, ...]
     resume_step: int | None
+    not_before: float = 0.0     # epoch seconds; the executor waits until then (restart backoff)
 
 
 @dataclass(frozen=True)
@@ -190,41 +284,132 @@ class Decision:
 
 # --------------------------------------------------------------------------- policy
 
-def surviving_checkpoint(ready: Mapping[str, Any] | None, evicted: tuple[str, ...]) -> int | None:
-    """The step of ``ready`` if every rank still has a copy outside the evicted nodes, else None."""
-    if not ready:
-        return None
-    alive: set[int] = set()
-    for copy in ready.get("copies", ()):
-        if copy["tier"] == Tier.SHARED.value or copy["node"] not in evicted:
-            alive.add(int(copy["rank"]))
-    return int(ready["step"]) if alive >= set(range(int(ready["world_size"]))) else None
+KEEP_CHECKPOINTS = 8
 
 
-def _relaunch(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any]) -> Decision:
-    if job.restarts >= job.spec.max_restarts:
-        failed = job.moved(JobState.FAILED, failure=f"restart budget of {job.spec.max_restarts} spent; last: {why}")
-        return Decision(failed, (Stop(job.generation),), "failed", cause, {"reason": failed.failure})
-    nodes, spares, evicted, actions = list(job.nodes), list(job.spares), list(job.evicted), [Stop(job.generation)]
-    detail: dict[str, Any] = {"reason": why}
-    if evict is not None:
-        if not spares:
-            failed = job.moved(JobState.FAILED, failure=f"node {evict} must be evicted ({why}) and no spare is left")
-            return Decision(failed, (Stop(job.generation), Cordon(evict, why)), "failed", cause,
-                            {"reason": failed.failure})
-        spare = spares.pop(0)
-        nodes[nodes.index(evict)] = spare
-        evicted.append(evict)
-        actions.append(Cordon(evict, why))
-        detail.update(evicted=evict, replacement=spare)
-    resume = surviving_checkpoint(job.checkpoint, tuple(evicted))
+def surviving_checkpoint(checkpoints: tuple[Mapping[str, Any], ...], evicted: tuple[str, ...]) -> int | None:
+    """The newest step whose every rank still has a copy outside the evicted nodes (shared storage
+    survives any eviction), or None."""
+    for ready in sorted(checkpoints, key=lambda r: int(r["step"]), reverse=True):
+        alive: set[int] = set()
+        for copy in ready.get("copies", ()):
+            if copy["tier"] == Tier.SHARED.value or copy["node"] not in evicted:
+                alive.add(int(copy["rank"]))
+        if alive >= set(range(int(ready["world_size"]))):
+            return int(ready["step"])
+    return None
+
+
+def pending_actions(job: Job) -> tuple[Any, ...]:
+    """The actions the job's current state asks for (all idempotent: safe to carry out again)."""
+    if job.state == JobState.PRECHECKING:
+        if job.prechecked_generation < job.generation:
+            return (Precheck(job.generation, job.nodes),)
+        if job.launched_generation < job.generation:
+            return (Launch(job.generation, job.nodes, job.resume_step),)
+        return ()
+    if job.state == JobState.FAILED:
+        return (Stop(job.launched_generation),) if job.launched_generation >= 0 else ()
+    if job.state != JobState.RECOVERING:
+        return ()
+    if job.step == RecoveryStep.STOPPING:
+        return (Stop(job.stop_generation),)
+    if job.step == RecoveryStep.EVICTING:
+        return tuple(Cordon(n, r) for n, r in zip(job.to_evict, job.evict_reasons))
+    if job.step == RecoveryStep.REPLACING:
+        return (Precheck(job.generation, job.nodes),)
+    if job.step == RecoveryStep.RELAUNCHING:
+        return (Launch(job.generation, job.nodes, job.resume_step, job.not_before),)
+    return ()
+
+
+def _decision(job: Job, name: str, cause: Mapping[str, Any] | None = None,
+              detail: Mapping[str, Any] | None = None) -> Decision:
+    return Decision(job, pending_actions(job), name, dict(cause or {}), dict(detail or {}))
+
+
+def _fail(job: Job, why: str, cause: Mapping[str, Any] | None = None) -> Decision:
+    failed = job.moved(JobState.FAILED, failure=why)
+    return _decision(failed, "failed", cause, {"reason": why})
+
+
+def _replace(job: Job, bad: Mapping[str, str]) -> tuple[list[str], list[str], dict[str, Any]] | str:
+    """New (nodes, spares, detail) with every ``bad`` node replaced by a spare or dropped; or why not."""
+    nodes, spares = list(job.nodes), [s for s in job.spares if s not in bad]
+    detail: dict[str, Any] = {}
+    for node in bad:
+        if node not in nodes:
+            continue
+        if spares:
+            spare = spares.pop(0)
+            nodes[nodes.index(node)] = spare
+            detail.setdefault("replacements", {})[node] = spare
+        elif len(nodes) - 1 >= job.spec.smallest:
+            nodes.remove(node)
+            detail.setdefault("dropped", []).append(node)
+        else:
+            return (f"node {node} must be evicted ({bad[node]}) and no spare is left"
+                    + (f" (the job may not shrink below {job.spec.smallest} ranks)" if job.spec.min_world_size else ""))
+    return nodes, spares, detail
+
+
+def _recover(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any], now: float) -> Decision:
+    recent = tuple(t for t in job.restart_times if now - t < job.spec.restart_window_s)
+    if len(recent) >= job.spec.max_restarts:
+        return _fail(job, f"restart budget of {job.spec.max_restarts} per {job.spec.restart_window_s:.0f}s "
+                          f"spent; last: {why}", cause)
+    bad = {evict: why} if evict else {}
+    replaced = _replace(job, bad)
+    if isinstance(replaced, str):
+        failed = _fail(job, replaced, cause)
+        # still keep the faulty node out of every later launch
+        return dataclasses.replace(failed, actions=failed.actions + (Cordon(evict, why),) if evict else failed.actions)
+    nodes, spares, detail = replaced
+    evicted = job.evicted + ((evict,) if evict else ())
+    resume = surviving_checkpoint(job.checkpoints, evicted)
+    backoff = 0.0 if not recent else min(job.spec.backoff_s * 2 ** (len(recent) - 1), job.spec.backoff_max_s)
     generation = job.generation + 1
-    actions.append(Launch(generation, tuple(nodes), resume))
-    detail.update(generation=generation, nodes=nodes, resume_step=resume)
-    new = job.moved(JobState.RECOVERING, generation=generation, nodes=tuple(nodes), spares=tuple(spares),
-                    evicted=tuple(evicted), resume_step=resume, restarts=job.restarts + 1,
-                    prev_last_step=job.last_step)
-    return Decision(new, tuple(actions), "relaunching", cause, detail)
+    new = job.moved(JobState.RECOVERING, RecoveryStep.STOPPING, generation=generation, nodes=tuple(nodes),
+                    spares=tuple(spares), evicted=evicted, to_evict=(evict,) if evict else (),
+                    evict_reasons=(why,) if evict else (), resume_step=resume,
+                    stop_generation=job.launched_generation, restarts=job.restarts + 1,
+                    restart_times=recent + (now,), not_before=now + backoff, prev_last_step=job.last_step)
+    out: dict[str, Any] = {"reason": why}
+    if evict:
+        out["evicted"] = evict
+        if evict in detail.get("replacements", {}):
+            out["replacement"] = detail["replacements"][evict]
+    if detail.get("dropped"):
+        out["dropped"] = detail["dropped"]
+    out.update(generation=generation, nodes=nodes, resume_step=resume, backoff_s=backoff,
+               checkpoint_id=f"{job.job}@{resume}" if resume is not None else None)
+    return _decision(new, "relaunching", cause, out)
+
+
+def _on_precheck(job: Job, ev: PrecheckDone) -> Decision:
+    if ev.generation != job.generation or job.prechecked_generation >= ev.generation:
+        return Decision(job)
+    if not (job.state == JobState.PRECHECKING or job.step == RecoveryStep.REPLACING):
+        return Decision(job)
+    if not ev.failed:
+        new = dataclasses.replace(job, prechecked_generation=ev.generation)
+        if job.state == JobState.RECOVERING:
+            new = new.moved(JobState.RECOVERING, RecoveryStep.RELAUNCHING)
+        return _decision(new, "precheck_passed", {}, {"generation": ev.generation, "nodes": list(job.nodes)})
+    bad = {n: r for n, r in ev.failed.items() if n in job.nodes}
+    replaced = _replace(job, bad)
+    cause = {"precheck": dict(ev.failed)}
+    if isinstance(replaced, str):
+        failed = _fail(job, f"pre-check failed: {replaced}", cause)
+        return dataclasses.replace(failed, actions=failed.actions + tuple(Cordon(n, r) for n, r in bad.items()))
+    nodes, spares, detail = replaced
+    evicted = job.evicted + tuple(bad)
+    new = dataclasses.replace(job, nodes=tuple(nodes), spares=tuple(spares), evicted=evicted,
+                              resume_step=surviving_checkpoint(job.checkpoints, evicted))
+    # evict the failed nodes now, then the actions of the (unchanged) state: pre-check the new set
+    actions = tuple(Cordon(n, f"pre-check: {r}") for n, r in bad.items()) + pending_actions(new)
+    return Decision(new, actions, "precheck_failed", cause,
+                    {"generation": job.generation, "failed": dict(ev.failed), "nodes": nodes, **detail})
 
 
 def decide(job: Job, event: Event) -> Decision:
@@ -233,26 +418,49 @@ def decide(job: Job, event: Event) -> Decision:
         if job.state != JobState.PENDING or job.generation >= 0:
             return Decision(job)
         if len(event.nodes) < job.spec.world_size:
-            failed = job.moved(JobState.FAILED, failure=f"{job.spec.world_size} ranks need {job.spec.world_size}"
-                                                        f" nodes, only {len(event.nodes)} given")
-            return Decision(failed, (), "failed", {}, {"reason": failed.failure})
+            return _fail(job, f"{job.spec.world_size} ranks need {job.spec.world_size} nodes, "
+                              f"only {len(event.nodes)} given")
         nodes = tuple(event.nodes[: job.spec.world_size])
-        new = dataclasses.replace(job, generation=0, nodes=nodes, spares=tuple(event.nodes[job.spec.world_size:]))
-        return Decision(new, (Launch(0, nodes, None),), "launching", {}, {"nodes": list(nodes),
-                                                                          "spares": list(new.spares)})
+        new = job.moved(JobState.PRECHECKING, generation=0, nodes=nodes,
+                        spares=tuple(event.nodes[job.spec.world_size:]))
+        return _decision(new, "prechecking", {}, {"generation": 0, "nodes": list(nodes), "spares": list(new.spares)})
+
+    if isinstance(event, PrecheckDone):
+        return _on_precheck(job, event)
+
+    if isinstance(event, StepDone):
+        if job.state != JobState.RECOVERING or event.generation != job.generation or event.step != job.step:
+            return Decision(job)
+        if job.step == RecoveryStep.STOPPING:
+            nxt = RecoveryStep.EVICTING if job.to_evict else RecoveryStep.REPLACING
+            new = job.moved(JobState.RECOVERING, nxt)
+            return _decision(new, nxt.value, {}, {"generation": job.generation, "stopped": job.stop_generation,
+                                                  "evict": list(job.to_evict)})
+        if job.step == RecoveryStep.EVICTING:
+            new = job.moved(JobState.RECOVERING, RecoveryStep.REPLACING)
+            return _decision(new, "replacing", {}, {"generation": job.generation, "nodes": list(job.nodes),
+                                                    "evicted": list(job.to_evict)})
+        return Decision(job)
 
     if isinstance(event, Launched):
         if event.generation != job.generation or job.launched_generation >= event.generation:
             return Decision(job)
-        new = job.moved(JobState.RUNNING, launched_generation=event.generation, launched_ts=event.ts)
-        return Decision(new, (), "launched", {}, {"generation": event.generation, **event.handle})
+        changes = dict(launched_generation=event.generation, launched_ts=event.ts)
+        if job.state == JobState.PRECHECKING:
+            new = job.moved(JobState.RUNNING, **changes)
+        elif job.step == RecoveryStep.RELAUNCHING:
+            new = job.moved(JobState.RECOVERING, RecoveryStep.RESUMING, **changes)
+        else:
+            return Decision(job)
+        return _decision(new, "launched", {}, {"generation": event.generation, **event.handle})
 
     if isinstance(event, CheckpointSeen):
         ready = event.ready
-        if ready.job != job.job or (job.checkpoint and job.checkpoint["step"] >= ready.step):
+        if ready.job != job.job or any(int(r["step"]) == ready.step for r in job.checkpoints):
             return Decision(job)
         from transom.contracts import _plain  # the contract's own dict form
-        new = dataclasses.replace(job, checkpoint=_plain(ready))
+        kept = sorted(job.checkpoints + (_plain(ready),), key=lambda r: int(r["step"]))[-KEEP_CHECKPOINTS:]
+        new = dataclasses.replace(job, checkpoints=tuple(kept))
         return Decision(new, (), "checkpoint", {"checkpoint_id": ready.checkpoint_id},
                         {"step": ready.step, "persisted": ready.persisted, "replicated": ready.replicated})
 
@@ -262,9 +470,13 @@ def decide(job: Job, event: Event) -> Decision:
             return Decision(dataclasses.replace(job, prev_last_step=max(job.prev_last_step, event.step)))
         if event.generation != job.launched_generation or job.state not in (JobState.RUNNING, JobState.RECOVERING):
             return Decision(job)
+        if job.state == JobState.RECOVERING and job.step != RecoveryStep.RESUMING:
+            return Decision(job)
         if event.generation > job.stepped_generation:
             # the first step of a generation: for a relaunch, this is where recovery ends
-            new = dataclasses.replace(job, stepped_generation=event.generation, last_step=event.step)
+            changes = dict(stepped_generation=event.generation, last_step=event.step)
+            new = job.moved(JobState.RUNNING, **changes) if job.state == JobState.RECOVERING \
+                else dataclasses.replace(job, **changes)
             name = "resumed" if event.generation > 0 else "first_step"
             detail = {"generation": event.generation, "step": event.step, "resume_step": job.resume_step}
             if event.generation > 0:
@@ -275,25 +487,27 @@ def decide(job: Job, event: Event) -> Decision:
 
     if isinstance(event, FaultSeen):
         f = event.fault
-        if job.state != JobState.RUNNING or f.fault_id in job.handled_faults or f.resolved:
+        live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
+        if not live or f.fault_id in job.handled_faults or f.resolved:
             return Decision(job)
         if f.node not in job.nodes or f.observed_ts < job.launched_ts:
             return Decision(job)   # not this job's node any more, or older than this generation
         gen = f.evidence.get("generation") if isinstance(f.evidence, Mapping) else None
         if gen is not None and int(gen) != job.launched_generation:
             return Decision(job)
-        action = FAULT_POLICY.get(f.kind, f.action)
+        action = policy_for(f)
         handled = (job.handled_faults + (f.fault_id,))[-200:]
-        cause = {"fault_id": f.fault_id, "kind": f.kind.value, "node": f.node}
-        if action == Action.OBSERVE:
-            return Decision(dataclasses.replace(job, handled_faults=handled), (), "fault_observed", cause,
-                            {"summary": f.summary})
+        cause = {"fault_id": f.fault_id, "kind": f.kind.value, "severity": f.severity.value, "node": f.node}
         job = dataclasses.replace(job, handled_faults=handled)
+        if action == Action.OBSERVE:
+            return Decision(job, (), "fault_observed", cause, {"summary": f.summary})
         why = f.summary or f"{f.kind.value} on {f.node}"
-        return _relaunch(job, evict=f.node if action == Action.EVICT else None, why=why, cause=cause)
+        return _recover(job, evict=f.node if action == Action.EVICT else None, why=why, cause=cause,
+                        now=event.ts or f.detected_ts)
 
     if isinstance(event, RanksExited):
-        if event.generation != job.launched_generation or job.state != JobState.RUNNING:
+        live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
+        if event.generation != job.launched_generation or not live:
             return Decision(job)
         failed = {r: c for r, c in event.codes.items() if c != 0}
         if not failed:
@@ -301,6 +515,6 @@ def decide(job: Job, event: Event) -> Decision:
             return Decision(new, (), "completed", {}, {"generation": job.generation, "last_step": job.last_step})
         rank = min(failed)
         why = f"rank {rank} on {job.nodes[rank]} exited with code {failed[rank]}"
-        return _relaunch(job, evict=None, why=why, cause={"kind": FaultKind.RANK_EXIT.value,
-                                                           "node": job.nodes[rank], "rank": rank})
+        return _recover(job, evict=None, why=why, now=event.ts,
+                        cause={"kind": FaultKind.RANK_EXIT.value, "node": job.nodes[rank], "rank": rank})
     raise TypeError(f"unknown event {event!r}")

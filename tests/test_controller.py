@@ -1,7 +1,9 @@
-"""The controller with the local backend: real broker, real 4-rank torch jobs, real files.
+"""The controller with the local backend: real broker, real agents, real 4-rank torch jobs, real files.
 
 Faults are published to transom.faults the way the TEE publishes them, so these tests exercise
-the controller alone; the end-to-end test runs the TEE too.
+the controller alone; the end-to-end test runs the TEE too. Controllers are killed with SIGKILL
+(by the test, or by themselves through the TRANSOM_TEST_CRASH_AT test hook) mid-recovery, and
+launches are counted from the lifecycle and from the generations' launch records.
 """
 
 from __future__ import annotations
@@ -10,16 +12,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from transom import contracts as c
-from transom.broker import free_port
 from transom.kafka import make_producer, publish
-from transom.stack import train_command
+from transom.stack import LocalStack, train_command
 
 from util import topic_values, wait_until
 
@@ -27,17 +27,39 @@ pytestmark = pytest.mark.integration
 NODES = [f"node{i}" for i in range(5)]
 
 
-def start_controller(bootstrap: str, run_dir: Path, job: str | None, steps: int = 60, ckpt_every: int = 10,
-                     log_name: str = "controller.log") -> subprocess.Popen:
-    args = [sys.executable, "-m", "transom.cli", "controller", "--bootstrap", bootstrap, "--run-dir", str(run_dir),
-            "--exit-when-done"]
-    for node in NODES:   # no agents here: reports to these ports are dropped, by design of report()
-        args += ["--node", f"{node}=127.0.0.1:{free_port()}"]
-    if job:
-        args += ["--job-id", job, "--world-size", "4", "--", *train_command(steps, ckpt_every)]
-    out = open(run_dir.parent / log_name, "ab")
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+@pytest.fixture(scope="module")
+def stack(broker, tmp_path_factory):
+    """Real node agents (simulated GPUs) for node0..node4: the pre-check reads their heartbeats."""
+    s = LocalStack(tmp_path_factory.mktemp("stack"), bootstrap=broker.bootstrap, nodes=len(NODES))
+    try:
+        s.start_agents()
+        yield s
+    finally:
+        s.stop()
+        from transom.controller.local import LocalBackend
+        for gen_dir in s.run_dir.glob("runs/*/*/gen-*"):        # ranks a failed test may have left
+            LocalBackend(gen_dir.parents[1], {}).stop(gen_dir.parent.name, int(gen_dir.name.split("-")[1]), 5)
+
+
+def start_controller(stack: LocalStack, job: str | None, name: str, *, steps: int = 40, ckpt_every: int = 5,
+                     crash_at: str | None = None, extra: tuple = ()) -> subprocess.Popen:
+    """``transom controller`` started the way the demo starts it; ``crash_at`` sets the test hook."""
+    old = os.environ.pop("TRANSOM_TEST_CRASH_AT", None)
+    if crash_at:
+        os.environ["TRANSOM_TEST_CRASH_AT"] = crash_at
+    try:
+        # each test its own run directory: cordoned nodes stay out of that test's launches only
+        proc = stack.start_controller(job, train_command(steps, ckpt_every), world_size=4, name=name,
+                                      extra=["--exit-when-done", "--run-dir", str(run_dir(stack, job)), *extra])
+    finally:
+        os.environ.pop("TRANSOM_TEST_CRASH_AT", None)
+        if old is not None:
+            os.environ["TRANSOM_TEST_CRASH_AT"] = old
+    return proc.popen
+
+
+def run_dir(stack: LocalStack, job: str) -> Path:
+    return stack.run_dir / "runs" / job
 
 
 def lifecycle(bootstrap: str, job: str) -> list[c.LifecycleEvent]:
@@ -48,14 +70,33 @@ def checkpoints(bootstrap: str, job: str) -> list[c.CheckpointReady]:
     return [e for e in topic_values(bootstrap, c.CHECKPOINTS) if e.job == job]
 
 
-def xid_fault(job: str, node: str) -> c.FaultEvent:
+def fault(job: str, node: str, kind: c.FaultKind = c.FaultKind.XID) -> c.FaultEvent:
     now = time.time()
-    return c.FaultEvent(fault_id=c.stable_id(job, node, "xid", now), job=job, node=node, kind=c.FaultKind.XID,
-                        severity=c.Severity.CRITICAL, detector="rule:xid", action=c.Action.EVICT,
-                        observed_ts=now, detected_ts=now, evidence={"xid": 79}, summary=f"XID 79 on {node}")
+    return c.FaultEvent(fault_id=c.stable_id(job, node, kind.value, now), job=job, node=node, kind=kind,
+                        severity=c.Severity.CRITICAL, detector=f"rule:{kind.value}",
+                        action=c.Action.EVICT if kind == c.FaultKind.XID else c.Action.RESTART,
+                        observed_ts=now, detected_ts=now, evidence={"xid": 79} if kind == c.FaultKind.XID else {},
+                        summary=f"{kind.value} on {node}")
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> int:
+def send(bootstrap: str, *faults: c.FaultEvent) -> None:
+    producer = make_producer(bootstrap)
+    for f in faults:
+        publish(producer, c.FAULTS, f.job, f)
+    producer.flush(10)
+
+
+def until(proc: subprocess.Popen, fn, timeout: float, what: str):
+    """wait_until that fails at once when the controller has exited."""
+    def check():
+        got = fn()
+        if not got and proc.poll() is not None:
+            raise AssertionError(f"the controller exited ({proc.returncode}) while waiting for {what}")
+        return got
+    return wait_until(check, timeout, what)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> int:
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -63,59 +104,98 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> int:
         raise
 
 
-def test_xid_fault_relaunches_on_the_spare_from_the_newest_checkpoint(broker, tmp_path):
-    job = "ctl-xid"
-    run_dir = tmp_path / "runs"
-    proc = start_controller(broker.bootstrap, run_dir, job, steps=80, ckpt_every=10)
-    try:
-        wait_until(lambda: any(e.step >= 20 for e in checkpoints(broker.bootstrap, job)), 180,
-                   "a checkpoint at step 20 or later")
-        fault = xid_fault(job, "node1")
-        producer = make_producer(broker.bootstrap)
-        publish(producer, c.FAULTS, job, fault)
-        publish(producer, c.FAULTS, job, fault)          # a redelivery: must not cause a second action
-        producer.flush(10)
-        assert finish(proc) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    events = lifecycle(broker.bootstrap, job)
+def launches(events: list[c.LifecycleEvent]) -> list[int]:
+    return [e.detail["generation"] for e in events if e.name == "launched"]
+
+
+def test_xid_evicts_relaunches_on_the_spare_and_survives_a_controller_killed_after_eviction(broker, stack):
+    job, bs = "ctl-xid", broker.bootstrap
+    first = start_controller(stack, job, "ctl-xid-1", crash_at="evicting", extra=("--precheck", "health"))
+    until(first, lambda: any(e.step >= 10 for e in checkpoints(bs, job)), 90, "a checkpoint at step 10 or later")
+    f = fault(job, "node1")
+    send(bs, f, f)                                   # a redelivery: must not cause a second action
+    assert first.wait(60) == -signal.SIGKILL         # the test hook killed it after the eviction
+    events = lifecycle(bs, job)
+    assert events[-1].name == "evicting" and events[-1].snapshot["step"] == "evicting"
+    second = start_controller(stack, job, "ctl-xid-2", extra=("--precheck", "health"))
+    assert finish(second) == 0
+    events = lifecycle(bs, job)
     names = [e.name for e in events]
     relaunch = [e for e in events if e.name == "relaunching"]
     assert len(relaunch) == 1, names
     r = relaunch[0]
-    assert r.cause["fault_id"] == fault.fault_id
+    assert r.cause["fault_id"] == f.fault_id
     assert r.detail["evicted"] == "node1" and r.detail["replacement"] == "node4"
     assert r.detail["nodes"] == ["node0", "node4", "node2", "node3"]
-    newest_before = max(e.step for e in checkpoints(broker.bootstrap, job) if e.ts <= r.ts)
+    newest_before = max(e.step for e in checkpoints(bs, job) if e.ts <= r.ts)
     assert r.detail["resume_step"] == newest_before
-    assert names[-1] == "completed"
-    # the relaunched ranks really resumed from that step (their log says so) and finished
-    gen1 = run_dir / job / "gen-1"
+    # the recovery's steps, each once, in order, across the two controllers
+    recovery = names[names.index("relaunching"):]
+    assert [n for n in recovery if n in ("relaunching", "evicting", "replacing", "precheck_passed", "launched",
+                                         "resumed")] == ["relaunching", "evicting", "replacing", "precheck_passed",
+                                                         "launched", "resumed"]
+    assert launches(events) == [0, 1] and names[-1] == "completed"
+    resumed = next(e for e in events if e.name == "resumed")
+    assert resumed.detail["steps_lost"] <= 5 + 1      # within one checkpoint interval (+ the step in flight)
+    jobs_dir = run_dir(stack, job)
+    assert "node1" in json.loads((jobs_dir / "cordoned.json").read_text())
+    gen1 = jobs_dir / job / "gen-1"
     assert json.loads((gen1 / "launch.json").read_text())["resume_step"] == newest_before
     assert all((gen1 / f"rank-{r}.exit").read_text().strip() == "0" for r in range(4))
-    assert not (run_dir / job / "gen-2").exists()
+    assert sorted(p.name for p in (jobs_dir / job).glob("gen-*")) == ["gen-0", "gen-1"]
+    assert f"resumed from step {newest_before} gen 1" in (gen1 / "rank-0.log").read_text()
 
 
-def test_restarted_controller_rebuilds_state_and_does_not_relaunch(broker, tmp_path):
-    job = "ctl-restart"
-    run_dir = tmp_path / "runs"
-    first = start_controller(broker.bootstrap, run_dir, job, steps=60, ckpt_every=10, log_name="first.log")
+def test_collective_precheck_runs_a_gloo_all_reduce_in_warm_per_node_processes(tmp_path):
+    from transom.controller.local import LocalBackend
+
+    backend = LocalBackend(tmp_path, {n: "127.0.0.1:9" for n in NODES[:3]})
     try:
-        wait_until(lambda: any(e.name == "launched" for e in lifecycle(broker.bootstrap, job)), 60,
-                   "the first launch")
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait(10)
-        # same command line: the job is found in the lifecycle and not submitted again
-        second = start_controller(broker.bootstrap, run_dir, job, steps=60, ckpt_every=10, log_name="second.log")
-        assert finish(second) == 0
+        assert backend.collective_test("j", 0, NODES[:2], 20) == {}
+        workers = {n: p.pid for n, p in backend._workers.items()}
+        assert sorted(workers) == NODES[:3]                  # the spare's worker is warm too
+        assert backend.collective_test("j", 1, [NODES[2], NODES[0]], 20) == {}
+        assert {n: p.pid for n, p in backend._workers.items()} == workers    # reused, not started again
+        backend._workers[NODES[1]].kill()
+        backend._workers[NODES[1]].wait()
+        assert backend.collective_test("j", 2, NODES[:2], 20) == {}          # a dead worker is replaced
+        assert backend.health(["node1", "nodeX"]) == {"nodeX": "no agent address (give --node NAME=HOST:PORT)"}
     finally:
-        for p in (first,):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    names = [e.name for e in lifecycle(broker.bootstrap, job)]
+        backend.close()
+    assert not backend._workers
+
+
+def test_standby_takes_over_during_relaunch_hang_restarts_in_place_and_the_budget_fails_the_job(broker, stack):
+    """Two controllers; the active one SIGKILLs itself right after launching generation 1 (a restart in
+    place after a hang); the standby takes over, adopts that launch, and fails the job at the next hang."""
+    job, bs = "ctl-standby", broker.bootstrap
+    extra = ("--max-restarts", "1", "--precheck", "health")
+    active = start_controller(stack, job, "ctl-standby-a", steps=400, crash_at="relaunching", extra=extra)
+    until(active, lambda: 0 in launches(lifecycle(bs, job)), 90, "the first launch")
+    standby = start_controller(stack, job, "ctl-standby-b", steps=400, extra=extra)
+    try:
+        wait_until(lambda: "standby" in (stack.run_dir / "logs" / "ctl-standby-b.log").read_text(), 30,
+                   "the second controller to stand by")
+        send(bs, fault(job, "node2", c.FaultKind.HANG))
+        assert active.wait(90) == -signal.SIGKILL
+        died = time.time()
+        until(standby, lambda: 1 in launches(lifecycle(bs, job)), 60, "the standby to record the relaunch")
+        took_over = time.time() - died
+        send(bs, fault(job, "node3", c.FaultKind.HANG))
+        assert finish(standby) == 1
+    finally:
+        if standby.poll() is None:
+            os.killpg(standby.pid, signal.SIGKILL)
+    log = (stack.run_dir / "logs" / "ctl-standby-b.log").read_text()
+    assert "holds the lease (term" in log and "already known" in log
+    events = lifecycle(bs, job)
+    names = [e.name for e in events]
     assert names.count("submitted") == 1
-    assert names.count("launched") == 1
-    assert names[-1] == "completed"
-    assert sorted(p.name for p in (run_dir / job).glob("gen-*")) == ["gen-0"]
-    assert "already known" in (tmp_path / "second.log").read_text()
+    assert launches(events) == [0, 1], names                 # generation 1 adopted, not launched again
+    assert sorted(p.name for p in (run_dir(stack, job) / job).glob("gen-*")) == ["gen-0", "gen-1"]
+    relaunch = next(e for e in events if e.name == "relaunching")
+    assert "evicted" not in relaunch.detail and relaunch.detail["nodes"] == NODES[:4]    # in place
+    assert names[-1] == "failed" and "restart budget of 1" in events[-1].detail["reason"]
+    assert events[-1].cause["kind"] == "hang"
+    assert all((run_dir(stack, job) / job / "gen-1" / f"rank-{r}.exit").exists() for r in range(4))
+    print(f"the standby recorded the adopted launch {took_over:.1f}s after the active controller died")

@@ -27,6 +27,8 @@ ENV: Mapping[str, str] = {
     "TRANSOM_CKPT_DIR": "directory where checkpoints are persisted",
     "TRANSOM_RESUME_STEP": "step the relaunched ranks resume from (set by the controller)",
     "TRANSOM_GENERATION": "launch generation of the job (set by the controller)",
+    "TRANSOM_AGENTS": "node=host:port table of agent intakes (set by the Slurm backend for its ranks)",
+    "TRANSOM_TEST_CRASH_AT": "test hook, off by default: the controller exits at this recovery step",
     "TRANSOM_CKPT_RUNTIME": "checkpoint daemons' registry and shared-memory segments (default /dev/shm/transom-ckpt-<uid>)",
     "TRANSOM_CKPT_LOCAL_DIR": "a checkpoint daemon's local-disk directory (default /tmp/transom-ckpt-local-<uid>)",
     "TRANSOM_CKPT_TRANSPORT": "replication transport of the checkpoint daemons: auto (default), mooncake or tcp",

@@ -1,0 +1,85 @@
+"""The torchrun baseline's job for bench/tol_recovery.py: the example LM with synchronous torch.save.
+
+Same model, data, batch and optimizer as ``transom.examples.train_lm``; rank 0 writes
+``CKPT_DIR/step-N.pt`` with ``torch.save`` every ``--ckpt-every`` steps (the others wait at a
+barrier: a synchronous checkpoint), and every rank resumes from the newest one. Rank 0 appends
+``step generation epoch_seconds`` to ``--steps-file`` after every step, so the bench can time the
+first step after a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import os
+import random
+import re
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from transom.examples.train_lm import TemplateText, TinyLM
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/tol_torchrun_job.py", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=100000)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--steps-file", required=True)
+    p.add_argument("--attempt", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyLM(args.seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.0)
+    data = TemplateText(0, rank)
+    step = 0
+    saved = sorted(glob.glob(os.path.join(args.ckpt_dir, "step-*.pt")),
+                   key=lambda f: int(re.search(r"step-(\d+)", f).group(1)))
+    if saved:
+        state = torch.load(saved[-1], weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        data.load_state_dict(state["data"][rank])
+        step = state["step"]
+        random.setstate(state["python_rng"])
+    net = nn.parallel.DistributedDataParallel(model)
+    loss_fn = nn.CrossEntropyLoss()
+    out = open(args.steps_file, "a") if rank == 0 else None
+    while step < args.steps:
+        batch = data.batch(args.batch_size, args.seq_len)
+        logits = net(batch[:, :-1])
+        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if out:
+            out.write(f"{step} {args.attempt} {time.time():.6f}\n")
+            out.flush()
+        if step % args.ckpt_every == 0:
+            datas = [None] * world
+            dist.all_gather_object(datas, data.state_dict())
+            if rank == 0:
+                tmp = os.path.join(args.ckpt_dir, f".step-{step}.pt")
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "data": datas,
+                            "step": step, "python_rng": random.getstate()}, tmp)
+                os.replace(tmp, os.path.join(args.ckpt_dir, f"step-{step}.pt"))
+            dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Fake Slurm: ``scontrol``, ``squeue``, ``srun`` and ``scancel`` that keep the cluster in one JSON file.
+
+:func:`install` writes the four executables into a directory (put it first on ``PATH``) and the
+state file with the given nodes. What they understand (the subset the Slurm backend uses, with
+Slurm's own syntax and output formats):
+
+- ``scontrol show nodes --oneliner``: ``NodeName=X ... State=IDLE|ALLOCATED|DRAIN|DOWN Reason=...``
+- ``scontrol update NodeName=X State=DRAIN|RESUME|DOWN Reason="..."``
+- ``squeue --noheader --format=FMT [--name=NAME]``: running jobs (``%i`` id, ``%j`` name, ``%T`` state,
+  ``%N`` nodes)
+- ``srun --job-name=N --nodes=K --ntasks=K --ntasks-per-node=1 --nodelist=a,b [--exclude=c]
+  [--kill-on-bad-exit=1] [--partition=P] [--export=ALL] CMD...``: refuses drained, down, excluded or
+  unknown nodes as Slurm does; runs one task per node as a local process with ``SLURM_PROCID``,
+  ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURMD_NODENAME``, ``SLURM_JOB_ID``; exits with the worst
+  task code; with kill-on-bad-exit, a failed task ends the others;
+- ``scancel --name=NAME`` or ``scancel ID``: SIGTERM to the job's srun, state CANCELLED.
+
+Node names stand for hosts: ``MASTER_ADDR`` equal to a node name becomes 127.0.0.1.
+The state file path is in ``FAKE_SLURM_STATE`` (baked into the executables by :func:`install`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["install", "main"]
+
+
+@contextmanager
+def _state(path: str) -> Iterator[dict]:
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(Path(path).read_text())
+        yield data
+        tmp = path + ".tmp"
+        Path(tmp).write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+
+
+def install(bin_dir: str | os.PathLike, state_file: str | os.PathLike, nodes: list[str]) -> dict[str, str]:
+    """Write the fake executables and a fresh state; return env additions (PATH, FAKE_SLURM_STATE)."""
+    bin_dir, state_file = Path(bin_dir), Path(state_file)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    state_file.write_text(json.dumps({"nodes": {n: {"state": "IDLE", "reason": ""} for n in nodes},
+                                      "jobs": {}, "next_id": 100}))
+    for tool in ("scontrol", "squeue", "srun", "scancel"):
+        exe = bin_dir / tool
+        exe.write_text(f"#!{sys.executable}\nimport os, sys\nos.environ.setdefault('FAKE_SLURM_STATE', "
+                       f"{str(state_file)!r})\nfrom transom.controller.fakes.slurm import main\n"
+                       f"sys.exit(main({tool!r}, sys.argv[1:]))\n")
+        exe.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "FAKE_SLURM_STATE": str(state_file)}
+
+
+def _opts(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    opts: dict[str, str] = {}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        arg = argv[i]
+        if arg == "--":
+            i += 1
+            break
+        if "=" in arg:
+            k, v = arg.split("=", 1)
+        elif arg in ("--noheader", "-h", "--oneliner", "-o"):
+            k, v = arg, "1"
+        else:
+            k, v = arg, argv[i + 1]
+            i += 1
+        opts[k.lstrip("-")] = v
+        i += 1
+    return opts, argv[i:]
+
+
+def _busy(data: dict) -> set[str]:
+    return {n for j in data["jobs"].values() if j["state"] == "RUNNING" for n in j["nodes"]}
+
+
+def scontrol(argv: list[str], path: str) -> int:
+    if argv[:2] in (["show", "nodes"], ["show", "node"]):
+        with _state(path) as data:
+            busy = _busy(data)
+            for name, n in data["nodes"].items():
+                if len(argv) > 2 and not argv[2].startswith("-") and argv[2] != name:
+                    continue
+                state = n["state"]
+                if state == "IDLE" and name in busy:
+                    state = "ALLOCATED"
+                elif state == "DRAIN" and name in busy:
+                    state = "DRAINING"
+                reason = f" Reason={n['reason']}" if n["reason"] else ""
+                print(f"NodeName={name} Arch=x86_64 CPUTot=8 State={state} Partitions=gpu{reason}")
+        return 0
+    if argv[:1] == ["update"]:
+        kv = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
+        node = kv.get("NodeName") or kv.get("nodename")
+        with _state(path) as data:
+            if node not in data["nodes"]:
+                print(f"scontrol: error: Invalid node name specified: {node}", file=sys.stderr)
+                return 1
+            state = (kv.get("State") or kv.get("state") or "").upper()
+            if state in ("DRAIN", "DOWN") and not (kv.get("Reason") or kv.get("reason")):
+                print("scontrol: error: You must specify a reason when DOWNING or DRAINING a node. Request denied",
+                      file=sys.stderr)
+                return 1
+            n = data["nodes"][node]
+            if state == "RESUME":
+                n.update(state="IDLE", reason="")
+            elif state:
+                n.update(state=state, reason=kv.get("Reason") or kv.get("reason") or "")
+        return 0
+    print(f"scontrol: error: this fake does not support {' '.join(argv)!r}", file=sys.stderr)
+    return 1
+
+
+def squeue(argv: list[str], path: str) -> int:
+    opts, _ = _opts(argv)
+    fmt = opts.get("format") or opts.get("o") or "%i %j %T %N"
+    if "noheader" not in opts and "h" not in opts:
+        print(fmt.replace("%i", "JOBID").replace("%j", "NAME").replace("%T", "STATE").replace("%N", "NODELIST"))
+    with _state(path) as data:
+        for jid, j in data["jobs"].items():
+            if j["state"] != "RUNNING" or ("name" in opts and j["name"] != opts["name"]):
+                continue
+            print(fmt.replace("%i", jid).replace("%j", j["name"]).replace("%T", j["state"])
+                  .replace("%N", ",".join(j["nodes"])))
+    return 0
+
+
+def scancel(argv: list[str], path: str) -> int:
+    opts, rest = _opts(argv)
+    with _state(path) as data:
+        for jid, j in data["jobs"].items():
+            if j["state"] == "RUNNING" and (jid in rest or opts.get("name") == j["name"]):
+                j["state"] = "CANCELLED"
+                try:
+                    os.kill(j["pid"], signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+    return 0
+
+
+def srun(argv: list[str], path: str) -> int:
+    opts, command = _opts(argv)
+    nodelist = [n for n in opts.get("nodelist", opts.get("w", "")).split(",") if n]
+    exclude = {n for n in opts.get("exclude", opts.get("x", "")).split(",") if n}
+    ntasks = int(opts.get("ntasks", opts.get("n", len(nodelist) or 1)))
+    name = opts.get("job-name", opts.get("J", "srun"))
+    with _state(path) as data:
+        bad = [n for n in nodelist if n not in data["nodes"] or data["nodes"][n]["state"] in ("DRAIN", "DOWN")
+               or n in exclude]
+        if bad or not command or len(nodelist) != ntasks:
+            print(f"srun: error: Unable to allocate resources: Requested node configuration is not available "
+                  f"({','.join(bad) or 'bad request'})", file=sys.stderr)
+            return 1
+        jid = str(data["next_id"])
+        data["next_id"] += 1
+        data["jobs"][jid] = {"name": name, "nodes": nodelist, "state": "RUNNING", "pid": os.getpid(),
+                             "submitted": time.time()}
+    procs = []
+    for rank, node in enumerate(nodelist):
+        env = dict(os.environ)
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks), SLURM_LOCALID="0", SLURMD_NODENAME=node,
+                   SLURM_JOB_ID=jid, SLURM_JOB_NAME=name, SLURM_NODELIST=",".join(nodelist))
+        if env.get("MASTER_ADDR") in nodelist:
+            env["MASTER_ADDR"] = "127.0.0.1"
+        procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+
+    def forward(signum, _frame):
+        for p in procs:
+            try:
+                os.killpg(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    kill_on_bad = opts.get("kill-on-bad-exit", "0") not in ("0", "")
+    codes: dict[int, int] = {}
+    while len(codes) < len(procs):
+        for i, p in enumerate(procs):
+            if i not in codes and p.poll() is not None:
+                codes[i] = p.returncode
+                if p.returncode != 0 and kill_on_bad:
+                    forward(signal.SIGTERM, None)
+        time.sleep(0.1)
+    worst = max(codes.values(), key=lambda c: (c != 0, abs(c)))
+    with _state(path) as data:
+        j = data["jobs"][jid]
+        if j["state"] == "RUNNING":
+            j["state"] = "COMPLETED" if worst == 0 else "FAILED"
+        j["exit_codes"] = [codes[i] for i in range(len(procs))]
+    return 0 if worst == 0 else (worst if worst > 0 else 128 - worst)
+
+
+def main(tool: str, argv: list[str]) -> int:
+    path = os.environ.get("FAKE_SLURM_STATE")
+    if not path:
+        print(f"{tool}: FAKE_SLURM_STATE is not set (this is the fake Slurm of Transom's tests)", file=sys.stderr)
+        return 2
+    return {"scontrol": scontrol, "squeue": squeue, "srun": srun, "scancel": scancel}[tool](argv, path)

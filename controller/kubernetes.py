@@ -1,0 +1,194 @@
+"""The Kubernetes backend: one pod per rank, through the official ``kubernetes`` client.
+
+- ``launch``: a headless Service ``JOB-gG`` and pods ``JOB-gG-rR`` pinned to the chosen nodes
+  (``spec.nodeName``), labelled ``transom.io/job``, ``transom.io/generation``, ``transom.io/rank``;
+  rank 0 is the rendezvous (``MASTER_ADDR`` = its DNS name through the Service). A pod that exists
+  already (HTTP 409) is adopted, so a launch repeated after a controller restart creates nothing twice.
+- ``stop``: deletes the generation's pods and waits until they are gone.
+- ``cordon``: ``spec.unschedulable`` and a ``transom.io/evicted=<reason>:NoExecute`` taint, so
+  nothing of anyone's lands there any more and what runs there is evicted.
+- ``status``: from the pods' phase and their container's terminated exit code.
+- ``health``: the node's ``Ready`` condition and whether it is cordoned.
+- no collective test: it would need pods of its own (the pre-check rests on the agents' health).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Mapping, Sequence
+
+from transom.log import get
+
+from .backend import Backend, RankStatus, register_backend
+
+__all__ = ["KubernetesBackend", "TAINT_KEY"]
+
+log = get("controller.kubernetes")
+TAINT_KEY = "transom.io/evicted"
+PORT = 29500
+
+
+def _label_value(text: str) -> str:
+    """A Kubernetes label/taint value: at most 63 of [A-Za-z0-9._-], starting and ending alphanumeric."""
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text)[:63].strip("-._")
+    return value or "evicted"
+
+
+class KubernetesBackend(Backend):
+    name = "kubernetes"
+
+    def __init__(self, namespace: str = "default", image: str = "transom:latest", *, kubeconfig: str | None = None,
+                 api_url: str | None = None, bootstrap: str | None = None, ckpt_dir: str | None = None,
+                 agents: Mapping[str, str] | None = None, api_client: Any = None) -> None:
+        from kubernetes import client, config
+
+        if api_client is None:
+            if api_url:
+                conf = client.Configuration()
+                conf.host = api_url
+                api_client = client.ApiClient(conf)
+            else:
+                try:
+                    config.load_incluster_config()
+                except config.ConfigException:
+                    config.load_kube_config(config_file=kubeconfig)
+                api_client = client.ApiClient()
+        self.api = client.CoreV1Api(api_client)
+        self.client = client
+        self.namespace = namespace
+        self.image = image
+        self.bootstrap = bootstrap
+        self.ckpt_dir = ckpt_dir or "/ckpt"
+        self.agents = dict(agents or {})
+
+    @staticmethod
+    def _names(job: str, generation: int) -> tuple[str, str]:
+        base = re.sub(r"[^a-z0-9-]+", "-", job.lower()).strip("-")[:40] or "job"
+        return f"{base}-g{generation}", f"transom.io/job={_label_value(job)},transom.io/generation={generation}"
+
+    def _conflict(self, exc: Exception) -> bool:
+        return isinstance(exc, self.client.ApiException) and exc.status == 409
+
+    # ------------------------------------------------------------------ nodes
+    def nodes(self) -> list[str]:
+        out = []
+        for node in self.api.list_node().items:
+            if node.spec and node.spec.unschedulable:
+                continue
+            out.append(node.metadata.name)
+        return out
+
+    def health(self, nodes: Sequence[str]) -> dict[str, str]:
+        out = {}
+        for name in nodes:
+            try:
+                node = self.api.read_node(name)
+            except self.client.ApiException as exc:
+                out[name] = f"node not readable from the API server ({exc.status} {exc.reason})"
+                continue
+            if node.spec and node.spec.unschedulable:
+                out[name] = "cordoned (spec.unschedulable)"
+                continue
+            ready = [c for c in (node.status.conditions or []) if c.type == "Ready"] if node.status else []
+            if not ready or ready[0].status != "True":
+                why = ready[0].reason if ready else "no Ready condition"
+                out[name] = f"not Ready ({why})"
+        return out
+
+    def cordon(self, node: str, reason: str) -> None:
+        current = self.api.read_node(node)
+        taints = [t.to_dict() if hasattr(t, "to_dict") else t for t in (current.spec.taints or [])]
+        taints = [{k: v for k, v in t.items() if v is not None} for t in taints]
+        if not any(t.get("key") == TAINT_KEY for t in taints):
+            taints.append({"key": TAINT_KEY, "value": _label_value(reason), "effect": "NoExecute"})
+        body = {"spec": {"unschedulable": True, "taints": taints},
+                "metadata": {"annotations": {TAINT_KEY: reason[:1000]}}}
+        self.api.patch_node(node, body)
+        log.info("cordoned and tainted node %s: %s", node, reason)
+
+    # ------------------------------------------------------------------ ranks
+    def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
+               resume_step: int | None) -> Mapping[str, Any]:
+        svc, selector = self._names(job, generation)
+        labels = {"transom.io/job": _label_value(job), "transom.io/generation": str(generation)}
+        try:
+            self.api.create_namespaced_service(self.namespace, {
+                "apiVersion": "v1", "kind": "Service", "metadata": {"name": svc, "labels": labels},
+                "spec": {"clusterIP": "None", "selector": {**labels, "transom.io/rank": "0"},
+                         "ports": [{"name": "rendezvous", "port": PORT}]}})
+        except Exception as exc:
+            if not self._conflict(exc):
+                raise
+        pods = []
+        for rank, node in enumerate(nodes):
+            name = f"{svc}-r{rank}"
+            env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
+                   "MASTER_ADDR": f"{svc}-r0.{svc}.{self.namespace}.svc", "MASTER_PORT": str(PORT),
+                   "TRANSOM_JOB": job, "TRANSOM_NODE": node, "TRANSOM_GENERATION": str(generation),
+                   "TRANSOM_CKPT_DIR": self.ckpt_dir, "PYTHONUNBUFFERED": "1"}
+            if node in self.agents and self.agents[node]:
+                env["TRANSOM_AGENT_ADDR"] = self.agents[node]
+            if self.bootstrap:
+                env["TRANSOM_BOOTSTRAP"] = self.bootstrap
+            if resume_step is not None:
+                env["TRANSOM_RESUME_STEP"] = str(resume_step)
+            body = {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "labels": {**labels, "transom.io/rank": str(rank)}},
+                "spec": {"nodeName": node, "restartPolicy": "Never", "hostname": f"{svc}-r{rank}",
+                         "subdomain": svc,
+                         "tolerations": [],
+                         "containers": [{"name": "rank", "image": self.image, "command": list(command),
+                                         "env": [{"name": k, "value": v} for k, v in env.items()],
+                                         "ports": [{"containerPort": PORT}] if rank == 0 else []}]},
+            }
+            try:
+                self.api.create_namespaced_pod(self.namespace, body)
+            except Exception as exc:
+                if not self._conflict(exc):
+                    raise
+                log.info("pod %s exists already: adopting it", name)
+            pods.append(name)
+        log.info("launched job %s generation %d as pods %s on %s", job, generation, ",".join(pods), ",".join(nodes))
+        return {"pods": pods, "service": svc, "nodes": list(nodes), "resume_step": resume_step}
+
+    def _pods(self, job: str, generation: int) -> list[Any]:
+        _, selector = self._names(job, generation)
+        return list(self.api.list_namespaced_pod(self.namespace, label_selector=selector).items)
+
+    def status(self, job: str, generation: int) -> list[RankStatus]:
+        out = []
+        for pod in self._pods(job, generation):
+            rank = int(pod.metadata.labels["transom.io/rank"])
+            phase = pod.status.phase if pod.status else "Pending"
+            if phase in ("Pending", "Running", None):
+                out.append(RankStatus(rank, True, None))
+                continue
+            code = 0 if phase == "Succeeded" else 1
+            for cs in (pod.status.container_statuses or []):
+                if cs.state and cs.state.terminated is not None:
+                    code = cs.state.terminated.exit_code
+            out.append(RankStatus(rank, False, code))
+        return sorted(out, key=lambda s: s.rank)
+
+    def stop(self, job: str, generation: int, timeout: float = 10.0) -> None:
+        pods = self._pods(job, generation)
+        for pod in pods:
+            try:
+                self.api.delete_namespaced_pod(pod.metadata.name, self.namespace, grace_period_seconds=5)
+            except self.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+        deadline = time.monotonic() + timeout
+        while pods and time.monotonic() < deadline:
+            pods = self._pods(job, generation)
+            time.sleep(0.2)
+        if pods:
+            log.warning("job %s generation %d: %d pod(s) still terminating after %.0fs", job, generation,
+                        len(pods), timeout)
+        else:
+            log.info("stopped job %s generation %d (pods deleted)", job, generation)
+
+
+register_backend("kubernetes", KubernetesBackend)

@@ -1,0 +1,213 @@
+"""The Slurm backend: ``srun`` job steps, nodes drained with ``scontrol``.
+
+- ``launch``: ``srun --job-name=transom-JOB-gG --nodes=N --ntasks=N --ntasks-per-node=1
+  --nodelist=... --exclude=<drained> --kill-on-bad-exit=1 --export=ALL`` running each task under
+  :mod:`transom.controller.rankwrap` (which takes the rank from ``SLURM_PROCID`` and records its
+  exit code in ``RUN_DIR/JOB/gen-G/rank-R.exit``; RUN_DIR must be on a filesystem every node
+  shares). ``launch.json`` there makes a repeated launch adopt the running step.
+- ``stop``: ``scancel --name=transom-JOB-gG``, then waits for ``squeue`` to drop it.
+- ``cordon``: ``scontrol update NodeName=X State=DRAIN Reason="..."``.
+- ``nodes`` / ``health``: ``scontrol show nodes --oneliner``; DRAIN, DOWN, FAIL or
+  NOT_RESPONDING nodes fail.
+- collective test: an ``srun`` of :mod:`transom.controller.collective` across the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import psutil
+
+from transom.broker import free_port
+from transom.log import get
+
+from .backend import Backend, RankStatus, register_backend
+from .rankwrap import write_atomic
+
+__all__ = ["SlurmBackend", "SlurmError"]
+
+log = get("controller.slurm")
+BAD_STATES = ("DRAIN", "DOWN", "FAIL", "NOT_RESPONDING", "NO_RESPOND")
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; the message has its output."""
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+
+    def __init__(self, run_dir: str | os.PathLike = "runs", *, partition: str | None = None,
+                 bootstrap: str | None = None, ckpt_dir: str | None = None,
+                 agents: Mapping[str, str] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.partition = partition
+        self.bootstrap = bootstrap
+        self.ckpt_dir = ckpt_dir
+        self.agents = {k: v for k, v in (agents or {}).items() if v}
+        for tool in ("srun", "scontrol", "squeue", "scancel"):
+            if shutil.which(tool) is None:
+                raise SlurmError(f"the slurm backend needs `{tool}` on PATH")
+
+    @staticmethod
+    def _run(*argv: str) -> str:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise SlurmError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
+        return proc.stdout
+
+    def _node_states(self) -> dict[str, tuple[str, str]]:
+        out = {}
+        for line in self._run("scontrol", "show", "nodes", "--oneliner").splitlines():
+            fields = dict(m.groups() for m in re.finditer(r"(\w+)=(\S+(?: \S+)*?)(?= \w+=|$)", line))
+            if "NodeName" in fields:
+                out[fields["NodeName"]] = (fields.get("State", ""), fields.get("Reason", ""))
+        return out
+
+    @staticmethod
+    def _bad(state: str) -> bool:
+        return any(b in state.upper() for b in BAD_STATES)
+
+    def _gen_dir(self, job: str, generation: int) -> Path:
+        return self.run_dir / job / f"gen-{generation}"
+
+    @staticmethod
+    def _step(job: str, generation: int) -> str:
+        return f"transom-{job}-g{generation}"
+
+    # ------------------------------------------------------------------ nodes
+    def nodes(self) -> list[str]:
+        return [n for n, (state, _) in self._node_states().items() if not self._bad(state)]
+
+    def health(self, nodes: Sequence[str]) -> dict[str, str]:
+        states = self._node_states()
+        out = {}
+        for node in nodes:
+            if node not in states:
+                out[node] = "unknown to Slurm"
+            elif self._bad(states[node][0]):
+                out[node] = f"state {states[node][0]}" + (f" ({states[node][1]})" if states[node][1] else "")
+        return out
+
+    def cordon(self, node: str, reason: str) -> None:
+        self._run("scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason[:200]}")
+        log.info("drained node %s: %s", node, reason)
+
+    def _drained(self) -> list[str]:
+        return [n for n, (state, _) in self._node_states().items() if self._bad(state)]
+
+    def _srun(self, name: str, nodes: Sequence[str]) -> list[str]:
+        argv = ["srun", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
+                "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", "--export=ALL"]
+        drained = [n for n in self._drained() if n not in nodes]
+        if drained:
+            argv.append(f"--exclude={','.join(drained)}")
+        if self.partition:
+            argv.append(f"--partition={self.partition}")
+        return argv
+
+    def collective_test(self, job: str, generation: int, nodes: Sequence[str], timeout: float) -> dict[str, str]:
+        port = free_port()
+        argv = self._srun(f"transom-precheck-{job}-g{generation}", nodes) + [
+            sys.executable, "-c", "import os,sys; from transom.controller.collective import main; "
+            "sys.exit(main(['--rank', os.environ['SLURM_PROCID'], '--world', os.environ['SLURM_NTASKS'], "
+            f"'--master', os.environ['MASTER_ADDR'] + ':{port}', '--timeout', '{timeout}']))"]
+        env = {**os.environ, "MASTER_ADDR": nodes[0]}
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout + 30)
+        except subprocess.TimeoutExpired:
+            return {n: "collective test (srun) did not finish" for n in nodes}
+        if proc.returncode == 0:
+            return {}
+        why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        bad = [n for n in nodes if n in why]
+        return {n: f"collective test: {why}" for n in (bad or nodes)}
+
+    # ------------------------------------------------------------------ ranks
+    def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
+               resume_step: int | None) -> Mapping[str, Any]:
+        gen_dir = self._gen_dir(job, generation)
+        record = gen_dir / "launch.json"
+        if record.exists():
+            log.info("job %s generation %d was already launched: adopting it", job, generation)
+            return json.loads(record.read_text())
+        gen_dir.mkdir(parents=True, exist_ok=True)
+        name = self._step(job, generation)
+        if self._run("squeue", "--noheader", "--format=%i", f"--name={name}").strip():
+            self._run("scancel", f"--name={name}")       # a launch interrupted before launch.json was written
+        port = free_port()
+        env = {**os.environ, "MASTER_ADDR": nodes[0], "MASTER_PORT": str(port), "TRANSOM_JOB": job,
+               "TRANSOM_GENERATION": str(generation), "PYTHONUNBUFFERED": "1",
+               "TRANSOM_CKPT_DIR": self.ckpt_dir or str(self.run_dir / job / "ckpt")}
+        env.pop("TRANSOM_RESUME_STEP", None)
+        if resume_step is not None:
+            env["TRANSOM_RESUME_STEP"] = str(resume_step)
+        if self.bootstrap:
+            env["TRANSOM_BOOTSTRAP"] = self.bootstrap
+        if self.agents:
+            env["TRANSOM_AGENTS"] = ",".join(f"{k}={v}" for k, v in self.agents.items())
+        argv = self._srun(name, nodes) + [sys.executable, "-m", "transom.controller.rankwrap", "--dir",
+                                          str(gen_dir), "--", *command]
+        with open(gen_dir / "srun.log", "ab") as out:
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        handle = {"step_name": name, "srun_pid": proc.pid, "nodes": list(nodes), "port": port,
+                  "resume_step": resume_step, "run_dir": str(gen_dir), "ts": time.time()}
+        write_atomic(str(record), json.dumps(handle))
+        log.info("launched job %s generation %d: srun on %s", job, generation, ",".join(nodes))
+        return handle
+
+    def status(self, job: str, generation: int) -> list[RankStatus]:
+        gen_dir = self._gen_dir(job, generation)
+        record = gen_dir / "launch.json"
+        if not record.exists():
+            return []
+        handle = json.loads(record.read_text())
+        try:
+            os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        running = bool(self._run("squeue", "--noheader", "--format=%i", f"--name={handle['step_name']}").strip())
+        # srun registers its step a moment after it starts: until then, its own process says it runs
+        running = running or _alive(handle["srun_pid"]) or time.time() - handle.get("ts", 0) < 5
+        out = []
+        for rank in range(len(handle["nodes"])):
+            exit_file = gen_dir / f"rank-{rank}.exit"
+            if exit_file.exists():
+                out.append(RankStatus(rank, False, int(exit_file.read_text().split()[0])))
+            elif running:
+                out.append(RankStatus(rank, True, None))
+            else:
+                out.append(RankStatus(rank, False, -int(signal.SIGKILL)))
+        return out
+
+    def stop(self, job: str, generation: int, timeout: float = 10.0) -> None:
+        name = self._step(job, generation)
+        self._run("scancel", f"--name={name}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._run("squeue", "--noheader", "--format=%i", f"--name={name}").strip():
+                log.info("stopped job %s generation %d (scancel)", job, generation)
+                return
+            time.sleep(0.2)
+        log.warning("job %s generation %d: still in squeue %.0fs after scancel", job, generation, timeout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+register_backend("slurm", SlurmBackend)
