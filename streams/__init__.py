@@ -1,8 +1,10 @@
 """TEE ("Eagle Eye"): fault detection over the metrics stream.
 
-Modules: :mod:`.config` (``TEEConfig``), :mod:`.rules` (hard-fault rules, per-node state),
-:mod:`.detectors` (pyod ECOD), :mod:`.engine` (``TEEEngine``: rules + detectors + de-duplication),
-all free of Faust; :mod:`.app` (the faust-streaming worker) and :mod:`.cli` (``transom tee``).
+Modules: :mod:`.config` (``TEEConfig``), :mod:`.classes` (fault classes), :mod:`.rules` (hard-fault
+rules, per-node state), :mod:`.peers` (per-window soft faults: own history and job peers),
+:mod:`.detectors` (per-sample ECOD), :mod:`.scoring` (the per-node temporal scorer of
+bench/tee_external), :mod:`.corpus` (the labelled fault corpus), :mod:`.engine` (``TEEEngine``: rules +
+detectors + merging), all free of Faust; :mod:`.app` (the faust-streaming worker) and :mod:`.cli` (``transom tee``).
 ``TEEEngine`` and ``TEEConfig`` are importable from here; nothing heavy is imported until used.
 """
 

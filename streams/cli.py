@@ -22,16 +22,23 @@ def register(sub) -> None:
 
     p = sub.add_parser(
         "tee", help="run the TEE fault detectors (a Faust worker) over transom.metrics",
-        description=("Run one TEE worker: read transom.metrics, apply the fault rules (XID, GPU lost, "
-                     "NaN loss, hang, missing heartbeat) and the ECOD anomaly detector, and write fault "
-                     "events to transom.faults; malformed metrics go to transom.deadletter. Several "
-                     "workers share the partitions (consumer group transom-tee). Stops on SIGINT/SIGTERM."))
+        description=("Run one TEE worker: read transom.metrics, apply the fault rules (XID, double-bit ECC, "
+                     "row-remap failure, GPU lost, link down and flapping, NaN loss, hang, missing heartbeat) "
+                     "and the soft-fault detectors (per-window pyod over each GPU's own history and the job's "
+                     "peers), and write fault events with evidence to transom.faults; malformed metrics go to "
+                     "transom.deadletter. Several workers share the partitions (consumer group transom-tee). "
+                     "Stops on SIGINT/SIGTERM. See docs/tee.md."))
     add_bootstrap(p)
     p.add_argument("--hang-timeout", type=_positive, default=None, metavar="S",
                    help="seconds without step progress (sample time) before a live rank is hung; "
                         "at least 5 median step times are allowed anyway (default 10)")
     p.add_argument("--heartbeat-timeout", type=_positive, default=None, metavar="S",
                    help="seconds without metrics from a node before it is lost (default 6)")
+    p.add_argument("--soft-detector", default=None, choices=("ecod", "copod", "iforest", "hbos", "lof", "combo"),
+                   help="pyod model of the soft-fault detector (default ecod)")
+    p.add_argument("--cooldown", type=_positive, default=None, metavar="S",
+                   help="repeats of a fault class on the same node and device within S seconds are merged "
+                        "(default 300)")
     p.add_argument("--datadir", default=None, metavar="DIR",
                    help="Faust's data directory (default: a temporary directory, removed on exit)")
     p.set_defaults(func=_run)
@@ -44,6 +51,7 @@ def _run(args: argparse.Namespace) -> int:
     from .config import TEEConfig
 
     config = TEEConfig.from_mapping({"hang_timeout": args.hang_timeout,
-                                     "heartbeat_timeout": args.heartbeat_timeout})
+                                     "heartbeat_timeout": args.heartbeat_timeout,
+                                     "soft_detector": args.soft_detector, "cooldown_s": args.cooldown})
     with bootstrap_or_embedded(args.bootstrap) as bootstrap:
         return run_worker(bootstrap, config, datadir=args.datadir)

@@ -40,6 +40,38 @@ class TEEConfig:
     #: ECOD: share of the window taken as outliers when the threshold is fitted (pyod's
     #: ``contamination``); lower means fewer false alarms and later detection.
     ecod_contamination: float = 0.005
+    #: Soft-fault detectors the engine runs: "peers" (per-window, each GPU against its own history and
+    #: each node against its job's peers, :mod:`.peers`) and/or "ecod" (per-sample ECOD over a node's
+    #: own mean GPU vector, :mod:`.detectors`).
+    soft_detectors: tuple = ("peers",)
+    #: pyod model of the peers detector, per fault family: ecod, copod, iforest, hbos, lof or combo.
+    soft_detector: str = "ecod"
+    #: Seconds (sample time) of one soft-detection window.
+    soft_window_s: float = 10.0
+    #: Clean feature vectors kept per family for (re)fitting (a sliding window of clean history).
+    soft_history: int = 2000
+    #: Clean vectors needed before the peers detector scores anything.
+    soft_min_history: int = 100
+    #: Refit the family models once every this many decided windows.
+    soft_refit_every: int = 50
+    #: Threshold: this quantile of the clean history's scores (a calibrated score quantile) ...
+    soft_quantile: float = 0.995
+    #: ... times this margin.
+    soft_margin: float = 1.2
+    #: ... and the family's strongest feature at least this many robust spreads off the clean median.
+    soft_min_z: float = 4.0
+    #: Anomalous windows in a row before a soft fault.
+    soft_consecutive: int = 2
+    #: Clean windows in a row after a soft fault before its resolution event.
+    soft_clear: int = 3
+    #: A fault of the same class on the same node and device within this many seconds (sample time)
+    #: of the last one is merged into it (counted, not re-sent).
+    cooldown_s: float = 300.0
+    #: A NIC/IB port down for longer than this (sample time) is LINK_DOWN.
+    link_down_hold_s: float = 2.0
+    #: This many down transitions of one port within ``link_flap_window_s`` is LINK_FLAP.
+    link_flap_count: int = 3
+    link_flap_window_s: float = 60.0
     #: How many emitted fault ids the engine remembers to drop repeats (oldest forgotten first).
     dedup_capacity: int = 100_000
 
@@ -52,6 +84,25 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")
+        for f in ("soft_window_s", "cooldown_s", "link_down_hold_s", "link_flap_window_s", "soft_margin",
+                  "soft_min_z"):
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"TEE setting {f}={value!r}: expected a positive number")
+        for f in ("soft_history", "soft_min_history", "soft_refit_every", "soft_consecutive", "soft_clear",
+                  "link_flap_count"):
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")
+        if self.soft_detector not in ("ecod", "copod", "iforest", "hbos", "lof", "combo"):
+            raise ConfigError(f"TEE setting soft_detector={self.soft_detector!r}: expected one of ecod, copod, "
+                              "iforest, hbos, lof, combo")
+        if isinstance(self.soft_detectors, str) or not set(self.soft_detectors) <= {"peers", "ecod"}:
+            raise ConfigError(f"TEE setting soft_detectors={self.soft_detectors!r}: expected a list of "
+                              "'peers' and/or 'ecod'")
+        object.__setattr__(self, "soft_detectors", tuple(self.soft_detectors))
+        if not 0.5 < self.soft_quantile < 1:
+            raise ConfigError(f"TEE setting soft_quantile={self.soft_quantile!r}: expected a share between 0.5 and 1")
         if self.ecod_min_samples < 5:
             raise ConfigError(f"TEE setting ecod_min_samples={self.ecod_min_samples}: expected at least 5")
         if self.ecod_window < self.ecod_min_samples:

@@ -6,6 +6,14 @@ Contract::
     engine.process(batch) -> list[FaultEvent]      # one node's batch, in the node's order
     engine.check_heartbeats(now) -> list[FaultEvent]   # call about once a second
     engine.forget(nodes)                           # the worker no longer owns these nodes
+    engine.flush(now) -> list[FaultEvent]          # decide soft windows still open (end of a replay)
+
+Merging: a fault of the same class (``evidence["class"]``) on the same node and device (GPU, port)
+whose trigger lies within ``cooldown_s`` (sample time) of the last one is merged into it (counted in
+``counts["merged"]``, not emitted), so an XID 48 and the DBE counter that moves with it, or a
+link that flaps for minutes, make one fault. A soft fault on a node with a hard fault of the last
+``cooldown_s`` is explained by it and dropped (``counts["explained"]``). Resolution events
+(``resolved=True``) pass through with the id of the fault they resolve.
 
 A fault id is emitted at most once per engine (the last ``dedup_capacity`` ids are remembered),
 so a redelivered batch yields nothing new; in another process the same input yields the same
@@ -22,9 +30,14 @@ from transom.contracts import FaultEvent, MetricBatch
 from transom.log import get
 
 from .config import TEEConfig
-from .rules import GpuLostRule, HangRule, HeartbeatRule, NanLossRule, NodeState, Rule, XidRule
+from .classes import HARD
+from .rules import (EccRule, GpuLostRule, HangRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule,
+                    Rule, XidRule)
 
 __all__ = ["TEEEngine"]
+
+#: Classes whose rules already report once per condition (a new condition is a new fault).
+_ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost"})
 
 log = get("tee")
 
@@ -36,14 +49,23 @@ class TEEEngine:
                  anomaly: bool = True) -> None:
         self.config = config or TEEConfig()
         self.clock = clock
-        self.rules: list[Rule] = [XidRule(), GpuLostRule(), NanLossRule(), HangRule(self.config)]
-        if anomaly:
+        self.rules: list[Rule] = [XidRule(), GpuLostRule(), NanLossRule(), HangRule(self.config), EccRule(),
+                                  RowRemapRule(), LinkRule(self.config)]
+        self._hang = self.rules[3]
+        self.peers = None
+        if anomaly and "ecod" in self.config.soft_detectors:
             from .detectors import GpuAnomalyDetector
             self.rules.append(GpuAnomalyDetector(self.config))
+        if anomaly and "peers" in self.config.soft_detectors:
+            from .peers import PeerDetector
+            self.peers = PeerDetector(self.config)
+            self.rules.append(self.peers)
         self.heartbeat = HeartbeatRule(self.config)
         self._nodes: dict[str, NodeState] = {}
         self._emitted: OrderedDict[str, None] = OrderedDict()
-        self.counts = {"batches": 0, "faults": 0, "repeats": 0}
+        self._last: dict[tuple, float] = {}            # (node, class, device) -> last trigger ts
+        self._hard_at: dict[str, float] = {}           # node -> last hard fault trigger ts
+        self.counts = {"batches": 0, "faults": 0, "repeats": 0, "merged": 0, "explained": 0}
 
     @property
     def nodes(self) -> Mapping[str, NodeState]:
@@ -63,7 +85,16 @@ class TEEEngine:
         found: list[FaultEvent] = []
         for rule in self.rules:
             found.extend(rule.observe(state, batch, now))
+        if self._hard_ongoing(state, batch.ts):
+            self._hard_at[batch.node] = batch.ts    # soft symptoms of an ongoing hard fault are explained
         return self._new(found)
+
+    def _hard_ongoing(self, state: NodeState, ts: float) -> bool:
+        if state.node not in self._hard_at:
+            return False
+        if any(getattr(link, "reported_down", False) for link in state.links.values()):
+            return True
+        return any(ts - p.since > self._hang.limit(p) for p in state.ranks.values())
 
     def check_heartbeats(self, now: float | None = None) -> list[FaultEvent]:
         """Faults for nodes that went silent; drops nodes that are only replayed history."""
@@ -75,15 +106,45 @@ class TEEEngine:
             self.forget(history)
         return self._new(found)
 
+    def flush(self, now: float | None = None) -> list[FaultEvent]:
+        """Decide the soft-detection windows still waiting for peers."""
+        if self.peers is None:
+            return []
+        return self._new(self.peers.flush(self.clock() if now is None else now))
+
     def forget(self, nodes: Iterable[str]) -> None:
         for node in nodes:
             self._nodes.pop(node, None)
 
     def _new(self, found: list[FaultEvent]) -> list[FaultEvent]:
         out = []
+        cooldown = self.config.cooldown_s
         for f in found:
-            if f.fault_id in self._emitted:
+            if f.fault_id in self._emitted and not f.resolved:
                 self.counts["repeats"] += 1
+                continue
+            if f.resolved:
+                rid = f.fault_id + ":resolved"
+                if rid in self._emitted or f.fault_id not in self._emitted:
+                    continue
+                self._emitted[rid] = None
+                out.append(f)
+                continue
+            ev = f.evidence
+            cls = ev.get("class", f.kind.value)
+            device = ev.get("gpu", ev.get("device", ev.get("port")))
+            key = (f.node, cls, device, f.rank if f.kind.value in ("hang", "nan_loss") else None)
+            last = self._last.get(key)
+            self._last[key] = f.observed_ts if last is None or f.observed_ts - last > cooldown else last
+            if last is not None and 0 <= f.observed_ts - last <= cooldown and cls not in _ONCE:
+                self.counts["merged"] += 1
+                self._emitted[f.fault_id] = None
+                continue
+            hard = cls in {c.value for c in HARD}
+            if hard:
+                self._hard_at[f.node] = f.observed_ts
+            elif f.node in self._hard_at and f.observed_ts - self._hard_at[f.node] <= cooldown:
+                self.counts["explained"] += 1
                 continue
             self._emitted[f.fault_id] = None
             if len(self._emitted) > self.config.dedup_capacity:

@@ -17,11 +17,20 @@ GpuLostRule    GPU sample, GPU_LOST == 1        critical  evict    node, gpu, sa
 NanLossRule    train sample, loss_nonfinite==1  critical  restart  job, gen, node, rank, step
 HangRule       train sample alive, step frozen  critical  restart  job, gen, node, rank, progress ts
 HeartbeatRule  no batch for heartbeat_timeout   critical  evict    node, last batch ts
+EccRule        ECC_DBE_VOL_TOTAL rises (or >0)  critical  evict    node, gpu, "ecc_dbe", sample ts
+RowRemapRule   ROW_REMAP_FAILURE == 1           critical  evict    node, gpu, "row_remap", sample ts
+LinkRule       port down > link_down_hold_s     critical  evict    node, device, port, down ts
+               or link_flap_count downs/window  warning   evict
 =============  ===============================  ========  =======  ===============================
+
+Every event carries its :class:`~.classes.FaultClass` in ``evidence["class"]``; XIDs take the class
+of their code from :data:`XID_POLICY` (48/94/95: ecc_dbe, 64: row_remap_failure, others: xid), so
+an XID 48 and the DBE counter that moves with it merge into one fault in the engine's cool-down.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,10 +39,11 @@ from typing import Any, Iterable, Mapping, Protocol
 from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch, Sample, Severity, Source,
                                stable_id)
 
+from .classes import FaultClass
 from .config import TEEConfig
 
-__all__ = ["NodeState", "RankProgress", "Rule", "fault", "XID_POLICY", "XidRule", "GpuLostRule",
-           "NanLossRule", "HangRule", "HeartbeatRule"]
+__all__ = ["NodeState", "RankProgress", "Rule", "fault", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
+           "NanLossRule", "HangRule", "HeartbeatRule", "EccRule", "RowRemapRule", "LinkRule"]
 
 
 @dataclass
@@ -59,6 +69,9 @@ class NodeState:
     nan_ranks: set[tuple[str, str, int]] = field(default_factory=set)
     ranks: dict[tuple[str, str, int], RankProgress] = field(default_factory=dict)
     detectors: dict[str, Any] = field(default_factory=dict)   # per-node state of soft detectors
+    ecc_dbe: dict[int, float] = field(default_factory=dict)   # gpu -> last DBE count seen
+    remap_failed: set[int] = field(default_factory=set)
+    links: dict[tuple[str, str], Any] = field(default_factory=dict)   # (device, port) -> _LinkState
 
 
 class Rule(Protocol):
@@ -73,7 +86,12 @@ def fault(kind: FaultKind, severity: Severity, action: Action, *, fault_id: str,
           threshold: float | None = None) -> FaultEvent:
     return FaultEvent(fault_id=fault_id, job=job, node=node, kind=kind, severity=severity, detector=detector,
                       action=action, observed_ts=observed_ts, detected_ts=now, rank=rank, score=score,
-                      threshold=threshold, evidence=dict(evidence), summary=summary)
+                      threshold=threshold, evidence={"class": _CLASS_OF_KIND.get(kind.value, kind.value),
+                                                     **dict(evidence)}, summary=summary)
+
+
+_CLASS_OF_KIND = {"xid": "xid", "gpu_lost": "gpu_lost", "node_lost": "node_lost", "hang": "hang",
+                  "nan_loss": "nan_loss"}
 
 
 def _ts(sample: Sample, batch: MetricBatch) -> float:
@@ -96,6 +114,9 @@ XID_POLICY: Mapping[int, tuple[Severity, Action, str]] = {
     48: (Severity.CRITICAL, Action.EVICT, "double-bit ECC error"),
     63: (Severity.WARNING, Action.OBSERVE, "ECC page retirement or row remap recorded"),
     64: (Severity.CRITICAL, Action.EVICT, "ECC page retirement or row remap failed"),
+    45: (Severity.WARNING, Action.OBSERVE, "preemptive cleanup (follows another error)"),
+    61: (Severity.CRITICAL, Action.RESTART, "internal micro-controller breakpoint"),
+    62: (Severity.CRITICAL, Action.RESTART, "internal micro-controller halt"),
     74: (Severity.CRITICAL, Action.EVICT, "NVLink error"),
     79: (Severity.CRITICAL, Action.EVICT, "GPU has fallen off the bus"),
     92: (Severity.WARNING, Action.OBSERVE, "high single-bit ECC error rate"),
@@ -105,6 +126,9 @@ XID_POLICY: Mapping[int, tuple[Severity, Action, str]] = {
     120: (Severity.CRITICAL, Action.EVICT, "GSP error"),
 }
 _XID_DEFAULT = (Severity.WARNING, Action.OBSERVE, "XID error")
+#: XID codes that belong to a finer fault class (merged with that class's counter rule).
+XID_CLASS: Mapping[int, FaultClass] = {48: FaultClass.ECC_DBE, 94: FaultClass.ECC_DBE, 95: FaultClass.ECC_DBE,
+                                       64: FaultClass.ROW_REMAP_FAILURE}
 
 
 class XidRule:
@@ -123,7 +147,8 @@ class XidRule:
             out.append(fault(
                 FaultKind.XID, severity, action, fault_id=stable_id(batch.node, "xid", s.index, code, ts),
                 node=batch.node, job=batch.job, detector="rule.xid", observed_ts=ts, now=now,
-                score=float(code), evidence={"gpu": s.index, "xid": code, "meaning": meaning,
+                score=float(code), evidence={"class": XID_CLASS.get(code, FaultClass.XID).value,
+                                             "gpu": s.index, "xid": code, "meaning": meaning,
                                              "field": DCGM.XID_ERRORS},
                 summary=f"GPU {s.index} of {batch.node} reported XID {code} ({meaning}).",
             ))
@@ -286,3 +311,141 @@ class HeartbeatRule:
                 summary=f"Node {st.node} has sent no metrics for {age:.1f}s (timeout {timeout:g}s).",
             ))
         return out, forget
+
+
+# --------------------------------------------------------------------------- GPU memory rules
+
+_ROW_REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"
+
+
+class EccRule:
+    """Double-bit ECC: ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL`` above 0 when first seen, or rising."""
+
+    name = "ecc_dbe"
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        out = []
+        for s in batch.of(Source.GPU):
+            value = s.fields.get(DCGM.ECC_DBE_VOL_TOTAL)
+            if value is None or s.index is None:
+                continue
+            last = state.ecc_dbe.get(s.index, 0.0)
+            state.ecc_dbe[s.index] = float(value)
+            if value <= last:
+                continue
+            ts = _ts(s, batch)
+            out.append(fault(
+                FaultKind.XID, Severity.CRITICAL, Action.EVICT,
+                fault_id=stable_id(batch.node, "ecc_dbe", s.index, ts), node=batch.node, job=batch.job,
+                detector="rule.ecc_dbe", observed_ts=ts, now=now, score=float(value), threshold=last,
+                evidence={"class": FaultClass.ECC_DBE.value, "gpu": s.index, "field": DCGM.ECC_DBE_VOL_TOTAL,
+                          "value": value, "previous": last, "meaning": "uncorrectable (double-bit) ECC error"},
+                summary=f"GPU {s.index} of {batch.node} counted {value - last:g} double-bit ECC error(s).",
+            ))
+        return out
+
+
+class RowRemapRule:
+    """``DCGM_FI_DEV_ROW_REMAP_FAILURE == 1``: the GPU could not remap a failing memory row."""
+
+    name = "row_remap"
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        out = []
+        for s in batch.of(Source.GPU):
+            value = s.fields.get(_ROW_REMAP_FAILURE)
+            if value is None or s.index is None:
+                continue
+            if value != 1:
+                state.remap_failed.discard(s.index)
+                continue
+            if s.index in state.remap_failed:
+                continue
+            state.remap_failed.add(s.index)
+            ts = _ts(s, batch)
+            out.append(fault(
+                FaultKind.XID, Severity.CRITICAL, Action.EVICT,
+                fault_id=stable_id(batch.node, "row_remap", s.index, ts), node=batch.node, job=batch.job,
+                detector="rule.row_remap", observed_ts=ts, now=now,
+                evidence={"class": FaultClass.ROW_REMAP_FAILURE.value, "gpu": s.index, "field": _ROW_REMAP_FAILURE,
+                          "value": 1, "meaning": "row remapping failed: the GPU needs a reset and service"},
+                summary=f"GPU {s.index} of {batch.node} failed to remap a memory row.",
+            ))
+        return out
+
+
+# --------------------------------------------------------------------------- links
+
+@dataclass
+class _LinkState:
+    up: bool = True
+    down_since: float | None = None
+    reported_down: bool = False
+    downs: deque = field(default_factory=lambda: deque(maxlen=64))   # ts of each up->down transition
+    flap_reported_at: float = -1e18
+
+
+class LinkRule:
+    """NIC/IB port state (``link_up``): down for longer than ``link_down_hold_s`` is LINK_DOWN (and a
+    resolution event when it comes back); ``link_flap_count`` down transitions within
+    ``link_flap_window_s`` is LINK_FLAP (once per window)."""
+
+    name = "link"
+
+    def __init__(self, config: TEEConfig) -> None:
+        self.config = config
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        out = []
+        cfg = self.config
+        for s in batch.of(Source.NIC):
+            up = s.fields.get("link_up")
+            if up is None:
+                continue
+            key = (s.tags.get("device", "?"), s.tags.get("port", str(s.index)))
+            st = state.links.get(key)
+            if st is None:
+                st = state.links[key] = _LinkState()
+            ts = _ts(s, batch)
+            where = f"{key[0]} port {key[1]}"
+            base = {"device": key[0], "port": key[1], "field": "link_up"}
+            if up == 1:
+                if not st.up and st.reported_down:
+                    out.append(dataclasses.replace(
+                        self._last_down(st, batch, key, now), resolved=True, observed_ts=ts, detected_ts=now,
+                        summary=f"resolved: {where} of {batch.node} is up again after {ts - st.down_since:.0f}s."))
+                st.up, st.down_since, st.reported_down = True, None, False
+                continue
+            if st.up:
+                st.up, st.down_since = False, ts
+                st.downs.append(ts)
+                recent = [d for d in st.downs if d > ts - cfg.link_flap_window_s]
+                if len(recent) >= cfg.link_flap_count and ts - st.flap_reported_at > cfg.link_flap_window_s:
+                    st.flap_reported_at = ts
+                    out.append(fault(
+                        FaultKind.NODE_LOST, Severity.WARNING, Action.EVICT,
+                        fault_id=stable_id(batch.node, "link_flap", *key, recent[0]), node=batch.node,
+                        job=batch.job, detector="rule.link", observed_ts=ts, now=now,
+                        score=float(len(recent)), threshold=float(cfg.link_flap_count),
+                        evidence={"class": FaultClass.LINK_FLAP.value, **base, "downs": len(recent),
+                                  "window_s": cfg.link_flap_window_s, "first_down_ts": recent[0]},
+                        summary=(f"{where} of {batch.node} went down {len(recent)} times in "
+                                 f"{cfg.link_flap_window_s:g}s (flapping)."),
+                    ))
+            if not st.reported_down and st.down_since is not None and ts - st.down_since >= cfg.link_down_hold_s:
+                st.reported_down = True
+                out.append(self._last_down(st, batch, key, now, ts))
+        return out
+
+    def _last_down(self, st: _LinkState, batch: MetricBatch, key, now: float, ts: float | None = None) -> FaultEvent:
+        where = f"{key[0]} port {key[1]}"
+        ts = st.down_since if ts is None else ts
+        return fault(
+            FaultKind.NODE_LOST, Severity.CRITICAL, Action.EVICT,
+            fault_id=stable_id(batch.node, "link_down", *key, st.down_since), node=batch.node, job=batch.job,
+            detector="rule.link", observed_ts=ts, now=now, score=round(ts - st.down_since, 3),
+            threshold=self.config.link_down_hold_s,
+            evidence={"class": FaultClass.LINK_DOWN.value, "device": key[0], "port": key[1], "field": "link_up",
+                      "down_since": st.down_since, "hold_s": self.config.link_down_hold_s},
+            summary=f"{where} of {batch.node} has been down since {st.down_since:.0f} (link down).",
+        )

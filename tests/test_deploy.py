@@ -29,6 +29,8 @@ LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRA
 #: the InfluxDB token (a secret).
 PER_NODE = {"TRANSOM_NODE"}
 SECRET = {"TRANSOM_INFLUX_TOKEN"}
+#: Read only by benchmarks and the corpus generator, never by a deployed service.
+BENCH_ONLY = {"TRANSOM_FAULT_TRACE"}
 
 
 def code_env() -> dict[str, set[str]]:
@@ -41,7 +43,8 @@ def code_env() -> dict[str, set[str]]:
     for name in config.ENV:
         if "<" not in name:      # a pattern (TRANSOM_AGENT__<KEY>), optional by nature
             found.setdefault(name, set()).add("transom/config.py")
-    return {k: v for k, v in found.items() if "_TEST_" not in k}     # test hooks are not settings
+    return {k: v for k, v in found.items()
+            if "_TEST_" not in k and k not in BENCH_ONLY}     # test hooks and bench inputs are not settings
 
 
 def operator_env() -> set[str]:

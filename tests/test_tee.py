@@ -52,7 +52,7 @@ def kinds(faults) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine_cfg() -> TEEConfig:
-    return TEEConfig(hang_timeout=3.0, heartbeat_timeout=2.0)
+    return TEEConfig(hang_timeout=3.0, heartbeat_timeout=2.0, soft_detectors=("ecod",))
 
 
 # --------------------------------------------------------------------------- rules (pure)
@@ -284,8 +284,8 @@ def _faults(bootstrap: str, node: str, kind: c.FaultKind) -> list[c.FaultEvent]:
     return [f for f in topic_values(bootstrap, c.FAULTS) if f.node == node and f.kind == kind]
 
 
-def _xid_batch(node: str, job: str, ts: float) -> c.MetricBatch:
-    xid = c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 79}, index=0, ts=ts)
+def _xid_batch(node: str, job: str, ts: float, gpu_index: int = 0) -> c.MetricBatch:
+    xid = c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 79}, index=gpu_index, ts=ts)
     return c.MetricBatch(node=node, ts=ts, seq=0, job=job, samples=(gpu(1), xid))
 
 
@@ -298,8 +298,9 @@ def test_worker_turns_xid_79_into_a_fault_once(broker, tee, producer):
     assert (f.job, f.severity, f.action, f.evidence["xid"]) == (job, c.Severity.CRITICAL, c.Action.EVICT, 79)
     keys = [k for k, v, _, _ in kafka.read_topic(broker.bootstrap, c.FAULTS) if json.loads(v)["fault_id"] == f.fault_id]
     assert keys == [job.encode()]
-    # the same batch again, then a later XID as a marker: the marker's fault proves the repeat was read
-    _send(producer, node, _xid_batch(node, job, ts), _xid_batch(node, job, ts + 1))
+    # the same batch again, then a later XID of another GPU as a marker (the same GPU's would be merged
+    # into the first within the cool-down): the marker's fault proves the repeat was read
+    _send(producer, node, _xid_batch(node, job, ts), _xid_batch(node, job, ts + 1, gpu_index=2))
     def both():
         fs = _faults(broker.bootstrap, node, c.FaultKind.XID)
         return fs if len(fs) >= 2 else None
@@ -348,6 +349,43 @@ def test_worker_reports_a_silent_node_lost(broker, tee, producer):
     [f] = wait_until(lambda: _faults(broker.bootstrap, node, c.FaultKind.NODE_LOST), 30, "the NODE_LOST fault")
     assert (f.job, f.action, f.observed_ts) == (job, c.Action.EVICT, now)
     assert f.fault_id == c.stable_id(node, "node_lost", now)
+
+
+@pytest.mark.integration
+def test_worker_reports_each_new_hard_class_once_on_its_node(broker, tee, producer):
+    """ECC DBE (counter + XID 48), a row-remap failure and a link down: one event each, right node."""
+    nodes = {cls: _ids() for cls in ("ecc_dbe", "row_remap_failure", "link_down")}
+    now = time.time() - 10
+
+    def ib(up):
+        return c.Sample(c.Source.NIC, {"link_up": float(up)}, index=1, tags={"device": "mlx5_0", "port": "1"})
+
+    for cls, (node, job) in nodes.items():
+        feed = []
+        for i in range(6):
+            extra = {}
+            samples = []
+            if cls == "ecc_dbe" and i >= 2:
+                extra[c.DCGM.ECC_DBE_VOL_TOTAL] = 1.0
+                if i == 2:
+                    samples.append(c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 48}, index=0, ts=now + i))
+            if cls == "row_remap_failure" and i >= 2:
+                extra["DCGM_FI_DEV_ROW_REMAP_FAILURE"] = 1.0
+            samples += [gpu(0, **extra), ib(0 if cls == "link_down" and i >= 2 else 1)]
+            feed.append(c.MetricBatch(node=node, ts=now + i, seq=i, job=job, samples=tuple(samples)))
+        _send(producer, node, *feed)
+
+    def all_found():
+        fs = [f for f in topic_values(broker.bootstrap, c.FAULTS) if f.node in {n for n, _ in nodes.values()}]
+        return fs if {f.evidence.get("class") for f in fs} >= set(nodes) else None
+
+    wait_until(all_found, 30, "the three faults")
+    time.sleep(2)   # anything duplicated would be here by now
+    found = all_found()
+    for cls, (node, _) in nodes.items():
+        # (the nodes then fall silent: their heartbeat loss is the fixture's 2 s timeout doing its job)
+        assert [f.evidence["class"] for f in found if f.node == node and not f.resolved
+                and f.evidence.get("class") != "node_lost"] == [cls]
 
 
 @pytest.mark.integration

@@ -29,6 +29,7 @@ ENV: Mapping[str, str] = {
     "TRANSOM_GENERATION": "launch generation of the job (set by the controller)",
     "TRANSOM_AGENTS": "node=host:port table of agent intakes (set by the Slurm backend for its ranks)",
     "TRANSOM_TEST_CRASH_AT": "test hook, off by default: the controller exits at this recovery step",
+    "TRANSOM_FAULT_TRACE": "benchmarks only: the real fault trace the corpus generator takes its fault mix from",
     "TRANSOM_CKPT_RUNTIME": "checkpoint daemons' registry and shared-memory segments (default /dev/shm/transom-ckpt-<uid>)",
     "TRANSOM_CKPT_LOCAL_DIR": "a checkpoint daemon's local-disk directory (default /tmp/transom-ckpt-local-<uid>)",
     "TRANSOM_CKPT_TRANSPORT": "replication transport of the checkpoint daemons: auto (default), mooncake or tcp",

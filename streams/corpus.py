@@ -1,0 +1,365 @@
+"""A labelled fault corpus: simulated GPU nodes at 1 Hz with every fault class injected at known times.
+
+Contract::
+
+    spec = CorpusSpec(nodes=64, hours=2.0, seed=7)
+    corpus = Corpus(spec)
+    corpus.injections            # list[Injection]: node, class, start, end, severity, detail
+    for batch in corpus.batches():   # MetricBatch in time order (node by node within a second)
+        ...
+
+The same spec gives the same batches and labels in any process (everything is drawn from ``seed``).
+Nodes form data-parallel jobs of ``job_size`` nodes, 8 GPUs each; values move like a busy H100
+node (as :mod:`transom.agents.simulated`, same DCGM field names), plus job-wide phases (every
+node of a job pauses for a checkpoint now and then), which a detector must not take for a fault.
+
+The fault mix follows the real GPU-cluster trace in ``shared/data/infinitehbd_faults``
+(:func:`trace_mix`): each trace description maps onto a :class:`FaultClass`; every class gets at
+least ``min_per_class`` injections. The real rate (about 2e-4 faults per node-hour) is far too low
+to measure anything, so faults are injected at ``faults_per_node_hour``; their durations are the
+trace's repair times scaled by ``seconds_per_trace_day`` and clamped per class. Each injection has
+a severity level 1..3 (see :data:`SEVERITIES`); nothing else happens on its node from ``gap_s``
+before it starts until ``gap_s`` after it ends.
+
+Command: ``python -m transom.streams.corpus --help`` writes a corpus as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from transom.contracts import DCGM, MetricBatch, Sample, Source, encode
+
+from .classes import HARD, FaultClass
+
+__all__ = ["CorpusSpec", "Injection", "Corpus", "trace_mix", "SEVERITIES", "NIC_FIELDS", "REASON_SW_POWER",
+           "REASON_THERMAL", "main"]
+
+CLOCKS_EVENT_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
+ROW_REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"
+#: NVML clock event reason bits (nvmlClocksEventReasonSwPowerCap, HW + SW thermal slowdown).
+REASON_SW_POWER = 0x4
+REASON_THERMAL = 0x20 | 0x40
+#: NIC fields of an InfiniBand port sample, as the agent's NIC collector names them.
+NIC_FIELDS = ("link_up", "state", "phys_state", "symbol_error_per_s", "port_rcv_errors_per_s",
+              "port_rcv_bytes_per_s", "link_downed")
+
+#: What each class looks like at severity 1, 2, 3.
+SEVERITIES: Mapping[FaultClass, tuple] = {
+    FaultClass.XID: (13, 43, 74),                         # XID code raised (no finer class)
+    FaultClass.ECC_DBE: (1, 2, 8),                        # DBE errors counted
+    FaultClass.ROW_REMAP_FAILURE: (1, 1, 1),
+    FaultClass.GPU_LOST: (1, 1, 1),
+    FaultClass.LINK_DOWN: (1, 1, 1),
+    FaultClass.LINK_FLAP: (3, 5, 10),                     # down transitions
+    FaultClass.NAN_LOSS: (1, 1, 1),
+    FaultClass.NODE_LOST: (1, 1, 1),
+    FaultClass.HANG: (1, 1, 1),
+    FaultClass.THERMAL: (8.0, 14.0, 22.0),                # degrees C hotter (clock down 1/2 % per degree)
+    FaultClass.POWER_CAP: (0.85, 0.75, 0.6),              # share of the usual power, clocks follow
+    FaultClass.STRAGGLER: (0.9, 0.8, 0.65),               # share of the usual SM clock and power
+    FaultClass.LINK_DEGRADED: (3.0, 15.0, 60.0),          # symbol errors per second, bandwidth down
+}
+
+#: Trace description -> class (descriptions not named here are not GPU-node faults we model).
+_TRACE_CLASS = {
+    "GPU DBE(Double Bit ECC) > Threshold": FaultClass.ECC_DBE, "GPU xid Error": FaultClass.XID,
+    "GPU device unknow error": FaultClass.XID, "GPU Lost": FaultClass.GPU_LOST,
+    "GPU device not found": FaultClass.GPU_LOST, "nvidia-smi Timeout": FaultClass.GPU_LOST,
+    "GPU Temperature High": FaultClass.THERMAL, "GPU PCI link width low": FaultClass.STRAGGLER,
+    "GPU P2P Bandwidth Low": FaultClass.STRAGGLER, "Link Down": FaultClass.LINK_DOWN,
+    "NIC Lost": FaultClass.LINK_DOWN, "NIC Link Speed low": FaultClass.LINK_DEGRADED,
+    "NIC PCI link Width low": FaultClass.LINK_DEGRADED, "Rnic Gid Error": FaultClass.LINK_FLAP,
+    "Silent Data Corruption": FaultClass.NAN_LOSS, "GPU SBE(Single Bit ECC) > Threshold": FaultClass.ROW_REMAP_FAILURE,
+}
+_TRACE_CLASS_BY_CLASS = {"Fan": FaultClass.THERMAL, "Power Supply": FaultClass.POWER_CAP,
+                         "Training Task Troubleshooting": FaultClass.HANG, "Unknown Error": FaultClass.NODE_LOST}
+#: Duration limits (s) per class after scaling the trace's repair times.
+_DURATION = {c: (60.0, 600.0) for c in FaultClass}
+_DURATION.update({FaultClass.LINK_DOWN: (20.0, 300.0), FaultClass.NODE_LOST: (30.0, 300.0),
+                  FaultClass.HANG: (60.0, 300.0), FaultClass.LINK_FLAP: (60.0, 180.0)})
+
+DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "infinitehbd_faults",
+                             "fault_trace.json")
+
+
+def _default_trace() -> str:
+    for cand in (os.environ.get("TRANSOM_FAULT_TRACE", ""), DEFAULT_TRACE, "/work/shared/data/infinitehbd_faults/fault_trace.json"):
+        if cand and os.path.exists(cand):
+            return cand
+    return ""
+
+
+def trace_mix(path: str | None = None) -> tuple[dict[FaultClass, float], dict[FaultClass, list[float]], dict]:
+    """Class shares, repair times (days) per class and summary figures from the fault trace."""
+    path = path or _default_trace()
+    if not path:
+        raise FileNotFoundError("no fault trace: set TRANSOM_FAULT_TRACE to shared/data/infinitehbd_faults/fault_trace.json")
+    with open(path) as fh:
+        events = json.load(fh)
+    open_: dict[tuple[str, str], float] = {}
+    counts: Counter = Counter()
+    durations: dict[FaultClass, list[float]] = {c: [] for c in FaultClass}
+    nodes, last = set(), 0.0
+    for ev in sorted(events, key=lambda e: e["event_time"]):
+        ft = ev["fault_type"]
+        cls = _TRACE_CLASS.get(ft.get("Desc")) or _TRACE_CLASS_BY_CLASS.get(ft.get("Class"))
+        nodes.add(ev["node_id"])
+        last = max(last, ev["event_time"])
+        if cls is None:
+            continue
+        key = (ev["node_id"], ft.get("Desc"))
+        if ev["event_type"] == "fault_start":
+            counts[cls] += 1
+            open_[key] = ev["event_time"]
+        elif key in open_:
+            durations[cls].append(ev["event_time"] - open_.pop(key))
+    total = sum(counts.values())
+    shares = {c: counts[c] / total for c in FaultClass}
+    summary = {"trace_faults_mapped": total, "trace_nodes": len(nodes), "trace_days": round(last, 1),
+               "trace_rate_per_node_hour": round(total / (400 * max(last, 1.0) * 24), 6)}
+    return shares, durations, summary
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    nodes: int = 32
+    hours: float = 1.0
+    seed: int = 0
+    gpus: int = 8
+    job_size: int = 8
+    faults_per_node_hour: float = 0.6
+    min_per_class: int = 4
+    gap_s: float = 120.0
+    warmup_s: float = 300.0            # no faults in the first minutes (detectors learn the baseline)
+    seconds_per_trace_day: float = 240.0
+    checkpoint_every_s: float = 900.0  # job-wide pauses: every node of a job idles together
+    trace: str | None = None
+
+
+@dataclass(frozen=True)
+class Injection:
+    node: str
+    cls: FaultClass
+    start: float
+    end: float
+    severity: int
+    gpu: int = 0
+    detail: Mapping[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cls"] = self.cls.value
+        return d
+
+
+T0 = 1_750_000_000.0
+
+
+class Corpus:
+    """The batches and labels of one :class:`CorpusSpec` (see the module docstring)."""
+
+    def __init__(self, spec: CorpusSpec) -> None:
+        self.spec = spec
+        self.t0 = T0 + spec.seed * 1_000_000
+        self.duration = int(spec.hours * 3600)
+        self.node_ids = [f"n{spec.seed:03d}-{i:04d}" for i in range(spec.nodes)]
+        self.job_of = {n: f"job{spec.seed:03d}-{i // spec.job_size:03d}" for i, n in enumerate(self.node_ids)}
+        self.shares, self.durations, self.trace_summary = trace_mix(spec.trace)
+        self.injections = self._schedule()
+
+    # ------------------------------------------------------------------ schedule
+    def _schedule(self) -> list[Injection]:
+        s = self.spec
+        rng = np.random.default_rng([s.seed, 1])
+        classes = list(FaultClass)
+        n_total = max(int(round(s.faults_per_node_hour * s.nodes * s.hours)), s.min_per_class * len(classes))
+        want = {c: max(s.min_per_class, int(round(self.shares[c] * n_total))) for c in classes}
+        todo = [c for c in classes for _ in range(want[c])]
+        rng.shuffle(todo)
+        busy: dict[str, list[tuple[float, float]]] = {n: [] for n in self.node_ids}
+        out: list[Injection] = []
+        for cls in todo:
+            lo, hi = _DURATION[cls]
+            pool = self.durations.get(cls) or [d for v in self.durations.values() for d in v]
+            dur = float(np.clip(rng.choice(pool) * s.seconds_per_trace_day, lo, hi)) if pool else lo
+            for _ in range(50):
+                node = self.node_ids[int(rng.integers(len(self.node_ids)))]
+                start = float(rng.uniform(s.warmup_s, max(s.warmup_s + 1, self.duration - dur - s.gap_s)))
+                end = start + dur
+                if all(end + s.gap_s < a or start > b + s.gap_s for a, b in busy[node]):
+                    break
+            else:
+                continue
+            busy[node].append((start, end))
+            sev = int(rng.integers(1, 4))
+            out.append(Injection(node, cls, self.t0 + round(start), self.t0 + round(end), sev,
+                                 gpu=int(rng.integers(s.gpus)), detail={"level": float(SEVERITIES[cls][sev - 1])}))
+        out.sort(key=lambda i: i.start)
+        return out
+
+    # ------------------------------------------------------------------ batches
+    def batches(self, start_s: int = 0, stop_s: int | None = None) -> Iterator[MetricBatch]:
+        """Every batch from second ``start_s`` to ``stop_s`` (default: the end), in time order."""
+        s = self.spec
+        stop_s = self.duration if stop_s is None else min(stop_s, self.duration)
+        n, g = s.nodes, s.gpus
+        base_rng = np.random.default_rng([s.seed, 2])
+        util_base = base_rng.normal(93.0, 1.0, (n, g))
+        temp_off = base_rng.normal(0.0, 2.0, (n, g))
+        step_time = {j: float(base_rng.uniform(0.6, 1.4)) for j in sorted(set(self.job_of.values()))}
+        phase = {j: float(base_rng.uniform(0, s.checkpoint_every_s)) for j in step_time}
+        by_node: dict[str, list[Injection]] = {}
+        for inj in self.injections:
+            by_node.setdefault(inj.node, []).append(inj)
+        seqs = {nid: start_s for nid in self.node_ids}
+        pending = sorted(self.injections, key=lambda x: x.start)
+        live: list[Injection] = []
+        k = 0
+        index = {nid: i for i, nid in enumerate(self.node_ids)}
+        for t in range(start_s, stop_s):
+            ts = self.t0 + t
+            rng = np.random.default_rng([s.seed, 3, t])
+            util = np.clip(rng.normal(util_base, 2.0), 0, 100)
+            power = 90.0 + util / 100.0 * 480.0 + rng.normal(0, 12.0, (n, g))
+            sm = 1980.0 - np.abs(rng.normal(0, 20.0, (n, g)))
+            temp_add = temp_off + rng.normal(0, 0.7, (n, g))
+            bw = 4e10 * (1 + rng.normal(0, 0.02, (n, 2)))
+            for i, node in enumerate(self.node_ids):
+                job = self.job_of[node]
+                if (t + phase[job]) % s.checkpoint_every_s < 15:   # job-wide checkpoint pause
+                    util[i] *= 0.1
+                    power[i] = 90.0 + util[i] / 100.0 * 480.0
+            while k < len(pending) and pending[k].start <= ts:
+                live.append(pending[k])
+                k += 1
+            live = [x for x in live if x.end > ts]
+            fx: dict[str, dict] = {}
+            reasons = np.zeros((n, g))
+            for inj in live:
+                i = index[inj.node]
+                e = fx.setdefault(inj.node, {})
+                self._apply(inj, i, ts, util, power, sm, temp_add, reasons, bw, e)
+            temp = 33.0 + 0.05 * power + temp_add
+            U, P, S, T, R, B = (np.round(util).tolist(), np.round(power, 1).tolist(), sm.astype(int).tolist(),
+                                np.round(temp).tolist(), reasons.tolist(), np.round(bw).tolist())
+            for i, node in enumerate(self.node_ids):
+                e = fx.get(node, {})
+                if e.get("silent"):
+                    continue
+                job = self.job_of[node]
+                samples = []
+                for gi in range(g):
+                    if e.get("lost") == gi:
+                        samples.append(Sample(Source.GPU, {DCGM.GPU_LOST: 1.0}, index=gi))
+                    else:
+                        samples.append(Sample(Source.GPU, {
+                            DCGM.GPU_UTIL: U[i][gi], DCGM.GPU_TEMP: T[i][gi], DCGM.POWER_USAGE: P[i][gi],
+                            DCGM.SM_CLOCK: float(S[i][gi]), DCGM.FB_USED: 71000.0, CLOCKS_EVENT_REASONS: R[i][gi],
+                            DCGM.ECC_DBE_VOL_TOTAL: e.get("dbe", {}).get(gi, 0.0),
+                            ROW_REMAP_FAILURE: e.get("remap", {}).get(gi, 0.0)}, index=gi))
+                for gi, code in e.get("xid", {}).items():
+                    samples.append(Sample(Source.GPU, {DCGM.XID_ERRORS: code}, index=gi, ts=ts - 0.3))
+                errors = e.get("errors", 0.0)
+                for p in range(2):
+                    up = 0.0 if p in e.get("down", ()) else 1.0
+                    samples.append(Sample(Source.NIC, {
+                        "link_up": up, "state": 4.0 if up else 1.0, "phys_state": 5.0 if up else 2.0,
+                        "symbol_error_per_s": errors if p == 0 else 0.0,
+                        "port_rcv_errors_per_s": round(errors / 3, 2) if p == 0 else 0.0,
+                        "port_rcv_bytes_per_s": B[i][p] * up, "link_downed": 0.0},
+                        index=1, tags={"device": f"mlx5_{p}", "port": "1", "kind": "ib"}))
+                st = step_time[job]
+                step = int((e["frozen"] if "frozen" in e else t) / st)
+                samples.append(Sample(Source.TRAIN, {"step": float(step), "step_time": st, "loss": 2.0, "alive": 1.0,
+                                                     "loss_nonfinite": 1.0 if e.get("nan") else 0.0},
+                                      index=0, tags={"job": job, "generation": "0"}))
+                samples.append(Sample(Source.HOST, {"cpu_percent": 30.0}))
+                yield MetricBatch(node=node, ts=ts, seq=seqs[node], job=job, samples=tuple(samples))
+                seqs[node] += 1
+
+    def _apply(self, inj: Injection, i: int, ts: float, util, power, sm, temp_add, reasons, bw, e: dict) -> None:
+        """Apply one live injection to node ``i``'s arrays (and its effects dict ``e``)."""
+        c, lvl, gpu, since = inj.cls, inj.detail["level"], inj.gpu, ts - inj.start
+        if c is FaultClass.NODE_LOST:
+            e["silent"] = True
+        elif c is FaultClass.THERMAL:
+            temp_add[i, gpu] += lvl
+            sm[i, gpu] *= 1.0 - 0.012 * lvl
+            if lvl >= 14:
+                reasons[i, gpu] = REASON_THERMAL
+        elif c is FaultClass.POWER_CAP:
+            power[i, gpu] = min(power[i, gpu], lvl * 570.0)
+            sm[i, gpu] *= 0.5 + 0.5 * lvl
+            reasons[i, gpu] = REASON_SW_POWER
+        elif c is FaultClass.STRAGGLER:
+            sm[i, gpu] *= lvl
+            power[i, gpu] = 90.0 + (power[i, gpu] - 90.0) * lvl
+        elif c is FaultClass.LINK_DEGRADED:
+            e["errors"] = float(lvl)
+            bw[i, 0] *= 1.0 - min(0.6, lvl / 100.0)
+        elif c is FaultClass.ECC_DBE:
+            e.setdefault("dbe", {})[gpu] = float(lvl)
+            if since == 0:
+                e.setdefault("xid", {})[gpu] = 48.0
+        elif c is FaultClass.ROW_REMAP_FAILURE:
+            e.setdefault("remap", {})[gpu] = 1.0
+            if since == 0:
+                e.setdefault("xid", {})[gpu] = 64.0
+        elif c is FaultClass.XID:
+            if since == 0:
+                e.setdefault("xid", {})[gpu] = float(lvl)
+        elif c is FaultClass.GPU_LOST:
+            e["lost"] = gpu      # as the trace's "GPU lost" / "nvidia-smi timeout": no XID 79 first
+        elif c is FaultClass.LINK_DOWN:
+            e.setdefault("down", set()).add(gpu % 2)
+        elif c is FaultClass.LINK_FLAP:
+            period = 60.0 / lvl      # ``lvl`` one-second outages over the first minute
+            if since < 60.0 and since % period < 1.0:
+                e.setdefault("down", set()).add(gpu % 2)
+        elif c is FaultClass.HANG:
+            e["frozen"] = inj.start - self.t0
+            util[i, :] = 100.0
+            power[i, :] = 150.0
+        elif c is FaultClass.NAN_LOSS:
+            e["nan"] = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m transom.streams.corpus",
+                                description="Write a labelled fault corpus: metrics as JSON lines (one MetricBatch "
+                                            "a line, gzip) and the injected faults as JSON.")
+    p.add_argument("--nodes", type=int, default=32)
+    p.add_argument("--hours", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=0.6, help="injected faults per node-hour (default 0.6)")
+    p.add_argument("--out", required=True, help="output directory (metrics.jsonl.gz, labels.json)")
+    a = p.parse_args(argv)
+    corpus = Corpus(CorpusSpec(nodes=a.nodes, hours=a.hours, seed=a.seed, faults_per_node_hour=a.rate))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "labels.json"), "w") as fh:
+        json.dump({"spec": asdict(corpus.spec), "trace": corpus.trace_summary,
+                   "injections": [i.to_dict() for i in corpus.injections]}, fh, indent=1)
+    n = 0
+    with gzip.open(os.path.join(a.out, "metrics.jsonl.gz"), "wb") as fh:
+        for b in corpus.batches():
+            fh.write(encode(b) + b"\n")
+            n += 1
+            if n % 100_000 == 0:
+                print(f"{n} batches", file=sys.stderr)
+    print(json.dumps({"batches": n, "injections": len(corpus.injections), "out": a.out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

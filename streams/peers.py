@@ -1,0 +1,348 @@
+"""Soft faults from windows: each GPU against its own clean history, each node against its job's peers.
+
+No Faust here. :class:`PeerDetector` is fed every batch (``observe``) and, each time a node's
+window of ``soft_window_s`` seconds (sample time) closes, turns it into a feature vector:
+
+=====================  ==========================================================  ===========
+feature                what                                                         family
+=====================  ==========================================================  ===========
+temp_rise_c            hottest rise of a GPU's window median over its own baseline  thermal
+clock_drop             largest relative drop of a GPU's SM clock below its baseline  gpu
+power_drop             largest relative drop of a GPU's power below its baseline     gpu
+nic_errors_per_s       symbol + receive errors per second over the node's IB ports   nic
+nic_bw_drop            relative drop of the slowest port's receive rate              nic
+=====================  ==========================================================  ===========
+
+Baselines are per GPU (per port): the median of that device's last ``soft_baseline`` clean windows,
+so each GPU is compared with itself (temporal). When at least 3 nodes of the same job close the
+same window, every node's features are taken relative to the job's median (peers): a change the
+whole job shares (a checkpoint pause, an eval) cancels out, the odd node stands out.
+
+Scoring: per family, the pyod model of ``soft_detector`` (ECOD by default; iforest, copod, hbos,
+lof, or "combo" for the mean of ECOD and COPOD ranks) is refitted every ``soft_refit_every`` windows
+on the last ``soft_history`` clean feature vectors of the nodes this detector sees, and the
+threshold is the ``soft_quantile`` of those clean scores times ``soft_margin`` (a calibrated
+quantile). A node's window is anomalous when its family score is above the threshold AND the
+family's strongest feature lies more than ``soft_min_z`` robust spreads (with a floor) from the
+clean median, so that a detector fitted on very quiet history does not fire on noise.
+``soft_consecutive`` anomalous windows make a fault; ``soft_clear`` clean windows after it make a
+resolution event (``resolved=True``, same fault id). The class comes from the evidence: NIC
+features -> link_degraded; a hot GPU -> thermal; a slow GPU whose clock-event reasons show a power
+cap -> power_cap; otherwise -> straggler.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transom.contracts import DCGM, Action, FaultEvent, MetricBatch, Severity, Source, stable_id
+
+from .classes import KIND_OF, FaultClass
+from .config import TEEConfig
+from .rules import NodeState, fault
+
+__all__ = ["FEATURES", "FAMILIES", "PeerDetector", "make_model"]
+
+FEATURES = ("temp_rise_c", "clock_drop", "power_drop", "nic_errors_per_s", "nic_bw_drop")
+FAMILIES = {"thermal": (0,), "gpu": (1, 2), "nic": (3, 4)}
+#: Smallest spread per feature (units of the feature): noise floors so a quiet history is not a hair trigger.
+_FLOOR = np.array([0.7, 0.01, 0.02, 0.2, 0.02])
+_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
+_POWER_CAP_BITS = 0x4 | 0x8 | 0x100
+
+
+def _median(values) -> float:
+    v = sorted(values)
+    n = len(v)
+    return float(v[n // 2]) if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2.0
+
+
+def make_model(name: str) -> Any:
+    """A fresh pyod model by name (imports pyod lazily)."""
+    if name == "ecod":
+        from pyod.models.ecod import ECOD
+        return ECOD()
+    if name == "copod":
+        from pyod.models.copod import COPOD
+        return COPOD()
+    if name == "iforest":
+        from pyod.models.iforest import IForest
+        return IForest(n_estimators=50, random_state=0)
+    if name == "hbos":
+        from pyod.models.hbos import HBOS
+        return HBOS()
+    if name == "lof":
+        from pyod.models.lof import LOF
+        return LOF(n_neighbors=10)
+    if name == "combo":
+        return _Combo()
+    raise ValueError(name)
+
+
+class _Combo:
+    """Mean of ECOD and COPOD scores, each standardised on its training scores."""
+
+    def fit(self, X):
+        self.models = [make_model("ecod"), make_model("copod")]
+        self.stats = []
+        for m in self.models:
+            m.fit(X)
+            s = m.decision_scores_
+            self.stats.append((float(np.median(s)), float(np.std(s)) or 1.0))
+        self.decision_scores_ = self.decision_function(X)
+        return self
+
+    def decision_function(self, X):
+        return np.mean([(m.decision_function(X) - mu) / sd for m, (mu, sd) in zip(self.models, self.stats)], 0)
+
+
+@dataclass
+class _Window:
+    index: int = -1
+    gpu: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))   # gpu -> field -> values
+    reasons: dict = field(default_factory=lambda: defaultdict(int))
+    nic_err: list = field(default_factory=list)
+    nic_bw: dict = field(default_factory=lambda: defaultdict(list))
+    first_ts: float = 0.0
+    last_ts: float = 0.0
+
+
+@dataclass
+class _NodeSoft:
+    window: _Window = field(default_factory=_Window)
+    base: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=30)))   # device key -> medians
+    run: int = 0
+    run_start: float = 0.0
+    clean: int = 0
+    open_fault: FaultEvent | None = None
+    last_features: np.ndarray | None = None
+
+
+class PeerDetector:
+    """Per-window soft-fault detector, temporal per GPU and across a job's peers (see module doc)."""
+
+    name = "peers"
+
+    def __init__(self, config: TEEConfig) -> None:
+        self.config = config
+        make_model(config.soft_detector).fit(np.random.default_rng(0).normal(size=(16, 2)))  # import now
+        self.history: dict[str, deque] = {f: deque(maxlen=config.soft_history) for f in FAMILIES}
+        self.models: dict[str, Any] = {}
+        self.thresholds: dict[str, float] = {}
+        self.center = np.zeros(len(FEATURES))
+        self.spread = _FLOOR.copy()
+        self.since_fit = 10**9
+        self.pending: dict[tuple[str, int], dict[str, tuple]] = defaultdict(dict)   # (job, window) -> node -> ...
+
+    # ------------------------------------------------------------------ feed
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        ns = state.detectors.get(self.name)
+        if ns is None:
+            ns = state.detectors[self.name] = _NodeSoft()
+        w = self.config.soft_window_s
+        index = int(batch.ts // w)
+        out: list[FaultEvent] = []
+        if ns.window.index != index:
+            if ns.window.index >= 0 and ns.window.gpu:
+                out += self._close(state, ns, batch.job or state.job or batch.node, now)
+            ns.window = _Window(index=index, first_ts=batch.ts)
+        win = ns.window
+        win.last_ts = batch.ts
+        for s in batch.of(Source.GPU):
+            f = s.fields
+            if DCGM.GPU_TEMP not in f or s.index is None:
+                continue
+            g = win.gpu[s.index]
+            for name in (DCGM.GPU_TEMP, DCGM.SM_CLOCK, DCGM.POWER_USAGE):
+                if name in f:
+                    g[name].append(float(f[name]))
+            win.reasons[s.index] |= int(f.get(_REASONS, 0))
+        for s in batch.of(Source.NIC):
+            f = s.fields
+            if f.get("link_up", 1) != 1:
+                continue
+            win.nic_err.append(float(f.get("symbol_error_per_s", 0.0)) + float(f.get("port_rcv_errors_per_s", 0.0)))
+            if "port_rcv_bytes_per_s" in f:
+                win.nic_bw[s.tags.get("device", "")].append(float(f["port_rcv_bytes_per_s"]))
+        return out
+
+    # ------------------------------------------------------------------ window close
+    def _raw_features(self, ns: _NodeSoft) -> tuple[np.ndarray, dict, dict]:
+        win = ns.window
+        rise, cdrop, pdrop, worst = -np.inf, -np.inf, -np.inf, {}
+        medians = {}
+        for gi, fields in win.gpu.items():
+            for name, vals in fields.items():
+                medians[(gi, name)] = _median(vals)
+        devs = {}
+        for (gi, name), m in medians.items():
+            hist = ns.base[(gi, name)]
+            base = _median(hist) if len(hist) >= 3 else m
+            devs[(gi, name)] = (m, base)
+        for gi in win.gpu:
+            if (gi, DCGM.GPU_TEMP) in devs:
+                m, b = devs[(gi, DCGM.GPU_TEMP)]
+                if m - b > rise:
+                    rise, worst["thermal"] = m - b, {"gpu": gi, "value": m, "baseline": b}
+            if (gi, DCGM.SM_CLOCK) in devs:
+                m, b = devs[(gi, DCGM.SM_CLOCK)]
+                d = (b - m) / max(b, 1.0)
+                if d > cdrop:
+                    cdrop, worst["clock"] = d, {"gpu": gi, "value": m, "baseline": b, "reasons": win.reasons.get(gi, 0)}
+            if (gi, DCGM.POWER_USAGE) in devs:
+                m, b = devs[(gi, DCGM.POWER_USAGE)]
+                d = (b - m) / max(b, 1.0)
+                if d > pdrop:
+                    pdrop, worst["power"] = d, {"gpu": gi, "value": m, "baseline": b}
+        err = sum(win.nic_err) / len(win.nic_err) if win.nic_err else 0.0
+        bw_drop = 0.0
+        for dev, vals in win.nic_bw.items():
+            m = _median(vals)
+            hist = ns.base[("nic", dev)]
+            b = _median(hist) if len(hist) >= 3 else m
+            medians[("nic", dev)] = m
+            d = (b - m) / max(b, 1.0)
+            if d > bw_drop:
+                bw_drop, worst["nic_bw"] = d, {"device": dev, "value": m, "baseline": b}
+        x = np.array([rise, cdrop, pdrop, err, bw_drop], dtype=float)
+        x[~np.isfinite(x)] = 0.0
+        return x, worst, medians
+
+    def _close(self, state: NodeState, ns: _NodeSoft, job: str, now: float) -> list[FaultEvent]:
+        x, worst, medians = self._raw_features(ns)
+        key = (job, ns.window.index)
+        peers = self.pending[key]
+        peers[state.node] = (x, worst, medians, ns, state)
+        # peers: decide when the job's other nodes closed the same window, or alone (one-node jobs, or
+        # peers owned by another worker) once a later window of this node closes
+        out: list[FaultEvent] = []
+        for k in [k for k in self.pending if k[0] == job and k[1] < ns.window.index]:
+            out += self._decide(k, self.pending.pop(k), now)
+        return out
+
+    def flush(self, now: float) -> list[FaultEvent]:
+        """Decide every window still waiting for peers (end of a replay)."""
+        out: list[FaultEvent] = []
+        for k in list(self.pending):
+            out += self._decide(k, self.pending.pop(k), now)
+        return out
+
+    def _decide(self, key: tuple[str, int], peers: dict, now: float) -> list[FaultEvent]:
+        xs = np.vstack([p[0] for p in peers.values()])
+        rel = xs - np.median(xs, 0) if len(peers) >= 3 else xs
+        out: list[FaultEvent] = []
+        cfg = self.config
+        flagged = set()
+        scores = {}
+        if self.since_fit >= cfg.soft_refit_every and all(len(h) >= cfg.soft_min_history for h in self.history.values()):
+            self._fit()
+        ready = bool(self.models)
+        Z = (rel - self.center) / self.spread
+        fam_scores = {}
+        if ready:
+            for fam, cols in FAMILIES.items():
+                # only rows past the z gate need a model score (pyod scoring is the costly part)
+                need = np.flatnonzero(Z[:, list(cols)].max(1) >= cfg.soft_min_z)
+                sc = np.full(len(rel), -np.inf)
+                if len(need):
+                    sc[need] = self.models[fam].decision_function(rel[need][:, list(cols)])
+                fam_scores[fam] = sc
+        for j, (row, (node, (x, worst, medians, ns, state))) in enumerate(zip(rel, peers.items())):
+            z = Z[j]
+            fam_hit = None
+            if ready:
+                for fam, cols in FAMILIES.items():
+                    s = float(fam_scores[fam][j])
+                    zmax = float(np.max(z[list(cols)]))
+                    if s > self.thresholds[fam] and zmax >= cfg.soft_min_z:
+                        if fam_hit is None or zmax > fam_hit[2]:
+                            fam_hit = (fam, s, zmax)
+            scores[node] = fam_hit
+            if fam_hit is not None:
+                flagged.add(node)
+            out += self._advance(state, ns, row, z, worst, fam_hit, key, len(peers), now)
+        for row, (node, (x, worst, medians, ns, state)) in zip(rel, peers.items()):
+            if node in flagged or ns.open_fault is not None:
+                continue
+            for fam, cols in FAMILIES.items():
+                self.history[fam].append(row[list(cols)])
+            for k, m in medians.items():
+                ns.base[k].append(m)
+        self.since_fit += 1
+        return out
+
+    def _fit(self) -> None:
+        cfg = self.config
+        for fam, hist in self.history.items():
+            H = np.vstack(hist)
+            model = make_model(cfg.soft_detector)
+            model.fit(H)
+            s = np.asarray(model.decision_scores_, dtype=float)
+            self.models[fam] = model
+            q = float(np.quantile(s, cfg.soft_quantile))
+            self.thresholds[fam] = q + abs(q) * (cfg.soft_margin - 1.0)
+        allh = np.hstack([np.vstack(self.history[f]) for f in FAMILIES])
+        order = [c for cols in FAMILIES.values() for c in cols]
+        center = np.median(allh, 0)
+        spread = np.percentile(allh, 99, 0) - center
+        self.center = np.zeros(len(FEATURES))
+        self.spread = _FLOOR.copy()
+        for j, c in enumerate(order):
+            self.center[c] = center[j]
+            self.spread[c] = max(_FLOOR[c], spread[j])
+        self.since_fit = 0
+
+    def _classify(self, fam: str, worst: dict) -> FaultClass:
+        if fam == "nic":
+            return FaultClass.LINK_DEGRADED
+        if fam == "thermal":
+            return FaultClass.THERMAL
+        if int(worst.get("clock", {}).get("reasons", 0)) & _POWER_CAP_BITS:
+            return FaultClass.POWER_CAP
+        return FaultClass.STRAGGLER
+
+    def _advance(self, state: NodeState, ns: _NodeSoft, row, z, worst, hit, key, n_peers, now) -> list[FaultEvent]:
+        cfg = self.config
+        win = ns.window
+        if hit is None:
+            ns.run = 0
+            if ns.open_fault is not None:
+                ns.clean += 1
+                if ns.clean >= cfg.soft_clear:
+                    f, ns.open_fault, ns.clean = ns.open_fault, None, 0
+                    return [FaultEvent(**{**f.__dict__, "resolved": True, "detected_ts": now,
+                                          "observed_ts": win.last_ts,
+                                          "summary": f"resolved: {f.summary}"})]
+            return []
+        ns.clean = 0
+        if ns.open_fault is not None:
+            return []
+        if ns.run == 0:
+            ns.run_start = win.first_ts
+        ns.run += 1
+        if ns.run < cfg.soft_consecutive:
+            return []
+        fam, score, zmax = hit
+        cls = self._classify(fam, worst)
+        feats = {name: {"value": round(float(row[i]), 4), "z": round(float(z[i]), 2)} for i, name in enumerate(FEATURES)}
+        top = sorted(feats, key=lambda n: -feats[n]["z"])[:3]
+        evidence = {"class": cls.value, "family": fam, "score": round(score, 4),
+                    "threshold": round(self.thresholds[fam], 4), "z": round(zmax, 2),
+                    "top_features": {n: feats[n] for n in top}, "devices": worst,
+                    "window_s": cfg.soft_window_s, "window": [win.first_ts, win.last_ts],
+                    "since_ts": ns.run_start, "peers": n_peers,
+                    "baseline": "each device's own clean history" + (", relative to the job's median" if n_peers >= 3 else "")}
+        dev = worst.get({"thermal": "thermal", "gpu": "clock", "nic": "nic_bw"}[fam], {})
+        where = f"GPU {dev['gpu']}" if "gpu" in dev else f"port {dev.get('device', '?')}"
+        f = fault(KIND_OF[cls], Severity.WARNING, Action.OBSERVE,
+                  fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
+                  job=state.job, detector=f"pyod.{cfg.soft_detector}.peers", observed_ts=win.last_ts, now=now,
+                  score=score, threshold=self.thresholds[fam], evidence=evidence,
+                  summary=(f"{cls.value} on {state.node} {where}: {top[0]} {feats[top[0]]['value']:g} "
+                           f"({feats[top[0]]['z']:.1f} spreads from the clean median) for {ns.run} windows"))
+        ns.open_fault = f
+        return [f]

@@ -1,0 +1,191 @@
+"""Per-node temporal scoring: fit on a node's clean history, score new samples (no Faust here).
+
+Contract::
+
+    scorer = TemporalScorer(ScorerConfig()).fit(history)   # history: (n, d) array, rows in time order
+    scorer.score(X)          # (m,) scores for rows of X in time order (causal: row i sees rows <= i)
+    scorer.threshold         # a score quantile of the history (``quantile``), chosen without labels
+    scorer.contributions(x)  # per feature, how far x lies from the history (for evidence)
+
+The score is an ensemble of members (``members``; pyod names or ``knn`` / ``pca``, each of them
+also as ``<name>_resid``: the same model over the residuals of each row against the trailing mean
+of the ``residual_window`` rows before it, which catches a sudden change of level), each
+rank-normalised against its own scores on the history: ``(s - median) / (q99 - median)``, so
+members with different units add up. Features are min-max scaled by the history (constant features
+dropped, values clipped to [-3, 4] of the range), then each member's score is smoothed by a
+trailing mean of ``smooth`` samples (a fault lasts; noise does not). The defaults (kNN distance,
+k=5, on the values and on their residuals, smooth 5) are the one configuration
+``bench/tee_external.py`` scores on both SMD and ASD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transom.config import ConfigError
+
+__all__ = ["ScorerConfig", "TemporalScorer", "trailing_mean", "residuals", "PYOD_MODELS"]
+
+#: Member names that map onto pyod models (built with their defaults and ``contamination``).
+PYOD_MODELS = {"ecod": "pyod.models.ecod.ECOD", "iforest": "pyod.models.iforest.IForest",
+               "copod": "pyod.models.copod.COPOD", "hbos": "pyod.models.hbos.HBOS",
+               "lof": "pyod.models.lof.LOF", "pyod_pca": "pyod.models.pca.PCA"}
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    #: ensemble members: "knn" (mean distance to the k nearest history rows), "pca" (reconstruction
+    #: error with components for ``pca_variance`` of the variance), or a name of ``PYOD_MODELS``
+    members: tuple[str, ...] = ("knn", "knn_resid")
+    #: rows of the trailing mean the ``_resid`` members subtract
+    residual_window: int = 10
+    #: neighbours of the kNN member
+    k: int = 5
+    #: most history rows the kNN member keeps (a seeded sample; keeps scoring fast)
+    knn_sample: int = 4000
+    #: share of variance the PCA member's components explain
+    pca_variance: float = 0.9
+    #: trailing mean over this many samples of each member's score
+    smooth: int = 5
+    #: the threshold is this quantile of the smoothed history scores
+    quantile: float = 0.995
+    #: multiplies the quantile (margin for the unseen)
+    margin: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for m in self.members:
+            m = m[:-len("_resid")] if m.endswith("_resid") else m
+            if m not in ("knn", "pca") and m not in PYOD_MODELS:
+                raise ConfigError(f"scorer member {m!r}: expected knn, pca or one of {', '.join(PYOD_MODELS)}")
+        if not self.members:
+            raise ConfigError("scorer members: expected at least one")
+        if not 0.5 < self.quantile < 1:
+            raise ConfigError(f"scorer quantile={self.quantile!r}: expected a share between 0.5 and 1")
+        for f in ("k", "knn_sample", "smooth", "residual_window"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ConfigError(f"scorer {f}={getattr(self, f)!r}: expected a positive integer")
+
+
+def trailing_mean(s: np.ndarray, w: int) -> np.ndarray:
+    """Causal moving mean: out[i] = mean(s[max(0, i-w+1) : i+1])."""
+    if w <= 1:
+        return np.asarray(s, dtype=float)
+    c = np.concatenate([[0.0], np.cumsum(s, dtype=float)])
+    i = np.arange(len(s))
+    a = np.maximum(0, i - w + 1)
+    return (c[i + 1] - c[a]) / (i + 1 - a)
+
+
+def residuals(X: np.ndarray, w: int) -> np.ndarray:
+    """Each row minus the mean of the ``w`` rows before it (the first row: itself, so 0)."""
+    c = np.vstack([np.zeros((1, X.shape[1])), np.cumsum(X, 0)])
+    i = np.arange(len(X))
+    a = np.maximum(0, i - w)
+    n = np.maximum(i - a, 1)
+    mean = (c[i] - c[a]) / n[:, None]
+    mean[0] = X[0]
+    return X - mean
+
+
+def _import(path: str) -> Any:
+    mod, _, name = path.rpartition(".")
+    return getattr(__import__(mod, fromlist=[name]), name)
+
+
+class _Knn:
+    def __init__(self, k: int, sample: int, seed: int) -> None:
+        self.k, self.sample, self.seed = k, sample, seed
+
+    def fit(self, X: np.ndarray) -> np.ndarray:
+        from sklearn.neighbors import NearestNeighbors
+        rng = np.random.default_rng(self.seed)
+        idx = rng.choice(len(X), min(self.sample, len(X)), replace=False)
+        self.nn = NearestNeighbors(n_neighbors=self.k).fit(X[idx])
+        d = self.nn.kneighbors(X, n_neighbors=min(self.k + 1, len(idx)))[0]
+        return d[:, 1:].mean(1) if d.shape[1] > 1 else d.mean(1)   # leave the row itself out
+
+    def score(self, X: np.ndarray) -> np.ndarray:
+        return self.nn.kneighbors(X)[0].mean(1)
+
+
+class _Pca:
+    def __init__(self, variance: float) -> None:
+        self.variance = variance
+
+    def fit(self, X: np.ndarray) -> np.ndarray:
+        from sklearn.decomposition import PCA
+        n = min(X.shape)
+        self.p = PCA(n_components=self.variance if n > 1 else None, svd_solver="full").fit(X)
+        return self.score(X)
+
+    def score(self, X: np.ndarray) -> np.ndarray:
+        r = X - self.p.inverse_transform(self.p.transform(X))
+        return (r ** 2).sum(1)
+
+
+class _Pyod:
+    def __init__(self, name: str) -> None:
+        self.model = _import(PYOD_MODELS[name])()
+
+    def fit(self, X: np.ndarray) -> np.ndarray:
+        self.model.fit(X)
+        return np.asarray(self.model.decision_scores_, dtype=float)
+
+    def score(self, X: np.ndarray) -> np.ndarray:
+        return np.asarray(self.model.decision_function(X), dtype=float)
+
+
+class TemporalScorer:
+    """The ensemble of :class:`ScorerConfig`, fitted on one node's history."""
+
+    def __init__(self, config: ScorerConfig | None = None) -> None:
+        self.config = config or ScorerConfig()
+        self.threshold = float("nan")
+
+    def _scale(self, X: np.ndarray) -> np.ndarray:
+        return np.clip((X[:, self.keep] - self.lo) / self.range, -3.0, 4.0)
+
+    def fit(self, history: np.ndarray) -> "TemporalScorer":
+        H = np.asarray(history, dtype=float)
+        if H.ndim != 2 or len(H) < 10:
+            raise ValueError(f"history must be a 2-d array of at least 10 rows, got shape {H.shape}")
+        lo, hi = H.min(0), H.max(0)
+        self.keep = (hi - lo) > 1e-9
+        if not self.keep.any():
+            self.keep[:] = True
+        self.lo, self.range = lo[self.keep], np.maximum((hi - lo)[self.keep], 1e-9)
+        self.center = np.median(H, 0)
+        self.spread = np.maximum(np.percentile(H, 95, 0) - np.percentile(H, 5, 0), 1e-9)
+        X = self._scale(H)
+        cfg = self.config
+        self.members, self.norms = [], []
+        total = np.zeros(len(X))
+        for full in cfg.members:
+            name = full[:-len("_resid")] if full.endswith("_resid") else full
+            m = (_Knn(cfg.k, cfg.knn_sample, cfg.seed) if name == "knn" else
+                 _Pca(cfg.pca_variance) if name == "pca" else _Pyod(name))
+            s = trailing_mean(m.fit(self._view(full, X)), cfg.smooth)
+            med, q = float(np.median(s)), float(np.percentile(s, 99))
+            self.members.append(m)
+            self.norms.append((med, max(q - med, 1e-12)))
+            total += (s - med) / (q - med if q > med else 1e-12)
+        self.threshold = float(np.quantile(total, cfg.quantile)) * cfg.margin
+        return self
+
+    def _view(self, member: str, X: np.ndarray) -> np.ndarray:
+        return residuals(X, self.config.residual_window) if member.endswith("_resid") else X
+
+    def score(self, X: np.ndarray) -> np.ndarray:
+        X = self._scale(np.asarray(X, dtype=float))
+        total = np.zeros(len(X))
+        for full, m, (med, span) in zip(self.config.members, self.members, self.norms):
+            total += (trailing_mean(m.score(self._view(full, X)), self.config.smooth) - med) / span
+        return total
+
+    def contributions(self, x: np.ndarray) -> np.ndarray:
+        """Per feature: (x - history median) / history 5-95 % range (signed)."""
+        return (np.asarray(x, dtype=float) - self.center) / self.spread

@@ -1,0 +1,132 @@
+"""TEE: the new rules (ECC, row remap, links), merging, the peers detector on a labelled corpus, the scorer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from transom import contracts as c
+from transom.config import ConfigError
+from transom.streams.classes import HARD, FaultClass
+from transom.streams.config import TEEConfig
+from transom.streams.corpus import Corpus, CorpusSpec
+from transom.streams.engine import TEEEngine
+from transom.streams.scoring import ScorerConfig, TemporalScorer
+
+T0 = 1_700_000_000.0
+
+
+def gpu(i: int, **extra) -> c.Sample:
+    return c.Sample(c.Source.GPU, {c.DCGM.GPU_UTIL: 95.0, c.DCGM.GPU_TEMP: 65.0, c.DCGM.POWER_USAGE: 500.0,
+                                   c.DCGM.SM_CLOCK: 1980.0, **extra}, index=i)
+
+
+def ib(up: float, device="mlx5_0") -> c.Sample:
+    return c.Sample(c.Source.NIC, {"link_up": up, "state": 4.0 if up else 1.0}, index=1,
+                    tags={"device": device, "port": "1", "kind": "ib"})
+
+
+def batch(ts, *samples, node="node1", job="job1") -> c.MetricBatch:
+    return c.MetricBatch(node=node, ts=ts, seq=int(ts - T0), job=job, samples=samples)
+
+
+@pytest.fixture
+def engine() -> TEEEngine:
+    return TEEEngine(TEEConfig(soft_detectors=("peers",)))
+
+
+def test_ecc_dbe_counter_and_xid_48_merge_into_one_fault(engine):
+    found = engine.process(batch(T0, gpu(0), gpu(1)), now=T0)
+    xid = c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 48}, index=1, ts=T0 + 0.7)
+    found += engine.process(batch(T0 + 1, gpu(0), gpu(1, **{c.DCGM.ECC_DBE_VOL_TOTAL: 2.0}), xid), now=T0 + 1.1)
+    found += engine.process(batch(T0 + 2, gpu(0), gpu(1, **{c.DCGM.ECC_DBE_VOL_TOTAL: 2.0})), now=T0 + 2)
+    [f] = found
+    assert f.evidence["class"] == "ecc_dbe" and f.evidence["gpu"] == 1
+    assert (f.severity, f.action) == (c.Severity.CRITICAL, c.Action.EVICT)
+    assert engine.counts["merged"] == 1
+    # a later DBE, past the cool-down, is a new fault
+    later = T0 + engine.config.cooldown_s + 10
+    [g] = engine.process(batch(later, gpu(1, **{c.DCGM.ECC_DBE_VOL_TOTAL: 3.0})), now=later)
+    assert g.evidence["class"] == "ecc_dbe" and g.fault_id != f.fault_id
+
+
+def test_row_remap_failure_once(engine):
+    found = [f for i in range(5) for f in engine.process(
+        batch(T0 + i, gpu(0, DCGM_FI_DEV_ROW_REMAP_FAILURE=1.0 if i >= 2 else 0.0)), now=T0 + i)]
+    [f] = found
+    assert f.evidence["class"] == "row_remap_failure" and f.observed_ts == T0 + 2
+
+
+def test_link_down_after_hold_then_resolved(engine):
+    ups = [1, 1, 0, 0, 0, 0, 0, 1, 1]
+    found = [f for i, u in enumerate(ups) for f in engine.process(batch(T0 + i, ib(u), ib(1, "mlx5_1")), now=T0 + i)]
+    down, up = found
+    assert down.evidence["class"] == "link_down" and not down.resolved
+    assert down.observed_ts == T0 + 4 and down.evidence["down_since"] == T0 + 2   # held 2 s
+    assert up.resolved and up.fault_id == down.fault_id and up.observed_ts == T0 + 7
+
+
+def test_short_outages_are_a_flap_not_a_link_down(engine):
+    ups = [1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1]
+    found = [f for i, u in enumerate(ups) for f in engine.process(batch(T0 + i, ib(u)), now=T0 + i)]
+    [f] = found
+    assert f.evidence["class"] == "link_flap" and f.evidence["downs"] == 3 and f.observed_ts == T0 + 9
+
+
+def test_config_names_the_bad_soft_setting():
+    with pytest.raises(ConfigError, match="soft_detector"):
+        TEEConfig(soft_detector="svm")
+    with pytest.raises(ConfigError, match="soft_detectors"):
+        TEEConfig(soft_detectors=("peers", "magic"))
+
+
+def _replay(corpus: Corpus, config: TEEConfig):
+    engine = TEEEngine(config)
+    events, last = [], None
+    for b in corpus.batches():
+        if int(b.ts) != last:
+            if last is not None:
+                events += engine.check_heartbeats(now=last + 1)
+            last = int(b.ts)
+        events += engine.process(b, now=b.ts + 0.05)
+    return events + engine.flush(now=last + 1)
+
+
+def test_corpus_faults_each_yield_one_event_on_the_right_node():
+    corpus = Corpus(CorpusSpec(nodes=16, hours=0.6, seed=7, min_per_class=1, faults_per_node_hour=0.3))
+    assert {i.cls for i in corpus.injections} == set(FaultClass)
+    events = [e for e in _replay(corpus, TEEConfig()) if not e.resolved]
+    for inj in corpus.injections:
+        mine = [e for e in events if e.node == inj.node and inj.start - 1 <= e.observed_ts <= inj.end + 60]
+        classes = [e.evidence["class"] for e in mine]
+        if inj.cls in HARD:
+            assert classes == [inj.cls.value], (inj, classes)
+        else:
+            assert classes in ([inj.cls.value], []), (inj, classes)   # soft: found or missed, never a wrong class
+    matched = sum(1 for inj in corpus.injections if inj.cls not in HARD and any(
+        e.node == inj.node and inj.start <= e.observed_ts <= inj.end + 60 for e in events))
+    assert matched >= 0.75 * sum(1 for inj in corpus.injections if inj.cls not in HARD)
+    outside = [e for e in events if not any(e.node == i.node and i.start - 1 <= e.observed_ts <= i.end + 60
+                                            for i in corpus.injections)]
+    assert outside == []
+
+
+def test_clean_corpus_yields_no_fault():
+    corpus = Corpus(CorpusSpec(nodes=16, hours=0.75, seed=8, min_per_class=0, faults_per_node_hour=0.0))
+    assert corpus.injections == []
+    assert _replay(corpus, TEEConfig()) == []
+
+
+def test_temporal_scorer_flags_a_level_shift_above_its_train_threshold():
+    rng = np.random.default_rng(3)
+    t = np.arange(3000)
+    history = np.c_[np.sin(t / 50) + rng.normal(0, 0.05, 3000), rng.normal(0, 0.1, 3000)]
+    scorer = TemporalScorer(ScorerConfig(knn_sample=1000)).fit(history)
+    test = np.c_[np.sin((t[:400] + 3000) / 50) + rng.normal(0, 0.05, 400), rng.normal(0, 0.1, 400)]
+    test[200:230, 1] += 2.0
+    s = scorer.score(test)
+    assert s[205:230].min() > scorer.threshold
+    assert (s[:195] > scorer.threshold).mean() < 0.05
+    assert scorer.contributions(test[210])[1] > 5
+    with pytest.raises(ConfigError, match="svm"):
+        ScorerConfig(members=("svm",))
