@@ -130,7 +130,8 @@ def test_xid_evicts_relaunches_on_the_spare_and_survives_a_controller_killed_aft
     # the newest checkpoint the controller had recorded when it decided (one published a moment
     # before the fault may still have been on its way to the controller: that is not a miss)
     seen = [e.detail["step"] for e in events[:events.index(r)] if e.name == "checkpoint"]
-    assert r.detail["resume_step"] == max(seen)
+    newest_before = max(seen)
+    assert r.detail["resume_step"] == newest_before
     assert r.detail["resume_step"] in {e.step for e in checkpoints(bs, job) if e.ts <= r.ts}
     # the recovery's steps, each once, in order, across the two controllers
     recovery = names[names.index("relaunching"):]
