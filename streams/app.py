@@ -18,9 +18,6 @@ its business).
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import threading
 import tempfile
 import time
 from collections import defaultdict
@@ -34,6 +31,7 @@ from transom.log import get
 
 from .config import TEEConfig
 from .engine import TEEEngine
+from .worker import BoundedWorker
 
 __all__ = ["APP_ID", "make_app", "run_worker"]
 
@@ -112,31 +110,8 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     return app
 
 
-#: Seconds a worker may take to stop after SIGINT/SIGTERM before it exits anyway (Faust's own
-#: shutdown waits for the broker, which may be the very thing that is gone).
-STOP_GRACE = 15.0
-
-
-class _BoundedWorker(faust.Worker):
-    """A Faust worker whose shutdown on a signal cannot hang: it exits after ``STOP_GRACE``."""
-
-    def _arm(self, signame: str) -> None:
-        def deadline() -> None:
-            log.warning("TEE did not stop within %gs of %s (broker gone?): exiting now", STOP_GRACE, signame)
-            logging.shutdown()
-            os._exit(0)
-
-        timer = threading.Timer(STOP_GRACE, deadline)
-        timer.daemon = True
-        timer.start()
-
-    def _on_sigterm(self) -> None:
-        self._arm("SIGTERM")
-        super()._on_sigterm()
-
-    def _on_sigint(self) -> None:
-        self._arm("SIGINT")
-        super()._on_sigint()
+class _BoundedWorker(BoundedWorker):
+    service = "TEE"
 
 
 def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None) -> int:

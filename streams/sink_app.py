@@ -20,10 +20,7 @@ to the dead-letter topic with the server's reason. Every 30 s the sink logs its 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import tempfile
-import threading
 from typing import Any, Sequence
 
 import faust
@@ -33,6 +30,7 @@ from transom.config import ConfigError, kafka_security
 from transom.log import get
 
 from .sink import PointsRejected, ServerUnavailable, SinkConfig, TOPICS, open_writer, to_points
+from .worker import BoundedWorker
 
 __all__ = ["APP_ID", "make_app", "run_sink", "SinkStats"]
 
@@ -141,31 +139,8 @@ def make_app(bootstrap: str, writer: Any, config: SinkConfig, *, datadir: str,
     return app
 
 
-#: Seconds the sink may take to stop after SIGINT/SIGTERM before it exits anyway (Faust's own
-#: shutdown waits for the broker, which may be the very thing that is gone).
-STOP_GRACE = 15.0
-
-
-class _BoundedWorker(faust.Worker):
-    """A Faust worker whose shutdown on a signal cannot hang: it exits after ``STOP_GRACE``."""
-
-    def _arm(self, signame: str) -> None:
-        def deadline() -> None:
-            log.warning("sink did not stop within %gs of %s (broker gone?): exiting now", STOP_GRACE, signame)
-            logging.shutdown()
-            os._exit(0)
-
-        timer = threading.Timer(STOP_GRACE, deadline)
-        timer.daemon = True
-        timer.start()
-
-    def _on_sigterm(self) -> None:
-        self._arm("SIGTERM")
-        super()._on_sigterm()
-
-    def _on_sigint(self) -> None:
-        self._arm("SIGINT")
-        super()._on_sigint()
+class _BoundedWorker(BoundedWorker):
+    service = "sink"
 
 
 def run_sink(bootstrap: str, config: SinkConfig, *, datadir: str | None = None) -> int:
