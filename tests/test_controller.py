@@ -140,7 +140,9 @@ def test_xid_evicts_relaunches_on_the_spare_and_survives_a_controller_killed_aft
                                                          "launched", "resumed"]
     assert launches(events) == [0, 1] and names[-1] == "completed"
     resumed = next(e for e in events if e.name == "resumed")
-    assert resumed.detail["steps_lost"] <= 5 + 1      # within one checkpoint interval (+ the step in flight)
+    # the ranks keep training until they are stopped; a checkpoint written after the fault but still on its
+    # way to the controller when it decided may be passed over, so at most two intervals (+ the step in flight)
+    assert 0 <= resumed.detail["steps_lost"] <= 2 * 5 + 1
     jobs_dir = run_dir(stack, job)
     assert "node1" in json.loads((jobs_dir / "cordoned.json").read_text())
     gen1 = jobs_dir / job / "gen-1"
