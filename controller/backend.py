@@ -8,10 +8,15 @@ crash can repeat the action it had recorded without doing it twice.
 from __future__ import annotations
 
 import abc
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["Backend", "RankStatus", "register_backend", "create_backend", "BACKENDS"]
+from .rankwrap import write_atomic
+
+__all__ = ["Backend", "RankStatus", "LaunchRecord", "register_backend", "create_backend", "BACKENDS"]
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,34 @@ class RankStatus:
     rank: int
     running: bool
     exit_code: int | None      # None while running; negative: killed by that signal
+
+
+class LaunchRecord:
+    """``RUN_DIR/JOB/gen-G/launch.json``: what one generation's launch started, written once its ranks run.
+
+    A backend that finds the record when asked to launch again adopts what it describes instead of
+    starting a second set of ranks (a controller that crashed after launching repeats the action).
+    """
+
+    def __init__(self, run_dir: Path, job: str, generation: int) -> None:
+        self.job, self.generation = job, generation
+        self.dir = Path(run_dir) / job / f"gen-{generation}"
+        self.path = self.dir / "launch.json"
+
+    def read(self) -> dict[str, Any] | None:
+        return json.loads(self.path.read_text()) if self.path.exists() else None
+
+    def adopt(self, log: logging.Logger) -> dict[str, Any] | None:
+        """The handle of an earlier launch of this generation, or None after creating its directory."""
+        handle = self.read()
+        if handle is not None:
+            log.info("job %s generation %d was already launched: adopting it", self.job, self.generation)
+            return handle
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return None
+
+    def write(self, handle: Mapping[str, Any]) -> None:
+        write_atomic(str(self.path), json.dumps(dict(handle)))
 
 
 class Backend(abc.ABC):

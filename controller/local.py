@@ -27,7 +27,7 @@ import psutil
 from transom.broker import free_port
 from transom.log import get
 
-from .backend import Backend, RankStatus, register_backend
+from .backend import Backend, LaunchRecord, RankStatus, register_backend
 from .rankwrap import write_atomic
 
 __all__ = ["LocalBackend"]
@@ -51,9 +51,6 @@ class LocalBackend(Backend):
         self._workers: dict[str, subprocess.Popen] = {}
 
     # ------------------------------------------------------------------ paths
-    def _gen_dir(self, job: str, generation: int) -> Path:
-        return self.run_dir / job / f"gen-{generation}"
-
     def _cordoned(self) -> dict[str, str]:
         path = self.run_dir / "cordoned.json"
         return json.loads(path.read_text()) if path.exists() else {}
@@ -72,12 +69,10 @@ class LocalBackend(Backend):
 
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
                resume_step: int | None) -> Mapping[str, Any]:
-        gen_dir = self._gen_dir(job, generation)
-        record = gen_dir / "launch.json"
-        if record.exists():
-            log.info("job %s generation %d was already launched: adopting it", job, generation)
-            return json.loads(record.read_text())
-        gen_dir.mkdir(parents=True, exist_ok=True)
+        record = LaunchRecord(self.run_dir, job, generation)
+        if (adopted := record.adopt(log)) is not None:
+            return adopted
+        gen_dir = record.dir
         self._kill_strays(gen_dir)          # a launch interrupted before launch.json was written
         unknown = [n for n in nodes if n not in self.agents]
         if unknown:
@@ -108,18 +103,17 @@ class LocalBackend(Backend):
             pids.append(proc.pid)
         handle = {"pids": pids, "port": port, "run_dir": str(gen_dir), "nodes": list(nodes),
                   "resume_step": resume_step}
-        write_atomic(str(record), json.dumps(handle))
+        record.write(handle)
         log.info("launched job %s generation %d on %s (resume from %s)", job, generation,
                  ",".join(nodes), "scratch" if resume_step is None else f"step {resume_step}")
         return handle
 
     def status(self, job: str, generation: int) -> list[RankStatus]:
-        gen_dir = self._gen_dir(job, generation)
-        record = gen_dir / "launch.json"
-        if not record.exists():
+        record = LaunchRecord(self.run_dir, job, generation)
+        gen_dir, handle = record.dir, record.read()
+        if handle is None:
             return []
         self._reap()
-        handle = json.loads(record.read_text())
         out = []
         for rank, pid in enumerate(handle["pids"]):
             exit_file = gen_dir / f"rank-{rank}.exit"
@@ -133,9 +127,9 @@ class LocalBackend(Backend):
         return out
 
     def stop(self, job: str, generation: int, timeout: float = 10.0) -> None:
-        gen_dir = self._gen_dir(job, generation)
-        record = gen_dir / "launch.json"
-        pids = json.loads(record.read_text())["pids"] if record.exists() else []
+        record = LaunchRecord(self.run_dir, job, generation)
+        gen_dir, handle = record.dir, record.read()
+        pids = list(handle["pids"]) if handle else []
         pids += [p.pid for p in self._strays(gen_dir) if p.pid not in pids]
         live = [p for p in pids if _alive(p)]
         if not live:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -30,8 +29,7 @@ import psutil
 from transom.broker import free_port
 from transom.log import get
 
-from .backend import Backend, RankStatus, register_backend
-from .rankwrap import write_atomic
+from .backend import Backend, LaunchRecord, RankStatus, register_backend
 
 __all__ = ["SlurmBackend", "SlurmError"]
 
@@ -77,9 +75,6 @@ class SlurmBackend(Backend):
     @staticmethod
     def _bad(state: str) -> bool:
         return any(b in state.upper() for b in BAD_STATES)
-
-    def _gen_dir(self, job: str, generation: int) -> Path:
-        return self.run_dir / job / f"gen-{generation}"
 
     @staticmethod
     def _step(job: str, generation: int) -> str:
@@ -136,12 +131,10 @@ class SlurmBackend(Backend):
     # ------------------------------------------------------------------ ranks
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
                resume_step: int | None) -> Mapping[str, Any]:
-        gen_dir = self._gen_dir(job, generation)
-        record = gen_dir / "launch.json"
-        if record.exists():
-            log.info("job %s generation %d was already launched: adopting it", job, generation)
-            return json.loads(record.read_text())
-        gen_dir.mkdir(parents=True, exist_ok=True)
+        record = LaunchRecord(self.run_dir, job, generation)
+        if (adopted := record.adopt(log)) is not None:
+            return adopted
+        gen_dir = record.dir
         name = self._step(job, generation)
         if self._run("squeue", "--noheader", "--format=%i", f"--name={name}").strip():
             self._run("scancel", f"--name={name}")       # a launch interrupted before launch.json was written
@@ -163,16 +156,15 @@ class SlurmBackend(Backend):
                                     start_new_session=True)
         handle = {"step_name": name, "srun_pid": proc.pid, "nodes": list(nodes), "port": port,
                   "resume_step": resume_step, "run_dir": str(gen_dir), "ts": time.time()}
-        write_atomic(str(record), json.dumps(handle))
+        record.write(handle)
         log.info("launched job %s generation %d: srun on %s", job, generation, ",".join(nodes))
         return handle
 
     def status(self, job: str, generation: int) -> list[RankStatus]:
-        gen_dir = self._gen_dir(job, generation)
-        record = gen_dir / "launch.json"
-        if not record.exists():
+        record = LaunchRecord(self.run_dir, job, generation)
+        gen_dir, handle = record.dir, record.read()
+        if handle is None:
             return []
-        handle = json.loads(record.read_text())
         try:
             os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
