@@ -15,6 +15,13 @@ Inputs: ``transom.faults`` and ``transom.checkpoints`` from their beginning (dec
 idempotent by fault id and checkpoint step), ``transom.metrics`` from now on (training steps and
 node health for the pre-check), and rank exits polled from the backend.
 
+Fault events are checked before anything is done with them (:meth:`Controller._on_fault`): with
+fault authentication on (``TRANSOM_FAULT_PRINCIPALS``, :mod:`transom.security`) a fault whose
+principal is not listed or whose HMAC does not verify goes to ``transom.deadletter`` with the
+reason; so does a fault whose node is not a plain node name (letters, digits, ``.``, ``_``,
+``-``); a fault naming a node that does not run the job is ignored with a warning. Nothing taken
+from an event is ever run through a shell: backends start argv lists.
+
 Test hook: ``TRANSOM_TEST_CRASH_AT=STEP`` (off by default; for crash-safety tests only) makes the
 controller SIGKILL itself right after carrying out the actions of ``STEP`` (a recovery step such
 as ``evicting`` or ``relaunching``, or ``prechecking``), before their outcome is recorded.
@@ -35,6 +42,7 @@ from transom import contracts
 from transom.contracts import ContractError, Source
 from transom.kafka import DeadLetterWriter, client_config, make_producer, publish, read_topic
 from transom.log import get
+from transom.security import FaultVerifier, fault_verifier, valid_name
 
 from .backend import Backend
 from .health import HealthBook
@@ -84,8 +92,17 @@ class Controller:
 
     def __init__(self, bootstrap: str, backend: Backend, *, poll_interval: float = 0.5,
                  precheck: PrecheckConfig | None = None, health: HealthBook | None = None,
-                 lease: Lease | None = None, holder: str | None = None) -> None:
+                 lease: Lease | None = None, holder: str | None = None,
+                 verifier: FaultVerifier | None | bool = True) -> None:
+        """``verifier``: True (default) reads ``TRANSOM_FAULT_PRINCIPALS``; None turns fault authentication off."""
         self.bootstrap = bootstrap
+        self.verifier = fault_verifier() if verifier is True else (verifier or None)
+        if self.verifier is None:
+            log.warning("fault authentication is OFF: any client that can write %s can make this controller evict "
+                        "nodes (set TRANSOM_FAULT_PRINCIPALS; see docs/security.md)", contracts.FAULTS)
+        else:
+            log.info("fault authentication is on: faults must be signed by one of %s",
+                     ", ".join(sorted(self.verifier.principals)))
         self.backend = backend
         self.poll_interval = poll_interval
         self.precheck = precheck or PrecheckConfig()
@@ -247,6 +264,12 @@ class Controller:
             if msg.key() != LEASE_KEY.encode():
                 self._on_lifecycle(msg)
             return
+        if topic == contracts.FAULTS and self.verifier is not None:
+            why = self.verifier.check(topic, msg.key(), msg.value(), msg.headers())
+            if why:
+                self.deadletters.reject(topic=topic, key=msg.key(), value=msg.value(), reason=f"fault not acted on: {why}",
+                                        partition=msg.partition(), offset=msg.offset())
+                return
         try:
             value = contracts.decode(topic, msg.value())
         except ContractError as exc:
@@ -254,11 +277,27 @@ class Controller:
                                     partition=msg.partition(), offset=msg.offset())
             return
         if topic == contracts.FAULTS:
-            for job_id, job in list(self.jobs.items()):
-                if value.job in (None, job_id) and job.state not in TERMINAL:
-                    self.apply(job_id, FaultSeen(value, time.time()))
+            self._on_fault(msg, value)
         elif topic == contracts.CHECKPOINTS and value.job in self.jobs:
             self.apply(value.job, CheckpointSeen(value))
+
+    def _on_fault(self, msg, fault: contracts.FaultEvent) -> None:
+        """Act on ``fault`` for every live job it concerns that runs its node; dead-letter a bad node name."""
+        if not valid_name(fault.node):
+            self.deadletters.reject(topic=msg.topic(), key=msg.key(), value=msg.value(),
+                                    reason=f"fault not acted on: node {fault.node[:80]!r} is not a node name "
+                                           "(letters, digits, '.', '_', '-')",
+                                    partition=msg.partition(), offset=msg.offset())
+            return
+        for job_id, job in list(self.jobs.items()):
+            if fault.job not in (None, job_id) or job.state in TERMINAL:
+                continue
+            if fault.node not in job.nodes:
+                if fault.job == job_id:    # a fault that claims the job but names a foreign node: say so
+                    log.warning("fault %s names node %s, which does not run job %s (nodes %s): ignored",
+                                fault.fault_id, fault.node, job_id, ",".join(job.nodes) or "-")
+                continue
+            self.apply(job_id, FaultSeen(fault, time.time()))
 
     def _on_lifecycle(self, msg) -> None:
         """Pick up a job submitted with ``transom run`` (a ``submit_requested`` event) once."""

@@ -12,7 +12,8 @@ write: a restarted sink writes some points again, which InfluxDB keeps once (sam
 time: the later write replaces the earlier one). When the server is unreachable (or answers 5xx
 or 429) the sink retries the batch with back-off until it succeeds, without losing it; when the
 server refuses the points (4xx), the batch is written event by event and each refused event goes
-to the dead-letter topic with the server's reason. Every 30 s the sink logs its counts.
+to the dead-letter topic with the server's reason. Every 30 s the sink logs its counts. Kafka
+security (TLS, SASL) comes from ``TRANSOM_KAFKA_*`` (:mod:`transom.security`) as Faust broker credentials.
 
 :func:`run_sink` runs one sink worker in this process until SIGINT or SIGTERM and returns 0.
 """
@@ -26,8 +27,9 @@ from typing import Any, Sequence
 import faust
 
 from transom import contracts
-from transom.config import ConfigError, kafka_security
+from transom.config import ConfigError
 from transom.log import get
+from transom.security import KafkaSecurity
 
 from .sink import PointsRejected, ServerUnavailable, SinkConfig, TOPICS, open_writer, to_points
 from .worker import BoundedWorker
@@ -53,9 +55,7 @@ class SinkStats(dict):
 def make_app(bootstrap: str, writer: Any, config: SinkConfig, *, datadir: str,
              stats: SinkStats | None = None) -> faust.App:
     """Build the Faust app that writes the topics of ``bootstrap`` through ``writer``."""
-    if kafka_security():
-        raise ConfigError("TRANSOM_KAFKA_* security settings are set, but the sink does not pass them to "
-                          "Faust yet; run it against a plaintext listener")
+    credentials = KafkaSecurity.from_env().faust_credentials()   # TLS / SASL, or None for PLAINTEXT
     from aiokafka.codec import has_lz4
     if not has_lz4():
         raise ConfigError("the sink needs the 'cramjam' package (aiokafka's lz4 codec) to read transom's "
@@ -67,6 +67,7 @@ def make_app(bootstrap: str, writer: Any, config: SinkConfig, *, datadir: str,
         processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
         web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
         broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
+        broker_credentials=credentials,
     )
     source = app.topic(*TOPICS, key_type=bytes, value_type=bytes)
     deadletter = app.topic(contracts.DEADLETTER, key_type=bytes, value_type=bytes)

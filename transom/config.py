@@ -46,11 +46,21 @@ ENV: Mapping[str, str] = {
     "TRANSOM_INFLUX_API": "the sink's write path: auto (default: from the server's version), v1 or v2",
     "TRANSOM_SINK_BATCH": "most events per InfluxDB write of the sink (default 1000)",
     "TRANSOM_SINK_FLUSH_S": "longest wait before the sink writes a partial batch, seconds (default 1)",
-    "TRANSOM_KAFKA_SECURITY_PROTOCOL": "passed to every Kafka client as security.protocol",
-    "TRANSOM_KAFKA_SASL_MECHANISM": "passed as sasl.mechanism",
-    "TRANSOM_KAFKA_SASL_USERNAME": "passed as sasl.username",
-    "TRANSOM_KAFKA_SASL_PASSWORD": "passed as sasl.password",
-    "TRANSOM_KAFKA_SSL_CA": "passed as ssl.ca.location",
+    "TRANSOM_KAFKA_SECURITY_PROTOCOL": "every Kafka client: PLAINTEXT (default), SSL, SASL_PLAINTEXT or SASL_SSL",
+    "TRANSOM_KAFKA_SASL_MECHANISM": "SASL mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_* protocols)",
+    "TRANSOM_KAFKA_SASL_USERNAME": "SASL user name (SASL_* protocols)",
+    "TRANSOM_KAFKA_SASL_PASSWORD": "SASL password (SASL_* protocols); prefer TRANSOM_KAFKA_SASL_PASSWORD_FILE",
+    "TRANSOM_KAFKA_SASL_PASSWORD_FILE": "file whose first line is the SASL password (instead of the variable)",
+    "TRANSOM_KAFKA_SSL_CAFILE": "PEM CA bundle that signed the brokers' certificates (SSL, SASL_SSL; default: system CAs)",
+    "TRANSOM_KAFKA_SSL_CERTFILE": "PEM client certificate, for brokers that require one (with TRANSOM_KAFKA_SSL_KEYFILE)",
+    "TRANSOM_KAFKA_SSL_KEYFILE": "PEM private key of the client certificate (unencrypted)",
+    "TRANSOM_KAFKA_SSL_CHECK_HOSTNAME": "true (default) or false: the broker certificate must name the host",
+    "TRANSOM_FAULT_PRINCIPALS": "controller: NAME=KEY[,NAME=KEY] producers allowed to send fault events; "
+                                "set: fault authentication ON (unsigned faults are rejected); unset: OFF",
+    "TRANSOM_FAULT_PRINCIPALS_FILE": "controller: file of NAME=KEY lines (instead of TRANSOM_FAULT_PRINCIPALS)",
+    "TRANSOM_FAULT_PRINCIPAL": "producer of fault events (TEE): the principal name it signs as",
+    "TRANSOM_SIGNING_KEY": "producer of fault events (TEE): its HMAC-SHA256 key (at least 16 characters)",
+    "TRANSOM_SIGNING_KEY_FILE": "file whose first line is the signing key (instead of TRANSOM_SIGNING_KEY)",
 }
 
 
@@ -79,17 +89,8 @@ def env_int(key: str, default: int) -> int:
         raise ConfigError(f"{key}={raw!r}: expected an integer") from None
 
 
-_SECURITY = {
-    "TRANSOM_KAFKA_SECURITY_PROTOCOL": "security.protocol",
-    "TRANSOM_KAFKA_SASL_MECHANISM": "sasl.mechanism",
-    "TRANSOM_KAFKA_SASL_USERNAME": "sasl.username",
-    "TRANSOM_KAFKA_SASL_PASSWORD": "sasl.password",
-    "TRANSOM_KAFKA_SSL_CA": "ssl.ca.location",
-}
-
-
 def kafka_security() -> dict[str, str]:
-    """librdkafka security settings from the environment, for every Kafka client."""
-    return {conf: os.environ[env] for env, conf in _SECURITY.items() if os.environ.get(env)}
+    """librdkafka security settings from the environment, for every Kafka client (see :mod:`transom.security`)."""
+    from .security import KafkaSecurity
 
-
+    return KafkaSecurity.from_env().librdkafka()

@@ -1,12 +1,18 @@
 """Kafka clients configured one way for every component, topic creation, and topic reading.
 
-Producers are idempotent with ``acks=all`` and compression; security settings come from the
-environment (:func:`transom.config.kafka_security`) and reach every client.
+Producers are idempotent with ``acks=all`` and compression. Security settings (TLS, SASL) come
+from the environment through :class:`transom.security.KafkaSecurity` and reach every client built
+here (:func:`client_config` is the one place a librdkafka configuration starts from).
+
+:func:`publish` signs fault events (``transom.faults``) with the producer's key when one is
+configured (:func:`transom.security.fault_signer`): two Kafka headers, principal and HMAC.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -15,9 +21,11 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from . import contracts
 from .config import kafka_security
 from .log import get
+from .security import FaultSigner, fault_signer
 
-__all__ = ["BrokerUnavailable", "client_config", "make_producer", "make_consumer",
-           "wait_ready", "ensure_topics", "read_topic", "DeadLetterWriter", "publish"]
+__all__ = ["BrokerUnavailable", "client_config", "make_producer", "make_consumer", "wait_ready",
+           "ensure_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "SIGNED_TOPICS",
+           "env_signer"]
 
 log = get("kafka")
 
@@ -26,7 +34,12 @@ class BrokerUnavailable(RuntimeError):
     """No Kafka broker answered at the bootstrap address in time."""
 
 
+#: Topics whose events carry the producer's signature when a signing key is configured.
+SIGNED_TOPICS = frozenset({contracts.FAULTS})
+
+
 def client_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    """librdkafka settings: ``bootstrap``, then the security settings, then ``extra`` (``a_b`` -> ``a.b``)."""
     conf: dict[str, Any] = {"bootstrap.servers": bootstrap}
     conf.update(kafka_security())
     conf.update({k.replace("_", "."): v for k, v in extra.items()})
@@ -94,8 +107,25 @@ def ensure_topics(bootstrap: str, specs: Iterable[contracts.TopicSpec] = contrac
     return created
 
 
+@dataclass(frozen=True)
+class Record:
+    """One message as :func:`read_records` yields it."""
+
+    key: bytes | None
+    value: bytes | None
+    partition: int
+    offset: int
+    headers: list[tuple[str, bytes]]
+
+
 def read_topic(bootstrap: str, topic: str, *, timeout: float = 30.0) -> Iterator[tuple[bytes | None, bytes | None, int, int]]:
-    """Yield ``(key, value, partition, offset)`` of every message now on ``topic``, then stop.
+    """Yield ``(key, value, partition, offset)`` of every message now on ``topic``, then stop (see :func:`read_records`)."""
+    for r in read_records(bootstrap, topic, timeout=timeout):
+        yield r.key, r.value, r.partition, r.offset
+
+
+def read_records(bootstrap: str, topic: str, *, timeout: float = 30.0) -> Iterator[Record]:
+    """Yield a :class:`Record` (with its headers) of every message now on ``topic``, then stop.
 
     Reads without a consumer group from the beginning of every partition. A partition is done
     at end-of-partition, or shortly after reaching the high watermark taken at the start (a
@@ -139,20 +169,44 @@ def read_topic(bootstrap: str, topic: str, *, timeout: float = 30.0) -> Iterator
             p, off = msg.partition(), msg.offset()
             if p not in pending:
                 continue
-            yield msg.key(), msg.value(), p, off
+            yield Record(msg.key(), msg.value(), p, off, list(msg.headers() or ()))
             if ends[p] >= 0 and off + 1 >= ends[p] and p not in reached:
                 reached[p] = time.monotonic()
     finally:
         consumer.close()
 
 
+_SIGNER_ENV = ("TRANSOM_FAULT_PRINCIPAL", "TRANSOM_SIGNING_KEY", "TRANSOM_SIGNING_KEY_FILE")
+_signer_cache: dict[tuple, FaultSigner | None] = {}
+
+
+def env_signer() -> FaultSigner | None:
+    """This process's fault signer from the environment (read once per distinct setting), or None."""
+    marker = tuple(os.environ.get(k) for k in _SIGNER_ENV)
+    if marker not in _signer_cache:
+        _signer_cache.clear()
+        _signer_cache[marker] = fault_signer()
+    return _signer_cache[marker]
+
+
+_FROM_ENV: Any = object()
+
+
 def publish(producer: Producer, topic: str, key: str | None, event: Any,
-            on_delivery: Callable | None = None) -> None:
-    """Encode ``event`` by its contract and produce it (retrying while the local queue is full)."""
+            on_delivery: Callable | None = None, *, signer: FaultSigner | None = _FROM_ENV) -> None:
+    """Encode ``event`` by its contract and produce it (retrying while the local queue is full).
+
+    Events of :data:`SIGNED_TOPICS` get the signature headers of ``signer`` (default: the one the
+    environment configures, :func:`env_signer`; None: unsigned).
+    """
     value = contracts.encode(event)
+    kbytes = key.encode() if key else None
+    if signer is _FROM_ENV:
+        signer = env_signer() if topic in SIGNED_TOPICS else None
+    headers = signer.headers(topic, kbytes, value) if signer is not None and topic in SIGNED_TOPICS else None
     while True:
         try:
-            producer.produce(topic, value=value, key=key.encode() if key else None, on_delivery=on_delivery)
+            producer.produce(topic, value=value, key=kbytes, on_delivery=on_delivery, headers=headers)
             return
         except BufferError:
             producer.poll(0.1)
