@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="transom", description="Transom keeps large training jobs running through faults.")
     parser.add_argument("--version", action="version", version=f"transom {__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING; env TRANSOM_LOG_LEVEL")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")   # not "command": that is a job's argv
     sub.required = True
     for name in _COMPONENT_CLIS:
         importlib.import_module(name).register(sub)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         from .config import ConfigError
         from .kafka import BrokerUnavailable
         if isinstance(exc, (ConfigError, BrokerUnavailable)):
-            print(f"transom {args.command}: error: {exc}", file=sys.stderr)
+            print(f"transom {args.subcommand}: error: {exc}", file=sys.stderr)
             return 2
         raise
 
