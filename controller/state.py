@@ -490,8 +490,11 @@ def decide(job: Job, event: Event) -> Decision:
         live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
         if not live or f.fault_id in job.handled_faults or f.resolved:
             return Decision(job)
-        if f.node not in job.nodes or f.observed_ts < job.launched_ts:
-            return Decision(job)   # not this job's node any more, or older than this generation
+        # not this job's node any more, or decided before this generation was launched: the TEE's decision
+        # time, not the sample's, which is the node's clock (one running 5 s behind would otherwise have
+        # its faults of a generation's first 5 s ignored)
+        if f.node not in job.nodes or f.detected_ts < job.launched_ts:
+            return Decision(job)
         gen = f.evidence.get("generation") if isinstance(f.evidence, Mapping) else None
         if gen is not None and int(gen) != job.launched_generation:
             return Decision(job)

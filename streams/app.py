@@ -7,6 +7,9 @@ Wiring (app id ``transom-tee``, at-least-once, raw bytes in and out)::
     timer, every 1 s -----------------------------------> engine.check_heartbeats --> transom.faults
 
 Faults are keyed by job id (node id when the job is unknown); dead letters keep the original key.
+With a signing key configured (``TRANSOM_FAULT_PRINCIPAL`` + ``TRANSOM_SIGNING_KEY``, see
+:mod:`transom.security`) every fault carries the principal and HMAC headers the controller checks.
+Kafka security (TLS, SASL) comes from ``TRANSOM_KAFKA_*`` as Faust broker credentials.
 Topics are never declared here: :func:`transom.kafka.ensure_topics` creates them. Metrics are
 partitioned by node, so a node's state lives in the one worker that owns its partition; when a
 partition is revoked, the worker forgets that partition's nodes (their heartbeats are no longer
@@ -26,11 +29,13 @@ from typing import Any
 import faust
 
 from transom import contracts
-from transom.config import ConfigError, kafka_security
+from transom.config import ConfigError
 from transom.log import get
+from transom.security import KafkaSecurity, fault_signer
 
 from .config import TEEConfig
 from .engine import TEEEngine
+from .resume import emitted_faults
 from .worker import BoundedWorker
 
 __all__ = ["APP_ID", "make_app", "run_worker"]
@@ -41,9 +46,8 @@ log = get("tee")
 
 def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     """Build the Faust app that feeds ``engine`` from ``bootstrap`` (host:port[,host:port])."""
-    if kafka_security():
-        raise ConfigError("TRANSOM_KAFKA_* security settings are set, but the TEE does not pass them to "
-                          "Faust yet; run it against a plaintext listener")
+    credentials = KafkaSecurity.from_env().faust_credentials()   # TLS / SASL, or None for PLAINTEXT
+    signer = fault_signer()                                       # None: faults go unsigned
     from aiokafka.codec import has_lz4
     if not has_lz4():   # transom's producers compress with lz4; without it the fetcher crashes later
         raise ConfigError("the TEE needs the 'cramjam' package (aiokafka's lz4 codec) to read transom's "
@@ -54,6 +58,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
         processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
         web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
         broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
+        broker_credentials=credentials,
     )
     metrics = app.topic(contracts.METRICS, key_type=bytes, value_type=bytes)
     faults = app.topic(contracts.FAULTS, key_type=bytes, value_type=bytes)
@@ -65,7 +70,9 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             rank = "" if f.rank is None else f" rank={f.rank}"
             log.warning("fault %s node=%s job=%s%s id=%s: %s", f.kind.value, f.node, f.job, rank, f.fault_id,
                         f.summary)
-            await faults.send(key=(f.job or f.node).encode(), value=contracts.encode(f))
+            key, value = (f.job or f.node).encode(), contracts.encode(f)
+            headers = signer.headers(contracts.FAULTS, key, value) if signer else None
+            await faults.send(key=key, value=value, headers=headers)
 
     async def reject(raw: Any, key: bytes | None, reason: str, partition: int, offset: int) -> None:
         log.warning("dead-lettered %s partition %d offset %d: %s", contracts.METRICS, partition, offset, reason)
@@ -117,6 +124,7 @@ class _BoundedWorker(BoundedWorker):
 def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None) -> int:
     """Run one TEE worker in this process until SIGINT/SIGTERM; return its exit status."""
     engine = TEEEngine(config)   # builds the detectors (imports pyod) before joining the group
+    restored = engine.restore(emitted_faults(bootstrap))   # a predecessor's faults are not sent again
     with tempfile.TemporaryDirectory(prefix="transom-tee-") as tmp:
         app = make_app(bootstrap, engine, datadir=datadir or tmp)
         loop = asyncio.new_event_loop()
@@ -124,8 +132,9 @@ def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None)
         # Our logging stays (override_logging=False); quiet and no spinner: no banner on stdout.
         worker = _BoundedWorker(app, loop=loop, quiet=True, override_logging=False, redirect_stdouts=False)
         worker.spinner = None
-        log.info("TEE consuming %s from %s (hang timeout %gs, heartbeat timeout %gs)", contracts.METRICS,
-                 bootstrap, config.hang_timeout, config.heartbeat_timeout)
+        log.info("TEE consuming %s from %s (hang timeout %gs, heartbeat timeout %gs; %d fault(s) already on %s)",
+                 contracts.METRICS, bootstrap, config.hang_timeout, config.heartbeat_timeout, restored,
+                 contracts.FAULTS)
         try:
             worker.execute_from_commandline()
         except SystemExit as exc:

@@ -23,8 +23,8 @@ class TEEConfig:
     hang_timeout: float = 10.0
     #: How many median step times without progress count as a hang (slow steps need more slack).
     hang_step_factor: float = 5.0
-    #: A node whose newest batch is older than this (wall clock), and from which nothing has
-    #: arrived for as long, is lost.
+    #: A node from which nothing has arrived for this long (the TEE's own clock, so skewed node
+    #: clocks do not matter) is lost.
     heartbeat_timeout: float = 6.0
     #: A node whose newest batch was already this old when the heartbeat check saw it is history
     #: being replayed (a TEE that starts from the beginning of the topic), not a node to evict.

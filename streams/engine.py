@@ -7,6 +7,7 @@ Contract::
     engine.check_heartbeats(now) -> list[FaultEvent]   # call about once a second
     engine.forget(nodes)                           # the worker no longer owns these nodes
     engine.flush(now) -> list[FaultEvent]          # decide soft windows still open (end of a replay)
+    engine.restore(faults, now) -> int             # what an earlier worker already emitted (on start)
 
 Merging: a fault of the same class (``evidence["class"]``) on the same node and device (GPU, port)
 whose trigger lies within ``cooldown_s`` (sample time) of the last one is merged into it (counted in
@@ -18,6 +19,15 @@ link that flaps for minutes, make one fault. A soft fault on a node with a hard 
 A fault id is emitted at most once per engine (the last ``dedup_capacity`` ids are remembered),
 so a redelivered batch yields nothing new; in another process the same input yields the same
 ids, for consumers to de-duplicate. The engine is not thread-safe: one worker, one engine.
+
+Restart: a worker that starts (after a crash, or a partition moved to it) re-reads metrics from
+the last committed offset, so it sees again batches whose faults the previous worker may already
+have sent. :meth:`TEEEngine.restore` takes the faults already on ``transom.faults`` (the worker
+reads them on start, :mod:`.resume`): their ids are remembered as emitted, their triggers feed the
+merge cool-down, and the once-per-condition rules of the last ``cooldown_s`` (GPU lost, NaN loss,
+hang) are told what was reported for each node, so a redelivered batch, or a later sample of a
+condition already reported, yields nothing new: a worker killed and restarted neither loses nor
+duplicates a fault event.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ class TEEEngine:
         self._emitted: OrderedDict[str, None] = OrderedDict()
         self._last: dict[tuple, float] = {}            # (node, class, device) -> last trigger ts
         self._hard_at: dict[str, float] = {}           # node -> last hard fault trigger ts
+        self._seeds: dict[str, list[FaultEvent]] = {}  # node -> restored faults not yet applied to its state
         self.counts = {"batches": 0, "faults": 0, "repeats": 0, "merged": 0, "explained": 0}
 
     @property
@@ -77,6 +88,8 @@ class TEEEngine:
         state = self._nodes.get(batch.node)
         if state is None:
             state = self._nodes[batch.node] = NodeState(batch.node)
+            for f in self._seeds.pop(batch.node, ()):
+                _seed_state(state, f)
         state.last_batch_ts = max(state.last_batch_ts, batch.ts)
         state.last_received = now
         if batch.job:
@@ -111,6 +124,37 @@ class TEEEngine:
         if self.peers is None:
             return []
         return self._new(self.peers.flush(self.clock() if now is None else now))
+
+    def restore(self, faults: Iterable[FaultEvent], now: float | None = None) -> int:
+        """Remember ``faults`` as already emitted (by an earlier worker); return how many were taken.
+
+        Ids and merge triggers are taken from every fault; the per-node state of the once-per-condition
+        rules only from faults detected within ``cooldown_s`` of ``now``.
+        """
+        now = self.clock() if now is None else now
+        taken = 0
+        for f in sorted(faults, key=lambda f: f.detected_ts):
+            taken += 1
+            if f.resolved:
+                self._emitted[f.fault_id + ":resolved"] = None
+                continue
+            self._emitted[f.fault_id] = None
+            ev = f.evidence
+            cls = ev.get("class", f.kind.value)
+            device = ev.get("gpu", ev.get("device", ev.get("port")))
+            key = (f.node, cls, device, f.rank if f.kind.value in ("hang", "nan_loss") else None)
+            self._last[key] = max(self._last.get(key, f.observed_ts), f.observed_ts)
+            if cls in {c.value for c in HARD}:
+                self._hard_at[f.node] = max(self._hard_at.get(f.node, f.observed_ts), f.observed_ts)
+            if now - f.detected_ts <= self.config.cooldown_s and f.kind.value in _ONCE:
+                state = self._nodes.get(f.node)
+                if state is not None:
+                    _seed_state(state, f)
+                else:
+                    self._seeds.setdefault(f.node, []).append(f)
+        while len(self._emitted) > self.config.dedup_capacity:
+            self._emitted.popitem(last=False)
+        return taken
 
     def forget(self, nodes: Iterable[str]) -> None:
         for node in nodes:
@@ -152,3 +196,16 @@ class TEEEngine:
             out.append(f)
         self.counts["faults"] += len(out)
         return out
+
+
+def _seed_state(state: NodeState, f: FaultEvent) -> None:
+    """Tell ``state``'s once-per-condition rules that ``f`` was reported already (by an earlier worker)."""
+    ev = f.evidence
+    if f.kind.value == "gpu_lost" and ev.get("gpu") is not None:
+        state.lost_gpus.add(int(ev["gpu"]))
+    elif f.kind.value in ("nan_loss", "hang") and f.rank is not None:
+        key = (f.job or "", str(ev.get("generation", "0")), f.rank)
+        if f.kind.value == "nan_loss":
+            state.nan_ranks.add(key)
+        elif ev.get("step") is not None:
+            state.hung_at[key] = ev["step"]

@@ -16,7 +16,7 @@ XidRule        GPU sample, XID_ERRORS > 0       table     table    node, gpu, co
 GpuLostRule    GPU sample, GPU_LOST == 1        critical  evict    node, gpu, sample ts (once/gpu)
 NanLossRule    train sample, loss_nonfinite==1  critical  restart  job, gen, node, rank, step
 HangRule       train sample alive, step frozen  critical  restart  job, gen, node, rank, progress ts
-HeartbeatRule  no batch for heartbeat_timeout   critical  evict    node, last batch ts
+HeartbeatRule  silent for heartbeat_timeout     critical  evict    node, last batch ts
 EccRule        ECC_DBE_VOL_TOTAL rises (or >0)  critical  evict    node, gpu, "ecc_dbe", sample ts
 RowRemapRule   ROW_REMAP_FAILURE == 1           critical  evict    node, gpu, "row_remap", sample ts
 LinkRule       port down > link_down_hold_s     critical  evict    node, device, port, down ts
@@ -71,6 +71,7 @@ class NodeState:
     detectors: dict[str, Any] = field(default_factory=dict)   # per-node state of soft detectors
     ecc_dbe: dict[int, float] = field(default_factory=dict)   # gpu -> last DBE count seen
     remap_failed: set[int] = field(default_factory=set)
+    hung_at: dict[tuple[str, str, int], float] = field(default_factory=dict)   # rank -> step reported hung
     links: dict[tuple[str, str], Any] = field(default_factory=dict)   # (device, port) -> _LinkState
 
 
@@ -251,7 +252,7 @@ class HangRule:
             if s.fields.get("alive") != 1:
                 continue
             stalled, limit = seen - progress.since, self.limit(progress)
-            if stalled <= limit:
+            if stalled <= limit or state.hung_at.get(key) == step:   # hung_at: an earlier worker reported it
                 continue
             job, generation, rank = key
             median = statistics.median(progress.step_times) if progress.step_times else None
@@ -276,13 +277,16 @@ class HangRule:
 # --------------------------------------------------------------------------- heartbeat
 
 class HeartbeatRule:
-    """A node whose newest batch is older than ``heartbeat_timeout`` (wall clock) is lost.
+    """A node from which nothing has arrived for ``heartbeat_timeout`` (this worker's clock) is lost.
 
-    Two guards against false alarms when the TEE replays old metrics (after a restart, or on a
-    new consumer group reading from the beginning): nothing may have *arrived* from the node for
-    ``heartbeat_timeout`` either (a replay in progress keeps arriving), and a node whose newest
-    batch is older than ``heartbeat_horizon`` is history, dropped without a fault. A node is
-    reported once per newest batch; if it comes back and goes silent again, it is reported again.
+    Silence is measured on the TEE's own clock only (when the node's newest batch arrived here),
+    never by comparing the node's sample time with this clock: node clocks may be skewed by
+    seconds, and a node whose clock runs ahead would otherwise be found lost late, one running
+    behind early. Sample time only tells history apart: when the TEE replays old metrics (after a
+    restart, or a new consumer group reading from the beginning), a node whose newest batch is
+    older than ``heartbeat_horizon`` is history, dropped without a fault (a replay in progress keeps
+    arriving, so it is never silent). A node is reported once per newest batch; if it comes back
+    and goes silent again, it is reported again.
     """
 
     name = "heartbeat"
@@ -296,7 +300,7 @@ class HeartbeatRule:
         timeout = self.config.heartbeat_timeout
         for st in states:
             silent, age = now - st.last_received, now - st.last_batch_ts
-            if silent <= timeout or age <= timeout or st.lost_reported_for == st.last_batch_ts:
+            if silent <= timeout or st.lost_reported_for == st.last_batch_ts:
                 continue
             if age > self.config.heartbeat_horizon + timeout:
                 forget.append(st.node)
@@ -305,10 +309,10 @@ class HeartbeatRule:
             out.append(fault(
                 FaultKind.NODE_LOST, Severity.CRITICAL, Action.EVICT,
                 fault_id=stable_id(st.node, "node_lost", st.last_batch_ts), node=st.node, job=st.job,
-                detector="rule.heartbeat", observed_ts=st.last_batch_ts, now=now, score=age, threshold=timeout,
-                evidence={"last_batch_ts": st.last_batch_ts, "silent_s": round(age, 3),
-                          "heartbeat_timeout_s": timeout},
-                summary=f"Node {st.node} has sent no metrics for {age:.1f}s (timeout {timeout:g}s).",
+                detector="rule.heartbeat", observed_ts=st.last_batch_ts, now=now, score=silent, threshold=timeout,
+                evidence={"last_batch_ts": st.last_batch_ts, "silent_s": round(silent, 3),
+                          "batch_age_s": round(age, 3), "heartbeat_timeout_s": timeout},
+                summary=f"Node {st.node} has sent no metrics for {silent:.1f}s (timeout {timeout:g}s).",
             ))
         return out, forget
 
