@@ -13,6 +13,12 @@ running) per 1,000 node-hours. Resolution events are not counted as detections.
 The peer: the skeleton's engine (rules XID, GPU lost, NaN, hang, heartbeat + per-sample ECOD),
 run on the same corpus; the JSON line carries both and the ratio of mean F1.
 
+Then the pipeline: a corpus of another unseen seed (``--pipeline-nodes`` x ``--pipeline-hours``)
+is published to the embedded broker and read by one real ``transom tee --clock event`` worker
+process (its clock follows the sample times, so the hour replays in about a minute); the fault
+events it writes to ``transom.faults`` are scored the same way and set beside the offline
+figures of the same corpus, with the duplicate fault ids (none expected) and the rate.
+
 Run: ``.venv/bin/python bench/tee_quality.py [--nodes 48 --hours 1.5 --seeds 1001,1002]``.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -53,6 +60,74 @@ def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool 
                   file=sys.stderr, flush=True)
     events += engine.flush(now=(last_sec or 0) + 1)
     return events, n, engine.counts
+
+
+def pipeline(corpus: Corpus, bootstrap: str | None = None) -> tuple[list, int, float]:
+    """Replay ``corpus`` through the real pipeline: the embedded broker (or ``bootstrap``) and one
+    ``transom tee --clock event`` worker process. Returns the fault events it wrote, the batches
+    published and the seconds from the first publish until the worker had committed the last one."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from tee_throughput import start_workers, stop
+
+    from transom import contracts as c
+    from transom import kafka
+    from transom.broker import EmbeddedBroker
+    from transom.streams.app import APP_ID
+
+    broker = EmbeddedBroker().start() if bootstrap is None else None
+    bootstrap = bootstrap or broker.bootstrap
+    try:
+        kafka.ensure_topics(bootstrap)
+        with tempfile.TemporaryDirectory() as logdir:
+            procs = start_workers(bootstrap, 1, logdir, ("--clock", "event"))
+            try:
+                producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
+                t0, n = time.time(), 0
+                for b in corpus.batches():
+                    value = c.encode(b)
+                    while True:
+                        try:
+                            producer.produce(c.METRICS, key=b.node.encode(), value=value)
+                            break
+                        except BufferError:
+                            producer.poll(0.05)
+                    n += 1
+                    if n % 1000 == 0:
+                        producer.poll(0)
+                    if n % 50_000 == 0:
+                        print(f"  pipeline: {n} batches published", file=sys.stderr, flush=True)
+                producer.flush(120)
+                # done when the worker's group has committed every partition's end offset
+                probe = Consumer({**kafka.client_config(bootstrap), "group.id": APP_ID,
+                                  "enable.auto.commit": False})
+                parts = [TopicPartition(c.METRICS, p) for p in range(next(t.partitions for t in c.TOPICS
+                                                                         if t.name == c.METRICS))]
+                ends = {tp.partition: probe.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
+                last, deadline = -1, time.time() + 1800
+                while time.time() < deadline:
+                    done = sum(max(tp.offset, 0) for tp in probe.committed(parts, timeout=10))
+                    if done >= sum(ends.values()):
+                        break
+                    if done != last:
+                        print(f"  pipeline: worker committed {done}/{sum(ends.values())}", file=sys.stderr,
+                              flush=True)
+                        last = done
+                    if procs[0].poll() is not None:
+                        raise RuntimeError("the TEE worker exited: " + open(procs[0].logpath).read()[-2000:])
+                    time.sleep(2)
+                else:
+                    raise RuntimeError("the TEE worker did not commit every batch in 30 min")
+                span = time.time() - t0
+                probe.close()
+                time.sleep(2)                        # faults are sent before their input is committed
+                events = [c.decode(c.FAULTS, v) for _k, v, _p, _o in kafka.read_topic(bootstrap, c.FAULTS)]
+                return events, n, span
+            finally:
+                stop(procs)
+    finally:
+        if broker is not None:
+            broker.stop()
 
 
 def score(corpus: Corpus, events) -> dict:
@@ -124,6 +199,10 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=0.6, help="injected faults per node-hour")
     p.add_argument("--no-peer", action="store_true", help="skip the skeleton engine (the peer)")
     p.add_argument("--peer-hours", type=float, default=0.5, help="hours of the peer's corpus (first seed)")
+    p.add_argument("--pipeline-nodes", type=int, default=24,
+                   help="nodes of the corpus also replayed through the real pipeline (0: skip; default 24)")
+    p.add_argument("--pipeline-hours", type=float, default=1.0, help="its hours (default 1)")
+    p.add_argument("--bootstrap", default=None, help="Kafka for the pipeline replay (default: an embedded broker)")
     a = p.parse_args(argv)
     t0 = time.time()
     config = TEEConfig()
@@ -182,6 +261,30 @@ def main(argv=None) -> int:
                        "false_alarms_per_1000_node_hours": round(fa_peer / peer_node_hours * 1000, 3)}
         out["mean_f1"] = round(float(np.mean([v["f1"] for v in classes.values()])), 4)
         out["ratio_mean_f1_to_peer"] = round(mean_ours / max(mean_peer, 1e-9), 3)
+    if a.pipeline_nodes:
+        seed = int(a.seeds.split(",")[0]) + 500
+        corpus = Corpus(CorpusSpec(nodes=a.pipeline_nodes, hours=a.pipeline_hours, seed=seed,
+                                   faults_per_node_hour=a.rate))
+        print(f"pipeline: seed {seed}, {len(corpus.injections)} injections on {a.pipeline_nodes} nodes x "
+              f"{a.pipeline_hours} h, through the broker and a `transom tee --clock event` worker",
+              file=sys.stderr, flush=True)
+        events, n, span = pipeline(corpus, a.bootstrap)
+        offline = score(corpus, replay(corpus, config, progress=False)[0])
+        live = score(corpus, events)
+        nh = a.pipeline_nodes * a.pipeline_hours
+        pc = live["classes"]
+        ids = [e.fault_id for e in events if not e.resolved]
+        out["pipeline"] = {
+            "mode": "embedded broker + one TEE worker process (event clock), same scoring as offline",
+            "seed": seed, "node_hours": nh, "batches": n, "seconds": round(span, 1),
+            "batches_per_s": round(n / span, 1), "fault_events": len(ids),
+            "duplicate_fault_ids": len(ids) - len(set(ids)),
+            "f1": {k: v["f1"] for k, v in pc.items()},
+            "f1_offline_same_corpus": {k: v["f1"] for k, v in offline["classes"].items()},
+            "false_alarms_per_1000_node_hours": round(live["false_alarms"] / nh * 1000, 3),
+            "hard_f1_min": min(pc[c.value]["f1"] for c in FaultClass if c in HARD),
+            "soft_f1_min": min(pc[c.value]["f1"] for c in FaultClass if c in SOFT)}
+        print(f"pipeline: {n} batches in {span:.0f}s; F1 {out['pipeline']['f1']}", file=sys.stderr, flush=True)
     out["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(out))
     return 0

@@ -53,13 +53,15 @@ def node_batch(node: str, ts: float, seq: int, rng, xid: bool = False) -> c.Metr
     return c.MetricBatch(node=node, ts=ts, seq=seq, job=f"job-{node[-2:]}", samples=tuple(samples))
 
 
-def start_workers(bootstrap: str, n: int, logdir: str) -> list[subprocess.Popen]:
+def start_workers(bootstrap: str, n: int, logdir: str,
+                  args: tuple[str, ...] = ("--heartbeat-timeout", "600")) -> list[subprocess.Popen]:
+    """Start ``n`` ``transom tee`` workers with ``args``; return once each holds partitions."""
     procs = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_LOG_LEVEL": "INFO"}
     for i in range(n):
         log = open(os.path.join(logdir, f"tee{i}.log"), "wb")
         procs.append(subprocess.Popen([sys.executable, "-m", "transom.cli", "tee", "--bootstrap", bootstrap,
-                                       "--heartbeat-timeout", "600"], stdout=log, stderr=subprocess.STDOUT,
+                                       *args], stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=env))
         procs[-1].logpath = log.name
     deadline = time.time() + 180

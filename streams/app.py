@@ -6,6 +6,11 @@ Wiring (app id ``transom-tee``, at-least-once, raw bytes in and out)::
                                                       \\--ContractError--> transom.deadletter
     timer, every 1 s -----------------------------------> engine.check_heartbeats --> transom.faults
 
+With ``TEEConfig.clock == "event"`` (``transom tee --clock event``, for replays) the engine's
+clock is the sample time instead: each batch is processed at its own time and heartbeats are
+checked whenever the clock reaches a new second: the slowest partition's newest sample time over
+the partitions with more to read, or the newest of all once every partition is read to its end.
+
 Faults are keyed by job id (node id when the job is unknown); dead letters keep the original key.
 With a signing key configured (``TRANSOM_FAULT_PRINCIPAL`` + ``TRANSOM_SIGNING_KEY``, see
 :mod:`transom.security`) every fault carries the principal and HMAC headers the controller checks.
@@ -27,6 +32,7 @@ from collections import defaultdict
 from typing import Any
 
 import faust
+from faust.types import TP
 
 from transom import contracts
 from transom.config import ConfigError
@@ -64,6 +70,23 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     faults = app.topic(contracts.FAULTS, key_type=bytes, value_type=bytes)
     deadletter = app.topic(contracts.DEADLETTER, key_type=bytes, value_type=bytes)
     nodes_of: dict[int, set[str]] = defaultdict(set)   # metrics partition -> nodes seen on it
+    event_clock = engine.config.clock == "event"
+    watermarks: dict[int, float] = {}                    # event clock: partition -> newest sample time
+    checked = [0]                                        # event clock: the last second heartbeats were checked
+    positions: dict[int, int] = {}                       # event clock: partition -> offset last processed
+
+    def event_now() -> float:
+        """The slowest partition's newest sample time, over the partitions with more to read (a node on
+        a partition read later is not silent); once every partition is read to its end, the newest."""
+        behind = []
+        for p, mark in watermarks.items():
+            try:
+                high = app.consumer.highwater(TP(contracts.METRICS, p))
+            except Exception:
+                high = None
+            if high is None or positions[p] + 1 < high:
+                behind.append(mark)
+        return min(behind) if behind else max(watermarks.values())
 
     async def emit(found: list[contracts.FaultEvent]) -> None:
         for f in found:
@@ -90,24 +113,35 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 await reject(event.value, event.key, str(err), msg.partition, msg.offset)
                 continue
             nodes_of[msg.partition].add(batch.node)
+            if event_clock:
+                watermarks[msg.partition] = max(watermarks.get(msg.partition, 0.0), batch.ts)
             try:
-                found = engine.process(batch)
+                found = engine.process(batch, now=batch.ts if event_clock else None)
             except Exception as exc:   # a detector bug must not stop the stream: keep the input
                 log.exception("the engine failed on a batch of %s", batch.node)
                 await reject(event.value, event.key, f"tee failed to process the batch: {exc!r}",
                              msg.partition, msg.offset)
                 continue
             await emit(found)
+            if event_clock:
+                positions[msg.partition] = msg.offset
+                now = event_now()
+                if int(now) > checked[0]:
+                    checked[0] = int(now)
+                    await emit(engine.check_heartbeats(now))
 
     @app.timer(1.0)
     async def heartbeats():
-        await emit(engine.check_heartbeats(time.time()))
+        if not event_clock:
+            await emit(engine.check_heartbeats(time.time()))
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender, revoked, **_):
         for tp in revoked:
             if tp.topic == contracts.METRICS:
                 engine.forget(nodes_of.pop(tp.partition, ()))
+                watermarks.pop(tp.partition, None)
+                positions.pop(tp.partition, None)
 
     @app.on_partitions_assigned.connect
     async def on_assigned(sender, assigned, **_):

@@ -39,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--cooldown", type=_positive, default=None, metavar="S",
                    help="repeats of a fault class on the same node and device within S seconds are merged "
                         "(default 300)")
+    p.add_argument("--clock", default=None, choices=("wall", "event"),
+                   help="wall: the host's clock (live metrics, the default); event: the clock follows the "
+                        "sample times read, to replay recorded metrics faster than real time")
     p.add_argument("--datadir", default=None, metavar="DIR",
                    help="Faust's data directory (default: a temporary directory, removed on exit)")
     p.set_defaults(func=_run)
@@ -52,6 +55,7 @@ def _run(args: argparse.Namespace) -> int:
 
     config = TEEConfig.from_mapping({"hang_timeout": args.hang_timeout,
                                      "heartbeat_timeout": args.heartbeat_timeout,
-                                     "soft_detector": args.soft_detector, "cooldown_s": args.cooldown})
+                                     "soft_detector": args.soft_detector, "cooldown_s": args.cooldown,
+                                     "clock": args.clock})
     with bootstrap_or_embedded(args.bootstrap) as bootstrap:
         return run_worker(bootstrap, config, datadir=args.datadir)

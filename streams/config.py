@@ -29,6 +29,10 @@ class TEEConfig:
     #: A node whose newest batch was already this old when the heartbeat check saw it is history
     #: being replayed (a TEE that starts from the beginning of the topic), not a node to evict.
     heartbeat_horizon: float = 120.0
+    #: "wall": the worker's clock is the host's (live metrics). "event": its clock follows the sample
+    #: times it reads (the smallest newest sample time over its partitions), for replaying recorded
+    #: metrics faster than real time; heartbeats are then checked at each new second of that clock.
+    clock: str = "wall"
     #: ECOD: clean samples a node's window needs before the detector scores anything.
     ecod_min_samples: int = 30
     #: ECOD: most samples kept in a node's window (the oldest are dropped).
@@ -94,6 +98,8 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")
+        if self.clock not in ("wall", "event"):
+            raise ConfigError(f"TEE setting clock={self.clock!r}: expected 'wall' or 'event'")
         if self.soft_detector not in ("ecod", "copod", "iforest", "hbos", "lof", "combo"):
             raise ConfigError(f"TEE setting soft_detector={self.soft_detector!r}: expected one of ecod, copod, "
                               "iforest, hbos, lof, combo")

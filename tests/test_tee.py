@@ -394,3 +394,51 @@ def test_worker_stops_cleanly_on_sigterm(tee):
     assert tee.wait(30) == 0
     text = tee.logfile.read_text()
     assert "TEE stopped" in text and "Traceback" not in text
+
+
+@pytest.mark.integration
+def test_event_clock_worker_replays_an_old_hour_and_finds_the_node_that_fell_silent(fresh_broker, tmp_path):
+    """`--clock event`: metrics from a day ago, replayed at full speed, are judged on their own time:
+    the node that stops reporting is lost at its last sample, the one that keeps going is not, and an
+    XID in the replay is found (a wall-clock worker would take the whole day for history)."""
+    bs = fresh_broker.bootstrap
+    kafka.ensure_topics(bs)
+    logfile = tmp_path / "tee.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_LOG_LEVEL": "INFO"}
+    with open(logfile, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "transom.cli", "tee", "--bootstrap", bs, "--clock", "event",
+                                 "--heartbeat-timeout", "5"],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    try:
+        wait_until(lambda: proc.poll() is not None or "TEE assigned" in logfile.read_text(), 90,
+                   "the TEE worker to join its consumer group")
+        assert proc.poll() is None, logfile.read_text()
+        base = time.time() - 86400
+        producer = kafka.make_producer(bs)
+        for i in range(120):
+            for node in ("steady", "silent"):
+                if node == "silent" and i > 40:
+                    continue
+                samples = (gpu(0), c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 79}, index=1)) \
+                    if node == "steady" and i == 80 else (gpu(0), gpu(1))
+                kafka.publish(producer, c.METRICS, node, c.MetricBatch(node=node, ts=base + i, seq=i, job="old",
+                                                                      samples=samples))
+        producer.flush(10)
+
+        def both():
+            fs = [f for f in topic_values(bs, c.FAULTS) if not f.resolved]
+            return fs if {f.kind for f in fs} >= {c.FaultKind.NODE_LOST, c.FaultKind.XID} else None
+
+        faults = wait_until(both, 60, "the node-lost and XID faults of the replay")
+        lost = [f for f in faults if f.kind == c.FaultKind.NODE_LOST]
+        assert [(f.node, f.observed_ts) for f in lost] == [("silent", base + 40)]
+        assert base + 45 <= lost[0].detected_ts <= base + 50      # decided on the replay's clock
+        [xid] = [f for f in faults if f.kind == c.FaultKind.XID]
+        assert (xid.node, xid.observed_ts) == ("steady", base + 80)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
