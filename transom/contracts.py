@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import orjson      # 3-4x faster parsing of metric batches (the TEE reads thousands a second)
+
 __all__ = [
     "SCHEMA_VERSION", "ContractError", "TopicSpec", "TOPICS",
     "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER",
@@ -485,7 +487,12 @@ def decode(topic: str, raw: bytes | str | None) -> Any:
     if raw is None or raw == b"" or raw == "":
         raise ContractError("empty value")
     try:
-        d = json.loads(raw, parse_constant=_reject_constant)
+        d = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        d = None          # the standard parser below says precisely why (or takes what orjson refuses)
+    try:
+        if d is None:
+            d = json.loads(raw, parse_constant=_reject_constant)
     except ContractError:
         raise
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
