@@ -2,9 +2,10 @@
 
 Stages, each in its own module and testable alone:
 
-1. snapshot (:mod:`.engine` + :mod:`.shardfmt`, blocking): the rank copies its state, laid out as
-   one safetensors shard, into a reused shared-memory segment of its node's daemon
-   (:mod:`.server`, :mod:`.segments`); ``save()`` returns after this.
+1. snapshot (:mod:`.engine` + :mod:`.shardfmt` + :mod:`.snapshot`, blocking): the rank copies its
+   state, laid out as one safetensors shard, into a reused shared-memory segment of its node's
+   daemon (:mod:`.server`, :mod:`.segments`), or forks a child that does it from a copy-on-write
+   view (``snapshot="fork"``); ``save()`` returns after this.
 2. hash, replicate (:mod:`.transport`: Mooncake Transfer Engine or plain TCP) into the ring
    neighbour daemon's memory, persist (:mod:`.store`) to local disk and the shared directory.
 3. commit (:mod:`.store`): when every rank's shard manifest exists, one daemon wins an ``O_EXCL``
@@ -46,14 +47,14 @@ from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
 from .layout import StepInfo, complete_steps, list_steps, prune, step_dir
 
 if TYPE_CHECKING:
-    from .engine import TIERS, CheckpointEngine, SavePolicy
+    from .engine import TIERS, CheckpointEngine, SavePolicy, SnapshotMode
     from .planner import CapacityError
     from .server import CheckpointServer
     from .store import persist_shard, read_shard, try_commit, uncommit_older, verify_shard
     from .wire import DaemonError
 
 __all__ = [
-    "CheckpointEngine", "SavePolicy", "TIERS", "CheckpointServer", "CheckpointError", "CorruptCheckpoint",
+    "CheckpointEngine", "SavePolicy", "SnapshotMode", "TIERS", "CheckpointServer", "CheckpointError", "CorruptCheckpoint",
     "NoCheckpoint", "DaemonError", "CapacityError", "StepInfo", "list_steps", "complete_steps", "prune",
     "step_dir", "persist_shard", "uncommit_older", "try_commit", "read_shard", "verify_shard",
 ]
@@ -61,7 +62,7 @@ __all__ = [
 # Modules that import torch load on first use, so `transom --help` (which imports this package
 # through checkpoint/cli.py) stays fast.
 _LAZY = {
-    "CheckpointEngine": ".engine", "SavePolicy": ".engine", "TIERS": ".engine", "CheckpointServer": ".server",
+    "CheckpointEngine": ".engine", "SavePolicy": ".engine", "SnapshotMode": ".engine", "TIERS": ".engine", "CheckpointServer": ".server",
     "DaemonError": ".wire", "CapacityError": ".planner",
     "persist_shard": ".store", "uncommit_older": ".store", "try_commit": ".store",
     "read_shard": ".store", "verify_shard": ".store",

@@ -11,6 +11,10 @@ The daemon is found at ``$TRANSOM_CKPT_RUNTIME/daemons/$TRANSOM_NODE.json``. Wit
 run outside Transom's stack) the engine starts the same daemon inside this process, says so, and
 everything works except that a crash of this process takes its memory copies with it.
 
+With ``snapshot="fork"`` (:mod:`.snapshot`) ``save()`` blocks only for a fork: a child copies
+the CPU tensors from its copy-on-write view and hands the shard over; the training process pays
+instead with page faults on its next writes. The default, ``copy``, blocks for the copy.
+
 One save is in flight per rank: until the daemon has finished the previous one, a ``save()``
 waits (:attr:`SavePolicy.WAIT`, default) or is dropped and logged (:attr:`SavePolicy.SKIP`). A
 failed save is logged and raised by the next :meth:`CheckpointEngine.wait`; it never stops
@@ -38,12 +42,13 @@ from transom import contracts
 from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
-from . import layout, segments, shardfmt, store
+from . import layout, segments, shardfmt, snapshot, store
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
 from .segments import Segment
-from .wire import Conn, DaemonError, recv_exact_into, recv_msg, send_msg
+from .snapshot import SnapshotMode
+from .wire import Conn, DaemonError, encode_msg, recv_exact_into, recv_msg, send_msg
 
-__all__ = ["CheckpointEngine", "SavePolicy", "TIERS"]
+__all__ = ["CheckpointEngine", "SavePolicy", "SnapshotMode", "TIERS"]
 
 log = get("checkpoint")
 
@@ -65,7 +70,8 @@ class CheckpointEngine:
     def __init__(self, directory: str | os.PathLike, job: str, rank: int, world_size: int, node: str,
                  generation: int = 0, bootstrap: str | None = None, *, keep: int = 3,
                  policy: SavePolicy | str = SavePolicy.WAIT, runtime: str | os.PathLike | None = None,
-                 disk: bool = True, shared: bool = True, wait_timeout: float = 600.0) -> None:
+                 disk: bool = True, shared: bool = True, wait_timeout: float = 600.0,
+                 snapshot: SnapshotMode | str = SnapshotMode.COPY) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep < 1:
@@ -74,6 +80,14 @@ class CheckpointEngine:
         self.job, self.rank, self.world_size, self.node = job, rank, world_size, node
         self.generation, self.bootstrap, self.keep = generation, bootstrap, keep
         self.policy = SavePolicy(policy)
+        try:
+            self.snapshot = SnapshotMode(snapshot)
+        except ValueError:
+            raise ConfigError(f"snapshot: expected one of {[m.value for m in SnapshotMode]}, "
+                              f"got {snapshot!r}") from None
+        self.last_snapshot_mode: SnapshotMode | None = None
+        self.snapshot_child: int | None = None     # pid of the fork snapshot in flight
+        self._said_cuda = False
         self.disk, self.shared, self.wait_timeout = disk, shared, wait_timeout
         self.runtime = segments.runtime_dir(runtime)
         self.last_snapshot_s = 0.0
@@ -82,6 +96,7 @@ class CheckpointEngine:
         self.saved: list[int] = []          # steps the daemon finished for this rank
         self.committed: list[int] = []      # steps this rank's daemon committed
         self.skipped: list[int] = []        # steps dropped by SavePolicy.SKIP
+        self.unpersisted: list[int] = []    # steps saved whose disk or shared write failed
         self._maps: dict[str, Segment] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -90,6 +105,8 @@ class CheckpointEngine:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.daemon_addr = self._find_daemon()
         self._conn = Conn(self.daemon_addr)
+        host, port = self.daemon_addr.rsplit(":", 1)
+        self._daemon_sockaddr = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4]
         self._first_of_step: set[int] = set()
 
     def _find_daemon(self) -> str:
@@ -110,7 +127,8 @@ class CheckpointEngine:
     @classmethod
     def from_env(cls, directory: str | os.PathLike | None = None, **kwargs: Any) -> "CheckpointEngine":
         """Build from the launcher's environment (TRANSOM_CKPT_DIR, RANK, WORLD_SIZE, TRANSOM_JOB,
-        TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME); ``kwargs`` override."""
+        TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME, TRANSOM_CKPT_SNAPSHOT);
+        ``kwargs`` override."""
         directory = directory or env_str("TRANSOM_CKPT_DIR")
         if not directory:
             raise ConfigError("TRANSOM_CKPT_DIR is not set: the checkpoint engine needs a directory")
@@ -118,7 +136,7 @@ class CheckpointEngine:
             job=env_str("TRANSOM_JOB", "local"), rank=env_int("RANK", 0),
             world_size=env_int("WORLD_SIZE", 1), node=env_str("TRANSOM_NODE", socket.gethostname()),
             generation=env_int("TRANSOM_GENERATION", 0), bootstrap=env_str("TRANSOM_BOOTSTRAP"),
-            runtime=env_str("TRANSOM_CKPT_RUNTIME"))
+            runtime=env_str("TRANSOM_CKPT_RUNTIME"), snapshot=env_str("TRANSOM_CKPT_SNAPSHOT", "copy"))
         args.update(kwargs)
         return cls(directory, **args)
 
@@ -127,7 +145,10 @@ class CheckpointEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def save(self, step: int, state: Any) -> bool:
-        """Snapshot ``state`` into the daemon's memory (blocking); False if skipped by policy."""
+        """Snapshot ``state`` into the daemon's memory (blocking); False if skipped by policy.
+
+        In ``copy`` mode it returns once every byte is in the segment; in ``fork`` mode once a
+        child holding a copy-on-write view of the tensors exists (:mod:`.snapshot`)."""
         if self._closed:
             raise CheckpointError("save() after close()")
         if self.in_flight():
@@ -142,20 +163,58 @@ class CheckpointEngine:
         plan = shardfmt.plan(state)                                      # stage 1: snapshot
         seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
                                              "size": plan.size, "ckpt_dir": str(self.directory)})["path"])
-        try:
-            shardfmt.write_into(seg.view(plan.size), plan)
-        except BaseException:
-            self._conn.call({"op": "abort", "path": str(seg.path)})
-            raise
         msg = {"op": "staged", "path": str(seg.path), "job": self.job, "rank": self.rank, "step": step,
                "size": plan.size, "world_size": self.world_size, "generation": self.generation,
                "ckpt_dir": str(self.directory), "bootstrap": self.bootstrap, "keep": self.keep,
                "disk": self.disk, "shared": self.shared}
-        self._conn.call(msg)
+        pid = None
+        try:
+            lock = snapshot.lock_segment(str(seg.path))
+            try:
+                if self.snapshot is SnapshotMode.FORK:
+                    pid = self._fork(seg, plan, msg, lock)
+                if pid == -1:                    # the fork failed; _fork copied and handed it over
+                    pid, lock = None, -1
+                elif pid is None:
+                    shardfmt.write_into(seg.view(plan.size), plan)
+                    self._conn.call(msg)
+            finally:
+                if pid is None and lock >= 0:
+                    os.close(lock)
+        except BaseException:
+            if pid is None:
+                self._conn.call({"op": "abort", "path": str(seg.path)})
+            raise
         self.last_snapshot_s = time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._await, args=(step,), name=f"ckpt-wait-{step}", daemon=True)
+        self.last_snapshot_mode = SnapshotMode.COPY if pid is None else SnapshotMode.FORK
+        self.snapshot_child = pid
+        self._thread = threading.Thread(target=self._await, args=(step, pid, str(seg.path)),
+                                        name=f"ckpt-wait-{step}", daemon=True)
         self._thread.start()
         return True
+
+    def _fork(self, seg: Segment, plan: shardfmt.ShardPlan, msg: dict, lock: int) -> int | None:
+        """Copy what a child cannot, fork one for the rest; its pid, or None to copy here instead."""
+        parent, child = snapshot.partition(plan.tensors, plan.offsets, seg.addr)
+        if not child:
+            return None                      # nothing big on the CPU: a fork would only cost
+        if any(t.is_cuda for t in plan.tensors) and not self._said_cuda:
+            self._said_cuda = True
+            log.info("rank %d: fork snapshot: CUDA tensors are copied to the staging memory before the "
+                     "fork (a child cannot see device memory); CPU tensors are snapshotted copy-on-write",
+                     self.rank)
+        shardfmt.write_into(seg.view(plan.size), plan, only=parent)
+        job = snapshot.ForkJob(seg.addr, plan.size, child, self._daemon_sockaddr, encode_msg(msg))
+        try:
+            return snapshot.fork_copy(job, lock)
+        except OSError as exc:
+            log.error("rank %d: fork snapshot failed (%s): copying in the training process instead, "
+                      "from now on", self.rank, exc)
+            self.snapshot = SnapshotMode.COPY
+            shardfmt.write_into(seg.view(plan.size), plan)
+            self._conn.call(msg)
+            os.close(lock)
+            return -1
 
     def reserve(self, state: Any) -> int:
         """Have the daemon create (and this rank map) a segment big enough for ``state`` now, so
@@ -171,16 +230,30 @@ class CheckpointEngine:
             seg = self._maps[path] = Segment.open(path)
         return seg
 
-    def _await(self, step: int) -> None:
+    def _await(self, step: int, pid: int | None = None, path: str | None = None) -> None:
         conn = None
         try:
             conn = Conn(self.daemon_addr, timeout=10)
+            if pid is not None:
+                problem = snapshot.reap(pid)
+                self.snapshot_child = None
+                if problem is not None:
+                    conn.call({"op": "abort", "path": path})
+                    if self.snapshot is SnapshotMode.FORK:
+                        self.snapshot = SnapshotMode.COPY
+                        log.error("rank %d: the fork snapshot of step %d failed (%s): saving by copy "
+                                  "from now on", self.rank, step, problem)
+                    raise CheckpointError(f"step {step}: {problem}; nothing of this step was committed")
             got = conn.call({"op": "wait", "job": self.job, "rank": self.rank, "step": step,
                              "timeout": self.wait_timeout})
             self.last_result = got
             if got.get("failed"):
                 raise CheckpointError(got["failed"])
             self.saved.append(step)
+            if got.get("unpersisted"):
+                self.unpersisted.append(step)
+                log.warning("rank %d: step %d has no disk copy of this rank's shard (the memory copies "
+                            "are valid): %s", self.rank, step, "; ".join(got["unpersisted"]))
             if got.get("committed"):
                 self.committed.append(step)
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), never kills training
@@ -297,7 +370,7 @@ class CheckpointEngine:
                                 "no copy verifies: " + ("; ".join(problems) or "no copy is reachable"))
 
     def _fetch(self, tier: int, node: str, copy: contracts.Copy | None, step: int,
-               shard: contracts.Shard) -> bytearray | None:
+               shard: contracts.Shard):
         if tier == 0:
             got = self._conn.call({"op": "lookup", "job": self.job, "rank": self.rank, "step": step,
                                    "sha256": shard.sha256})
@@ -305,10 +378,13 @@ class CheckpointEngine:
                 return None
             seg = Segment.open(got["path"], writable=False)
             try:
-                buf = bytearray(seg.view(shard.size))
+                view = seg.view(min(shard.size, seg.capacity))
+                try:
+                    return _copy_verified(view, shard, f"{got['path']} (memory on {node})")
+                finally:
+                    view.release()
             finally:
                 seg.close()
-            return _verified(buf, shard, f"{got['path']} (memory on {node})")
         if tier == 1:
             info = segments.registered(self.runtime).get(node)
             addr = info["addr"] if info else copy.location.split("#", 1)[0]
@@ -316,24 +392,42 @@ class CheckpointEngine:
         return store.read_verified(Path(copy.location), shard)
 
 
-def _verified(buf: bytearray, shard: contracts.Shard, where: str) -> bytearray:
-    if len(buf) != shard.size:
-        raise CorruptCheckpoint(where, f"{len(buf)} bytes, manifest says {shard.size}")
-    digest = shardfmt.sha256_of(buf)
+def _check(digest: str, size: int, shard: contracts.Shard, where: str) -> None:
+    if size != shard.size:
+        raise CorruptCheckpoint(where, f"{size} bytes, manifest says {shard.size}")
     if digest != shard.sha256:
         raise CorruptCheckpoint(where, f"sha256 mismatch: copy has {digest}, manifest says {shard.sha256}")
+
+
+def _copy_verified(src: memoryview, shard: contracts.Shard, where: str):
+    """A private copy of ``src`` (a segment), hashed while it is copied; refused unless it verifies."""
+    if len(src) != shard.size:
+        raise CorruptCheckpoint(where, f"{len(src)} bytes, manifest says {shard.size}")
+    buf = segments.alloc_buffer(shard.size)
+    dst, hasher, step = memoryview(buf), layout.StreamHasher(), 64 << 20
+    for lo in range(0, shard.size, step):
+        dst[lo:lo + step] = src[lo:lo + step]
+        hasher.feed(dst[lo:lo + step])
+    _check(hasher.hexdigest(), shard.size, shard, where)
     return buf
 
 
-def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard, node: str) -> bytearray | None:
+def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard, node: str):
+    """The shard from a peer daemon's memory; hashed as it arrives, refused unless it verifies."""
     conn = Conn(addr, timeout=5)
     try:
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         send_msg(conn.sock, {"op": "read", "job": job, "rank": rank, "step": step, "sha256": shard.sha256})
         head = recv_msg(conn.sock)
         if not head or not head.get("found"):
             return None
-        buf = bytearray(head["size"])
-        recv_exact_into(conn.sock, memoryview(buf))
+        where = f"memory of {node} ({addr})"
+        if head["size"] != shard.size:
+            raise CorruptCheckpoint(where, f"{head['size']} bytes, manifest says {shard.size}")
+        buf = segments.alloc_buffer(head["size"])
+        hasher = layout.StreamHasher()
+        recv_exact_into(conn.sock, memoryview(buf)[:head["size"]], hasher.feed)
     finally:
         conn.close()
-    return _verified(buf, shard, f"memory of {node} ({addr})")
+    _check(hasher.hexdigest(), head["size"], shard, where)
+    return buf

@@ -27,7 +27,7 @@ from transom import contracts
 
 __all__ = [
     "MANIFEST", "step_dir", "shard_name", "rank_manifest_name", "atomic_write", "atomic_write_bytes",
-    "sha256_file", "sha256_of", "read_rank_manifest", "read_manifest", "StepInfo", "list_steps", "complete_steps",
+    "sha256_file", "sha256_of", "StreamHasher", "read_rank_manifest", "read_manifest", "StepInfo", "list_steps", "complete_steps",
     "prune",
 ]
 
@@ -77,6 +77,33 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def sha256_of(buf: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(buf).hexdigest()
+
+
+class StreamHasher:
+    """sha256 of bytes as they arrive, on its own thread: ``feed(view)`` each chunk in order,
+    ``hexdigest()`` when the last is in. hashlib releases the GIL on big chunks, so hashing
+    overlaps the receive or read that produces the next chunk."""
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self._h = hashlib.sha256()
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name="sha256", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while (chunk := self._q.get()) is not None:
+            self._h.update(chunk)
+
+    def feed(self, chunk: memoryview) -> None:
+        self._q.put(chunk)
+
+    def hexdigest(self) -> str:
+        self._q.put(None)
+        self._t.join()
+        return self._h.hexdigest()
 
 
 def sha256_file(path: Path) -> str:

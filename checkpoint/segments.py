@@ -19,16 +19,18 @@ import json
 import mmap
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
 from .wire import pid_alive
 
-__all__ = ["default_runtime", "runtime_dir", "registry_path", "register", "unregister", "registered",
+__all__ = ["alloc_buffer", "default_runtime", "runtime_dir", "registry_path", "register", "unregister", "registered",
            "neighbour", "Segment", "safe_name"]
 
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _prefault_write(mm: mmap.mmap, size: int) -> None:
@@ -45,6 +47,34 @@ def _prefault_write(mm: mmap.mmap, size: int) -> None:
             mv[off] = mv[off]
     finally:
         mv.release()
+
+
+def alloc_buffer(size: int) -> mmap.mmap:
+    """A private, writable buffer of ``size`` bytes whose pages are being faulted in.
+
+    Restores receive a whole shard and hand out tensors as views of it. ``bytearray(size)``
+    zeroes (faults in) every 4 KiB page before the first byte arrives; here a thread populates the
+    pages ahead of the writer in 64 MiB ``MADV_POPULATE_WRITE`` steps (transparent huge pages
+    where the kernel allows it), while the receive or read fills them. A page the writer reaches
+    first is faulted in by the kernel as usual: the populating never changes a byte.
+    """
+    mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
+    except (OSError, ValueError):
+        pass
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    total = max(size, 1)
+
+    def populate(keep: mmap.mmap) -> None:       # holds the mapping until it is done
+        step = 64 << 20
+        for lo in range(0, total, step):
+            n = min(step, total - lo)
+            if _libc.madvise(ctypes.c_void_p(base + lo), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) != 0:
+                return                     # an old kernel: the writer faults the pages in itself
+
+    threading.Thread(target=populate, args=(mm,), name="populate", daemon=True).start()
+    return mm
 
 
 def default_runtime() -> Path:

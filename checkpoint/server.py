@@ -7,14 +7,19 @@ pipeline thread:
 
 1. hash        sha256 of the shard bytes (the same bytes are every copy, see :mod:`.shardfmt`)
 2. replicate   into the ring neighbour daemon's memory (:mod:`.transport`); never on this node
-3. persist     to local disk (``--disk-dir``) and, if the rank asked, the job's shared directory
+3. persist     to local disk (``--disk-dir``) and, if the rank asked, the job's shared directory;
+               a write that fails (ENOSPC, EIO, ...) is logged once with the path and errno and
+               that copy is left out: the step still commits with its memory copies, and the
+               manifest says ``persisted: false`` when no disk or shared copy of a shard exists
 4. commit      this rank's shard manifest with all its copies; when every rank's is there, one
                daemon wins the commit and writes ``manifest.json`` (:func:`.store.try_commit`)
 5. announce    that daemon publishes one :class:`transom.contracts.CheckpointReady`
 
 Segment states: free -> staging (the rank copies into it) -> queued (handed over) -> held (hashed:
 a valid copy) -> free. A rank that acquires a segment again while one of its segments is still
-``staging`` died mid-save: that segment is reused, the held copies stay.
+``staging`` died mid-save: that segment is reused, the held copies stay, unless a live process
+still holds the segment's flock (the fork-snapshot child of a rank that died, which finishes the
+save on its own): that segment is left alone.
 
 Segments are reused: a rank's segment returns to its free pool once a newer step of the job is
 committed and ``--mem-keep`` newer copies exist; a segment being written (``staging``) is never
@@ -27,6 +32,8 @@ replica_alloc, replica_done, replica_abort, capacity, stats.
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import itertools
 import os
 import queue
@@ -74,6 +81,21 @@ class _Result:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def _being_written(path: Path) -> bool:
+    """Whether a writer holds the segment's flock (:func:`.snapshot.lock_segment`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 class CheckpointServer:
@@ -246,6 +268,11 @@ class CheckpointServer:
             self._release_old("own", msg["job"], msg["rank"], msg.get("ckpt_dir"))
             for s in self.slots.values():
                 if s.state == "staging" and s.kind == "own" and (s.job, s.rank) == (msg["job"], msg["rank"]):
+                    if _being_written(s.seg.path):
+                        log.warning("%s: step %d of rank %d of job %s is still being written by a live "
+                                    "process (the snapshot child of a rank that died?): left to finish",
+                                    self.node, s.step, s.rank, s.job)
+                        continue
                     log.warning("%s: rank %d of job %s left step %d half written (it died mid-save): "
                                 "segment reused", self.node, s.rank, s.job, s.step)
                     s.state = "free"     # one rank per (job, rank): the writer of this one is gone
@@ -404,11 +431,16 @@ class CheckpointServer:
             t["replicate_s"] = time.perf_counter() - t1
             copies.append(contracts.Copy(rank, peer["node"], contracts.Tier.MEMORY, f"{peer['addr']}#{where}"))
         t2 = time.perf_counter()                                        # 3. persist
+        unpersisted: list[str] = []
         if msg.get("disk", True):
             ddir = layout.step_dir(self.disk_dir / safe_name(job), step)
-            ddir.mkdir(parents=True, exist_ok=True)
-            store.write_bytes(ddir / layout.shard_name(rank), data)
-            copies.append(contracts.Copy(rank, self.node, contracts.Tier.DISK, str(ddir / layout.shard_name(rank))))
+            where = ddir / layout.shard_name(rank)
+            try:
+                ddir.mkdir(parents=True, exist_ok=True)
+                store.write_bytes(where, data)
+                copies.append(contracts.Copy(rank, self.node, contracts.Tier.DISK, str(where)))
+            except OSError as exc:
+                unpersisted.append(self._persist_failed(job, rank, step, where, exc))
         t["persist_s"] = time.perf_counter() - t2
         ready = None
         if msg.get("ckpt_dir"):                                         # 4. commit
@@ -417,9 +449,21 @@ class CheckpointServer:
             if replaced is not None:
                 log.info("step %d was committed by generation %s; generation %d replaces it", step, replaced, gen)
             t3 = time.perf_counter()
+            shared = bool(msg.get("shared", True))
+            if shared:
+                where = sdir / layout.shard_name(rank)
+                try:
+                    sdir.mkdir(parents=True, exist_ok=True)
+                    store.write_bytes(where, data)
+                except OSError as exc:
+                    unpersisted.append(self._persist_failed(job, rank, step, where, exc))
+                    shared = False
+                else:
+                    copies.append(contracts.Copy(rank, "shared", contracts.Tier.SHARED, str(where.resolve())))
+            # the shard manifest (small) must be written: without it the step cannot commit at all
             store.persist_shard(sdir, job=job, step=step, rank=rank, world_size=msg["world_size"],
                                 node=self.node, generation=gen, data=data, sha256=sha, copies=tuple(copies),
-                                write_file=bool(msg.get("shared", True)))
+                                write_file=False)
             t["persist_s"] += time.perf_counter() - t3
             ready = store.try_commit(sdir, job=job, step=step, world_size=msg["world_size"], generation=gen,
                                      rank=rank)
@@ -432,8 +476,19 @@ class CheckpointServer:
                 log.info("deleted checkpoint steps %s (keeping the newest %d)", deleted, msg.get("keep", 3))
         self._prune_disk(job)
         t["total_s"] = time.perf_counter() - t0
-        return {"sha256": sha, "committed": ready is not None, "copies": [c.__dict__ | {"tier": c.tier.value}
-                                                                          for c in copies], **t}
+        return {"sha256": sha, "committed": ready is not None, "unpersisted": unpersisted,
+                "copies": [c.__dict__ | {"tier": c.tier.value} for c in copies], **t}
+
+    def _persist_failed(self, job: str, rank: int, step: int, where: Path, exc: OSError) -> str:
+        """Log a failed disk or shared write once, clearly; the step goes on with its other copies."""
+        code = errno.errorcode.get(exc.errno, "?") if exc.errno else "?"
+        why = (f"{self.node}: could not persist step {step} of rank {rank} of job {job} to {where}: "
+               f"[Errno {exc.errno} {code}] {exc.strerror or exc}; the memory copies stay valid and the "
+               f"step commits without this copy (persisted=false unless another disk copy exists)")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            why += f"; free space on the file system of {where.parent}"
+        log.error("%s", why)
+        return why
 
     def _announce(self, ready: contracts.CheckpointReady, bootstrap: str | None) -> None:
         if not bootstrap:

@@ -144,13 +144,15 @@ def plan(state: Any) -> ShardPlan:
     return ShardPlan(head, tensors, [len(head) + r for r in rel], len(head) + pos)
 
 
-def write_into(buf: memoryview | bytearray, p: ShardPlan) -> None:
-    """Copy the header and every tensor of ``p`` into ``buf`` (at least ``p.size`` bytes)."""
+def write_into(buf: memoryview | bytearray, p: ShardPlan, only: list[int] | None = None) -> None:
+    """Copy the header and every tensor of ``p`` (or the tensors at indices ``only``) into ``buf``
+    (at least ``p.size`` bytes)."""
     mv = memoryview(buf)
     mv[:len(p.header)] = p.header
     whole = torch.frombuffer(buf, dtype=torch.uint8, count=p.size) if p.size else None
     cuda = False
-    for t, off in zip(p.tensors, p.offsets):
+    for i in (range(len(p.tensors)) if only is None else only):
+        t, off = p.tensors[i], p.offsets[i]
         n = t.numel() * t.element_size()
         if n == 0:
             continue

@@ -121,8 +121,9 @@ def verify_shard(sdir: Path, shard: contracts.Shard) -> Path:
     return sdir / shard.name
 
 
-def read_verified(path: Path, shard: contracts.Shard) -> bytearray:
-    """The bytes of a shard file, refused with :class:`CorruptCheckpoint` unless size and sha256 match."""
+def read_verified(path: Path, shard: contracts.Shard):
+    """The bytes of a shard file (a writable buffer, hashed while it is read), refused with
+    :class:`CorruptCheckpoint` unless size and sha256 match."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -130,15 +131,20 @@ def read_verified(path: Path, shard: contracts.Shard) -> bytearray:
     if size != shard.size:
         what = "truncated" if size < shard.size else "longer than recorded"
         raise CorruptCheckpoint(str(path), f"{what}: {size} bytes on disk, manifest says {shard.size}")
-    buf = bytearray(size)
+    from .segments import alloc_buffer
+
+    buf = alloc_buffer(size)
+    hasher = layout.StreamHasher()
     with open(path, "rb", buffering=0) as f:
-        mv, got = memoryview(buf), 0
+        mv, got = memoryview(buf)[:size], 0
         while got < size:
-            k = f.readinto(mv[got:])
+            k = f.readinto(mv[got:got + (64 << 20)])
             if not k:
+                hasher.hexdigest()
                 raise CorruptCheckpoint(str(path), f"truncated while reading at byte {got}")
+            hasher.feed(mv[got:got + k])
             got += k
-    digest = layout.sha256_of(buf)
+    digest = hasher.hexdigest()
     if digest != shard.sha256:
         raise CorruptCheckpoint(str(path), f"sha256 mismatch: file has {digest}, manifest says {shard.sha256}")
     return buf

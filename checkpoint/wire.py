@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import CheckpointError
 
-__all__ = ["send_msg", "recv_msg", "recv_exact_into", "send_file", "Conn", "DaemonError"]
+__all__ = ["encode_msg", "send_msg", "recv_msg", "recv_exact_into", "send_file", "Conn", "DaemonError"]
 
 _LEN = struct.Struct(">I")
 _CHUNK = 8 << 20
@@ -27,9 +27,13 @@ class DaemonError(CheckpointError):
     """A TCE daemon refused a request or could not be reached; the message says which and why."""
 
 
-def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+def encode_msg(msg: dict[str, Any]) -> bytes:
     raw = json.dumps(msg, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw)
+    return _LEN.pack(len(raw)) + raw
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall(encode_msg(msg))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -38,13 +42,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_exact_into(sock: socket.socket, mv: memoryview) -> None:
-    got, n = 0, len(mv)
+def recv_exact_into(sock: socket.socket, mv: memoryview, on_chunk=None) -> None:
+    """Fill ``mv`` from ``sock``; ``on_chunk(view)`` gets each filled piece in order (for hashing)."""
+    got, n, fed = 0, len(mv), 0
     while got < n:
         k = sock.recv_into(mv[got:got + _CHUNK])
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
+        if on_chunk is not None and (got - fed >= _CHUNK or got == n):
+            on_chunk(mv[fed:got])
+            fed = got
 
 
 def recv_msg(sock: socket.socket) -> dict[str, Any] | None:

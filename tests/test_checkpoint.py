@@ -7,6 +7,7 @@ one job are several engines in this process sharing a checkpoint directory.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -38,9 +39,11 @@ from util import topic_values, wait_until
 
 
 class Cluster:
-    """``transom ckpt-server`` daemons for ``nodes``, one runtime dir on /dev/shm, logs in ``root``."""
+    """``transom ckpt-server`` daemons for ``nodes``, one runtime dir on /dev/shm, logs in ``root``;
+    local disk copies under ``root/local`` unless ``disk_dirs`` names another dir for a node."""
 
-    def __init__(self, root: Path, nodes: list[str], transport: str = "auto") -> None:
+    def __init__(self, root: Path, nodes: list[str], transport: str = "auto",
+                 disk_dirs: dict[str, Path] | None = None) -> None:
         self.root = root
         self.runtime = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"transom-test-{uuid.uuid4().hex[:8]}"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -51,7 +54,8 @@ class Cluster:
             with open(root / f"daemon-{node}.log", "ab") as log:
                 self.procs[node] = subprocess.Popen(
                     [sys.executable, "-m", "transom.cli", "ckpt-server", "--node", node, "--runtime",
-                     str(self.runtime), "--disk-dir", str(root / "local"), "--transport", transport],
+                     str(self.runtime), "--disk-dir", str((disk_dirs or {}).get(node, root / "local")),
+                     "--transport", transport],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env)
         wait_until(lambda: set(segments.registered(self.runtime)) >= set(nodes) or None, 60,
                    f"daemons of {nodes} registered")
@@ -63,6 +67,15 @@ class Cluster:
 
     def log(self, node: str) -> str:
         return (self.root / f"daemon-{node}.log").read_text(errors="replace")
+
+    def restart(self, node: str) -> None:
+        """Start ``node``'s daemon again (as its supervisor would), with the same arguments."""
+        old = self.procs[node]
+        with open(self.root / f"daemon-{node}.log", "ab") as log:
+            self.procs[node] = subprocess.Popen(old.args, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, env=self.env)
+        wait_until(lambda: segments.registered(self.runtime).get(node, {}).get("pid") == self.procs[node].pid
+                   or None, 60, f"daemon of {node} registered again")
 
     def signal(self, node: str, sig: int) -> None:
         self.procs[node].send_signal(sig)
@@ -554,3 +567,116 @@ def test_ckpt_list_shows_complete_and_flags_incomplete_steps(tmp_path, engines, 
     assert transom_main(["ckpt", "list", "--dir", str(tmp_path), "--verify"]) == 1
     out = capsys.readouterr().out
     assert "CORRUPT" in out and "rank-00001.safetensors: sha256 mismatch" in out
+
+
+# --------------------------------------------------------------------------- fork (copy-on-write) snapshots
+
+def test_fork_snapshot_is_bit_exact_and_later_writes_do_not_reach_it(tmp_path, cluster):
+    eng = one(cluster, tmp_path, snapshot="fork")
+    state = rich_state()
+    big = torch.arange(1 << 20, dtype=torch.float32)           # 4 MiB: snapshotted by the child
+    state["tensors"]["big"] = big
+    want = copy.deepcopy(state)
+    assert eng.save(1, state)
+    assert eng.last_snapshot_mode.value == "fork" and eng.snapshot_child is not None
+    big.mul_(-1.0)                                            # right after save() returns
+    state["tensors"]["f32"].zero_()
+    state["meta"]["seen"].append(5)
+    eng.wait()
+    assert eng.snapshot_child is None
+    step, loaded = eng.load()
+    assert step == 1 and eng.last_restore["tier_name"] == "local-memory"
+    assert_same(want, loaded)
+    small = one(cluster, tmp_path / "small", snapshot="fork")   # nothing big: copied, no fork
+    assert small.save(1, {"w": torch.ones(4)}) and small.last_snapshot_mode.value == "copy"
+    small.wait()
+    with pytest.raises(ConfigError, match="snapshot: expected one of.*'clone'"):
+        one(cluster, tmp_path / "bad", snapshot="clone")
+
+
+_FORK_PARENT = """
+import os, sys, time, torch
+from transom.checkpoint import CheckpointEngine
+eng = CheckpointEngine(sys.argv[1], sys.argv[2], 0, 1, "node0", runtime=sys.argv[3], snapshot="fork")
+eng.save(10, {"w": torch.full((1 << 20,), 10.0)})
+eng.wait()
+eng.save(20, {"w": torch.full((1 << 20,), 20.0)})
+print("child", eng.snapshot_child, flush=True)
+time.sleep(600)
+"""
+
+
+def test_rank_killed_while_its_fork_snapshot_runs_cannot_corrupt_later_saves(tmp_path, cluster):
+    """The child of a dead rank still holds its segment: a relaunched rank's saves never reuse it,
+    and the child, when it finishes, commits its step whole."""
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_PARENT, str(tmp_path), job, str(cluster.runtime)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cluster.env)
+    child = None
+    try:
+        line = proc.stdout.readline().decode()
+        child = int(line.split()[1])
+        os.kill(child, signal.SIGSTOP)                  # the snapshot child, stopped mid-save
+        proc.kill()                                     # the rank dies
+        proc.wait(10)
+        eng = cluster.engine(tmp_path, job, 0, 1, "node0", generation=1)   # relaunched on node0
+        assert eng.load()[0] == 10
+        eng.save(30, {"w": torch.full((1 << 20,), 30.0)})
+        eng.wait()
+        assert "still being written by a live process" in cluster.log("node0")
+        os.kill(child, signal.SIGCONT)                  # the child finishes the save of step 20
+        wait_until(lambda: 20 in complete_steps(tmp_path) or None, 30, "step 20 committed by the child")
+        assert eng.load(20)[1]["w"].eq(20.0).all() and eng.load(30)[1]["w"].eq(30.0).all()
+    finally:
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+_GLOO_RANK = """
+import os, sys, torch, torch.distributed as dist
+from transom.checkpoint import CheckpointEngine
+torch.set_num_threads(2)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(512, 1024))   # 2 MiB of weights
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+eng = CheckpointEngine(sys.argv[1], "gloo-job", rank, 2, f"node{rank}", runtime=sys.argv[2], snapshot="fork")
+for step in range(1, 5):
+    opt.zero_grad()
+    model(torch.randn(16, 512)).pow(2).mean().backward()      # gloo all-reduce while a child may run
+    opt.step()
+    eng.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+    assert eng.last_snapshot_mode.value == "fork", eng.last_snapshot_mode
+    dist.barrier()
+eng.wait()
+dist.barrier()                                                  # every rank's save of the last step is done
+step, got = eng.load()
+ok = step == 4 and all(torch.equal(got["model"][k], v) for k, v in model.state_dict().items())
+print("ok" if ok else f"mismatch at {step}", flush=True)
+eng.close()
+dist.destroy_process_group()
+"""
+
+
+def test_fork_snapshots_are_safe_with_a_gloo_process_group_and_torch_threads(tmp_path, cluster):
+    env = {**cluster.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_RANK, str(tmp_path), str(cluster.runtime)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "RANK": str(r)})
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and out.strip().endswith("ok"), out[-2000:]
+    assert complete_steps(tmp_path)[-1] == 4
