@@ -47,7 +47,7 @@ from .gpu import F, GPUCollector, GPUSettings, open_nvml
 from .host import HostCollector, HostSettings
 from .intake import InjectRequest, IntakeServer
 from .nic import NICCollector, NICSettings
-from .simulated import SimulatedGPUSource, SimulatedSysfs, load_scenario
+from .simulated import Fault, SimulatedGPUSource, SimulatedSysfs, load_scenario
 from .spool import SeqState, Spool
 from .training import TrainingCollector
 
@@ -390,4 +390,10 @@ class Agent:
                 return {"ok": False, "fault": req.fault, "error": str(exc)}
             log.warning("agent: injected XID 79 on simulated GPU %d of node %s", req.gpu, self.node)
             return {"ok": True, "fault": req.fault, "gpu": req.gpu, "node": self.node, "ts": ts}
+        if req.fault == "straggler":       # SM clock and power at 70% for good (the GPU's part of a slow node)
+            if not 0 <= req.gpu < self.simulated.num_gpus:
+                return {"ok": False, "fault": req.fault, "error": f"no GPU {req.gpu} on this simulated node"}
+            self.simulated.apply(Fault(at=0.0, kind="straggler", gpu=req.gpu))
+            log.warning("agent: injected a straggler on simulated GPU %d of node %s", req.gpu, self.node)
+            return {"ok": True, "fault": req.fault, "gpu": req.gpu, "node": self.node, "ts": time.time()}
         return self._hang("inject")

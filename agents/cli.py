@@ -47,12 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "inject", help="ask an agent with simulated GPUs to inject a fault",
         description="Send a fault-injection request to an agent's intake and print its answer as JSON. "
                     "xid79: XID 79 on --gpu, after which that GPU is lost; hang: SIGSTOP every training "
-                    "process that reported to the agent. Only agents run with --gpu-source simulated "
+                    "process that reported to the agent; straggler: SM clock and power of --gpu at 70% for good. "
+                    "Only agents run with --gpu-source simulated "
                     "accept; exit status 1 when the agent refuses or does not answer.")
-    q.add_argument("fault", choices=("xid79", "hang"), help="the fault to inject")
+    q.add_argument("fault", choices=("xid79", "hang", "straggler"), help="the fault to inject")
     q.add_argument("--agent", default=os.environ.get("TRANSOM_AGENT_ADDR"), metavar="HOST:PORT",
                    help="the agent's intake address (env TRANSOM_AGENT_ADDR)")
-    q.add_argument("--gpu", type=int, default=0, help="GPU index for xid79 (default: 0)")
+    q.add_argument("--gpu", type=int, default=0, help="GPU index for xid79 and straggler (default: 0)")
     q.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer (default: 2)")
     q.set_defaults(func=run_inject)
 
@@ -111,7 +112,7 @@ def run_inject(args: argparse.Namespace) -> int:
     if not args.agent:
         raise ConfigError("inject: give --agent HOST:PORT (or set TRANSOM_AGENT_ADDR)")
     try:
-        reply = send_inject(args.agent, args.fault, gpu=args.gpu if args.fault == "xid79" else None,
+        reply = send_inject(args.agent, args.fault, gpu=args.gpu if args.fault in ("xid79", "straggler") else None,
                             timeout=args.timeout)
     except (IntakeError, TimeoutError) as exc:
         print(f"transom inject: error: {exc}", file=sys.stderr)

@@ -8,7 +8,7 @@ Client side (imported by training scripts; standard library only):
   blocks and never raises: with no agent, no address, a bad value or a socket error the report
   is dropped and counted (:func:`stats`). NaN/Inf values travel as the strings "nan"/"inf"/"-inf"
   (JSON has no NaN); values that are not numbers are left out.
-- :func:`send_inject` sends ``{"type":"inject","fault":"xid79"|"hang",...}`` and returns the
+- :func:`send_inject` sends ``{"type":"inject","fault":"xid79"|"hang"|"straggler",...}`` and returns the
   agent's answer ``{"ok": bool, ...}`` (the agent answers injections, not reports).
 
 Agent side:
@@ -42,7 +42,7 @@ __all__ = ["report", "stats", "send_inject", "parse_addr", "parse_datagram",
            "TrainReport", "InjectRequest", "IntakeError", "IntakeServer", "FAULTS", "MAX_DATAGRAM"]
 
 #: Fault names an inject datagram may carry.
-FAULTS = ("xid79", "hang")
+FAULTS = ("xid79", "hang", "straggler")
 MAX_DATAGRAM = 65507
 
 _IDENTITY = ("type", "job", "rank", "generation", "pid", "node", "ts")

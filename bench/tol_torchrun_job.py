@@ -1,6 +1,8 @@
-"""The torchrun baseline's job for bench/tol_recovery.py: the example LM with synchronous torch.save.
+"""The torchrun baseline's job for bench/tol_recovery.py and bench/goodput.py: the example LM with synchronous torch.save.
 
-Same model, data, batch and optimizer as ``transom.examples.train_lm``; rank 0 writes
+Same model (``--width``, ``--layers``, ``--heads``), data (``--seed``), batch, optimizer, warm-up
+and gradient clipping as ``transom.examples.train_lm`` (and its ``--slowdown-dir`` straggler hook, with
+node name ``slot<RANK>``); rank 0 writes
 ``CKPT_DIR/step-N.pt`` with ``torch.save`` every ``--ckpt-every`` steps (the others wait at a
 barrier: a synchronous checkpoint), and every rank resumes from the newest one. Rank 0 appends
 ``step generation epoch_seconds`` to ``--steps-file`` after every step, so the bench can time the
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from transom.examples.train_lm import TemplateText, TinyLM
+from transom.examples.train_lm import TemplateText, TinyLM, slowdown
 
 __all__ = ["main"]
 
@@ -36,14 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attempt", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--width", type=int, default=64, help="model width d_model (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default 0)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after warm-up (default 3e-3)")
+    p.add_argument("--slowdown-dir", default=None, help="benchmark straggler hook, as train_lm's (default: off)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = TinyLM(args.seq_len)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.0)
-    data = TemplateText(0, rank)
+    torch.manual_seed(args.seed)
+    model = TinyLM(args.seq_len, d_model=args.width, n_heads=args.heads, n_layers=args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    data = TemplateText(args.seed, rank)
     step = 0
     saved = sorted(glob.glob(os.path.join(args.ckpt_dir, "step-*.pt")),
                    key=lambda f: int(re.search(r"step-(\d+)", f).group(1)))
@@ -58,12 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = nn.CrossEntropyLoss()
     out = open(args.steps_file, "a") if rank == 0 else None
     while step < args.steps:
+        t0 = time.perf_counter()
+        for group in opt.param_groups:                   # the same warm-up as train_lm
+            group["lr"] = args.lr * min(1.0, (step + 1) / 20)
         batch = data.batch(args.batch_size, args.seq_len)
         logits = net(batch[:, :-1])
         loss = loss_fn(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if args.slowdown_dir:
+            slowdown(args.slowdown_dir, time.perf_counter() - t0)
         step += 1
         if out:
             out.write(f"{step} {args.attempt} {time.time():.6f}\n")

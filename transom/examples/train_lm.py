@@ -19,7 +19,16 @@ Contract with the rest of Transom:
   save step, ``restore_s`` and ``restore_tier`` (0 local memory, 1 peer memory, 2 local disk,
   3 shared) on the first step after a resume;
 - reports every step to the node agent (``transom.agents.intake.report``) and prints, on rank 0,
-  ``step 50/300 loss 2.87 tok/s 12345 gen 0`` every ``--log-every`` steps.
+  ``step 50/300 loss 2.87 tok/s 12345 gen 0`` every ``--log-every`` steps;
+- with ``--slowdown-dir D`` (a benchmark hook, off by default): while the file ``D/<node>`` exists
+  (node: TRANSOM_NODE, else ``slot<RANK>``) and holds ``f [S]`` (f a fraction in (0, 1)), each step
+  spins on the CPU for S seconds, or without S for (1/f - 1) x its compute time: a straggling
+  device (bench/goodput.py);
+- with ``--steps-file F``, rank 0 appends ``step generation epoch_seconds`` to F after every step
+  (bench/goodput.py times both of its runs from such files).
+
+Model size: ``--width`` (d_model, default 64), ``--layers`` (2), ``--heads`` (4); the checkpoint
+(model and AdamW's two moments, float32) is about 12 bytes per parameter.
 
 Data: sentences from a small deterministic grammar, one stream per rank (seeded by ``--seed`` and
 the rank), read as bytes (vocabulary 256), so the loss falls from about ln 256 = 5.5 to below 2.5
@@ -51,7 +60,7 @@ except ImportError:  # the agent package is optional for the example: reports ar
     def report(**_fields: Any) -> None:
         return None
 
-__all__ = ["main", "TinyLM", "TemplateText", "parse_args"]
+__all__ = ["main", "TinyLM", "TemplateText", "parse_args", "slowdown"]
 
 log = tlog.get("train")
 
@@ -181,6 +190,30 @@ def _resume(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
 
 # --------------------------------------------------------------------------- main
 
+def slowdown(directory: str, compute_s: float) -> float:
+    """The benchmarks' straggler hook: busy-wait as a device at fraction f of its speed would; return the wait.
+
+    ``directory/<node>`` (node: TRANSOM_NODE, else ``slot<RANK>``) is read every step and holds
+    ``f [S]``: spin S seconds when given (the benchmark passes (1/f - 1) x the normal step time it
+    measured, which does not feed back on itself), else (1/f - 1) x ``compute_s``. No file, or an f
+    that is not a fraction in (0, 1), means full speed. It spins rather than sleeps: a slow device
+    still does the work, and where ranks share CPU cores a sleeping rank would hand its core to the
+    others and the job would barely slow down.
+    """
+    node = os.environ.get("TRANSOM_NODE") or f"slot{os.environ.get('RANK', '0')}"
+    try:
+        values = [float(v) for v in open(os.path.join(directory, node)).read().split()[:2]]
+    except (OSError, ValueError):
+        return 0.0
+    if not values or not 0.0 < values[0] < 1.0:
+        return 0.0
+    pause = values[1] if len(values) > 1 and values[1] >= 0 else compute_s * (1.0 / values[0] - 1.0)
+    end = time.perf_counter() + pause
+    while time.perf_counter() < end:
+        pass
+    return pause
+
+
 def _check_capacity(engine: CheckpointEngine, model: nn.Module) -> None:
     """Stop before training when this node cannot hold the checkpoints (model + AdamW's two moments)."""
     shard = 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + (1 << 20)
@@ -210,9 +243,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after warm-up (default 3e-3)")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every N steps (default 10)")
+    p.add_argument("--width", type=int, default=64, help="model width d_model (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads; must divide --width (default 4)")
+    p.add_argument("--slowdown-dir", default=None, metavar="D",
+                   help="benchmark hook: while D/<node> holds a fraction f, steps take 1/f of their time (default: off)")
+    p.add_argument("--steps-file", default=None, metavar="F",
+                   help="rank 0 appends 'step generation epoch_seconds' to F after every step (default: none)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.ckpt_every < 0 or args.batch_size < 1 or args.seq_len < 2:
         p.error("--steps, --batch-size must be >= 1, --seq-len >= 2, --ckpt-every >= 0")
+    if args.width < 1 or args.layers < 1 or args.heads < 1 or args.width % args.heads:
+        p.error(f"--width ({args.width}) must be a positive multiple of --heads ({args.heads}); --layers >= 1")
     return args
 
 
@@ -228,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     generation = int(os.environ.get("TRANSOM_GENERATION") or 0)
 
     torch.manual_seed(args.seed)                         # same init on every rank
-    model = TinyLM(args.seq_len)
+    model = TinyLM(args.seq_len, d_model=args.width, n_heads=args.heads, n_layers=args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     data = TemplateText(args.seed, rank)
     random.seed(args.seed * 7919 + rank)
@@ -260,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch_size * args.seq_len
     recent: list[tuple[float, float]] = []
     last_saved = step if got is not None else None
+    steps_out = open(args.steps_file, "a") if args.steps_file and rank == 0 else None
 
     while step < args.steps:
         t0 = time.perf_counter()
@@ -273,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        if args.slowdown_dir:
+            slowdown(args.slowdown_dir, time.perf_counter() - t0)
         step_time = time.perf_counter() - t0
         value = loss.item()
         ckpt: dict[str, float] = {}
@@ -285,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             last_saved = step
             ckpt["ckpt_stall_s"] = engine.last_snapshot_s
         report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time, **ckpt, **restored)
+        if steps_out is not None:
+            steps_out.write(f"{step} {generation} {time.time():.6f}\n")
+            steps_out.flush()
         restored = {}
         recent = (recent + [(value, step_time)])[-args.log_every:]
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
