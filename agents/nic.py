@@ -4,6 +4,7 @@ Reads under ``root`` (default ``/sys``; tests and the simulated source point it 
 same layout):
 
 - ``class/net/<if>/statistics/*`` (counters), ``operstate`` (``link_up`` = 1 when "up"),
+  ``flags`` (``admin_up`` = its IFF_UP bit: 0 for an interface the operator left down),
   ``carrier`` (unreadable while the interface is down: 0) and ``carrier_changes``. One
   ``Source.NIC`` sample per interface, tags ``device`` = the interface, ``kind`` = "net".
 - ``class/infiniband/<hca>/ports/<n>/`` ``state`` ("4: ACTIVE" -> ``state`` 4, ``link_up`` = 1 when
@@ -207,6 +208,9 @@ class NICCollector:
             oper = self._files.read(os.path.join(d, "operstate"))
             fields = self._rates(f"net:{iface}", counters, now)
             fields["link_up"] = 1.0 if oper == "up" else 0.0
+            flags = _number(self._files.read(os.path.join(d, "flags")))   # "0x1003"; IFF_UP is 0x1
+            if flags is not None:
+                fields["admin_up"] = float(int(flags) & 1)
             carrier = _number(self._files.read(os.path.join(d, "carrier")))
             fields["carrier"] = float(carrier or 0)
             changes = _number(self._files.read(os.path.join(d, "carrier_changes")))

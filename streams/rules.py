@@ -382,7 +382,7 @@ class RowRemapRule:
 
 @dataclass
 class _LinkState:
-    up: bool = True
+    up: bool | None = None          # None until the first sample: a port first seen down is not watched
     down_since: float | None = None
     reported_down: bool = False
     downs: deque = field(default_factory=lambda: deque(maxlen=64))   # ts of each up->down transition
@@ -392,7 +392,9 @@ class _LinkState:
 class LinkRule:
     """NIC/IB port state (``link_up``): down for longer than ``link_down_hold_s`` is LINK_DOWN (and a
     resolution event when it comes back); ``link_flap_count`` down transitions within
-    ``link_flap_window_s`` is LINK_FLAP (once per window)."""
+    ``link_flap_window_s`` is LINK_FLAP (once per window). Only ports seen up are watched: a port
+    down since the TEE first saw it (no cable, unused) and one administratively down
+    (``admin_up == 0``) raise nothing."""
 
     name = "link"
 
@@ -404,12 +406,14 @@ class LinkRule:
         cfg = self.config
         for s in batch.of(Source.NIC):
             up = s.fields.get("link_up")
-            if up is None:
-                continue
+            if up is None or s.fields.get("admin_up") == 0:
+                continue          # an interface the operator left down is not a fault
             key = (s.tags.get("device", "?"), s.tags.get("port", str(s.index)))
             st = state.links.get(key)
             if st is None:
                 st = state.links[key] = _LinkState()
+            if st.up is None and up != 1:
+                continue          # never seen up (an unused port): watched from its first up
             ts = _ts(s, batch)
             where = f"{key[0]} port {key[1]}"
             base = {"device": key[0], "port": key[1], "field": "link_up"}

@@ -132,3 +132,15 @@ def test_reads_this_machines_real_sysfs():
     samples = NICCollector(NICSettings(exclude=[])).collect()
     lo = [s for s in samples if s.tags["device"] == "lo"]
     assert lo and lo[0].fields["rx_bytes"] >= 0 and "link_up" in lo[0].fields
+
+
+def test_admin_state_from_the_interface_flags(tree):
+    tree.net("eth0", rx_bytes=1)
+    tree.write("class/net/eth0/flags", "0x1003")          # UP, BROADCAST, MULTICAST
+    tree.net("ifb0", oper="down", carrier=None, rx_bytes=0)
+    tree.write("class/net/ifb0/flags", "0x82")            # left down by the operator
+    tree.net("eth1", rx_bytes=1)                           # no flags file: no admin_up field
+    got = _by_dev(NICCollector(NICSettings(root=str(tree.root))).collect())
+    assert got["eth0"].fields["admin_up"] == 1.0 and got["eth0"].fields["link_up"] == 1.0
+    assert got["ifb0"].fields["admin_up"] == 0.0 and got["ifb0"].fields["link_up"] == 0.0
+    assert "admin_up" not in got["eth1"].fields

@@ -66,6 +66,20 @@ def test_link_down_after_hold_then_resolved(engine):
     assert up.resolved and up.fault_id == down.fault_id and up.observed_ts == T0 + 7
 
 
+def test_ports_never_seen_up_or_left_down_by_the_operator_raise_nothing(engine):
+    """An unused port (down since the TEE first saw it) is watched from its first up; an interface
+    the operator took down (admin_up 0) is not a fault."""
+    unused = [0] * 10 + [1] + [0] * 6
+    admin = c.Sample(c.Source.NIC, {"link_up": 0.0, "admin_up": 0.0}, tags={"device": "ifb0", "kind": "net"})
+    found = [f for i, u in enumerate(unused)
+             for f in engine.process(batch(T0 + i, ib(u), admin if i > 3 else
+                                           c.Sample(c.Source.NIC, {"link_up": 1.0, "admin_up": 1.0},
+                                                    tags={"device": "ifb0", "kind": "net"})), now=T0 + i)]
+    [down] = found                                         # the port's first outage after its first up
+    assert (down.evidence["class"], down.evidence["device"], down.evidence["down_since"]) == \
+        ("link_down", "mlx5_0", T0 + 11)
+
+
 def test_short_outages_are_a_flap_not_a_link_down(engine):
     ups = [1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1]
     found = [f for i, u in enumerate(ups) for f in engine.process(batch(T0 + i, ib(u)), now=T0 + i)]
