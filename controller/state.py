@@ -412,6 +412,10 @@ def _on_precheck(job: Job, ev: PrecheckDone) -> Decision:
                     {"generation": job.generation, "failed": dict(ev.failed), "nodes": nodes, **detail})
 
 
+#: Recovery steps before the relaunch starts: a checkpoint completed now still moves the resume point.
+_BEFORE_LAUNCH = frozenset({RecoveryStep.STOPPING, RecoveryStep.EVICTING, RecoveryStep.REPLACING})
+
+
 def decide(job: Job, event: Event) -> Decision:
     """The pure transition function: ``(job, event) -> Decision(job', actions, lifecycle name)``."""
     if isinstance(event, Submitted):
@@ -461,8 +465,15 @@ def decide(job: Job, event: Event) -> Decision:
         from transom.contracts import _plain  # the contract's own dict form
         kept = sorted(job.checkpoints + (_plain(ready),), key=lambda r: int(r["step"]))[-KEEP_CHECKPOINTS:]
         new = dataclasses.replace(job, checkpoints=tuple(kept))
-        return Decision(new, (), "checkpoint", {"checkpoint_id": ready.checkpoint_id},
-                        {"step": ready.step, "persisted": ready.persisted, "replicated": ready.replicated})
+        detail = {"step": ready.step, "persisted": ready.persisted, "replicated": ready.replicated}
+        if job.state == JobState.RECOVERING and job.step in _BEFORE_LAUNCH:
+            # a save that was in flight when the fault came completed (its daemons finish it): the
+            # relaunch has not started yet, so it resumes from there instead of an interval earlier
+            resume = surviving_checkpoint(new.checkpoints, job.evicted)
+            if resume is not None and (job.resume_step is None or resume > job.resume_step):
+                new = dataclasses.replace(new, resume_step=resume)
+                detail["resume_step"] = resume
+        return Decision(new, (), "checkpoint", {"checkpoint_id": ready.checkpoint_id}, detail)
 
     if isinstance(event, StepSeen):
         if (event.generation == job.launched_generation - 1 and job.stepped_generation < job.launched_generation):

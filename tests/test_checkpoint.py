@@ -600,7 +600,7 @@ from transom.checkpoint import CheckpointEngine
 eng = CheckpointEngine(sys.argv[1], sys.argv[2], 0, 1, "node0", runtime=sys.argv[3], snapshot="fork")
 eng.save(10, {"w": torch.full((1 << 20,), 10.0)})
 eng.wait()
-eng.save(20, {"w": torch.full((1 << 20,), 20.0)})
+eng.save(20, {"w": torch.full((1 << 25,), 20.0)})   # 128 MiB: the child is still copying when it is stopped
 print("child", eng.snapshot_child, flush=True)
 time.sleep(600)
 """
@@ -626,7 +626,8 @@ def test_rank_killed_while_its_fork_snapshot_runs_cannot_corrupt_later_saves(tmp
         assert "still being written by a live process" in cluster.log("node0")
         os.kill(child, signal.SIGCONT)                  # the child finishes the save of step 20
         wait_until(lambda: 20 in complete_steps(tmp_path) or None, 30, "step 20 committed by the child")
-        assert eng.load(20)[1]["w"].eq(20.0).all() and eng.load(30)[1]["w"].eq(30.0).all()
+        w20 = eng.load(20)[1]["w"]
+        assert w20.numel() == 1 << 25 and w20.eq(20.0).all() and eng.load(30)[1]["w"].eq(30.0).all()
     finally:
         if child is not None:
             try:

@@ -140,16 +140,21 @@ def test_xid_evicts_relaunches_on_the_spare_and_survives_a_controller_killed_aft
                                                          "launched", "resumed"]
     assert launches(events) == [0, 1] and names[-1] == "completed"
     resumed = next(e for e in events if e.name == "resumed")
-    # the ranks keep training until they are stopped; a checkpoint written after the fault but still on its
-    # way to the controller when it decided may be passed over, so at most two intervals (+ the step in flight)
+    # the launch resumes from the newest checkpoint recorded before it: one completed after the fault
+    # (a save in flight, finished by the daemons) moves the resume point while the relaunch has not started
+    launched = next(e for e in events if e.name == "launched" and e.detail["generation"] == 1)
+    resume = max(e.detail["step"] for e in events[:events.index(launched)] if e.name == "checkpoint")
+    assert resume >= newest_before
+    # the ranks keep training until they are stopped: one interval (+ the step in flight), or two when the
+    # save in flight at the fault completed only after the relaunch had started
     assert 0 <= resumed.detail["steps_lost"] <= 2 * 5 + 1
     jobs_dir = run_dir(stack, job)
     assert "node1" in json.loads((jobs_dir / "cordoned.json").read_text())
     gen1 = jobs_dir / job / "gen-1"
-    assert json.loads((gen1 / "launch.json").read_text())["resume_step"] == newest_before
+    assert json.loads((gen1 / "launch.json").read_text())["resume_step"] == resume
     assert all((gen1 / f"rank-{r}.exit").read_text().strip() == "0" for r in range(4))
     assert sorted(p.name for p in (jobs_dir / job).glob("gen-*")) == ["gen-0", "gen-1"]
-    assert f"resumed from step {newest_before} gen 1" in (gen1 / "rank-0.log").read_text()
+    assert f"resumed from step {resume} gen 1" in (gen1 / "rank-0.log").read_text()
 
 
 def test_collective_precheck_runs_a_gloo_all_reduce_in_warm_per_node_processes(tmp_path):

@@ -71,6 +71,24 @@ def test_xid_walks_every_recovery_step_and_resumes_from_newest_checkpoint():
     assert d.name == "resumed" and d.job.state == JobState.RUNNING and d.job.step is None
 
 
+def test_a_checkpoint_completed_before_the_relaunch_moves_the_resume_point_and_one_after_does_not():
+    job = running_job()
+    job = decide(job, CheckpointSeen(ready(40))).job
+    d = decide(job, FaultSeen(fault()))                       # the save of step 60 is still in flight
+    assert d.job.step == RecoveryStep.STOPPING and d.job.resume_step == 40
+    d = decide(d.job, CheckpointSeen(ready(60, tier=c.Tier.MEMORY, nodes=("node0", "node2", "node2", "node3"))))
+    assert d.name == "checkpoint" and d.detail["resume_step"] == 60 and d.job.resume_step == 60
+    d = decide(d.job, CheckpointSeen(ready(50, tier=c.Tier.MEMORY, nodes=("node0", "node1", "node2", "node3"))))
+    assert d.job.resume_step == 60 and "resume_step" not in d.detail      # older, and rank 1 only on node1
+    job = d.job
+    while job.step != RecoveryStep.RELAUNCHING:
+        ev = StepDone(job.generation, job.step) if job.step != RecoveryStep.REPLACING else PrecheckDone(job.generation, {})
+        job = decide(job, ev).job
+    assert pending_actions(job) == (Launch(1, job.nodes, 60, job.not_before),)
+    d = decide(job, CheckpointSeen(ready(70)))                # the launch is under way: too late
+    assert d.job.resume_step == 60 and "resume_step" not in d.detail
+
+
 def test_actions_follow_from_the_state_alone_so_a_restart_repeats_the_step():
     job = running_job()
     seen, _ = recover(job, FaultSeen(fault()))
