@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import glob
 import os
 import random
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                             "step": step, "python_rng": random.getstate()}, tmp)
                 os.replace(tmp, os.path.join(args.ckpt_dir, f"step-{step}.pt"))
             dist.barrier()
+    del net                      # as train_lm: DDP keeps the group alive past destroy_process_group
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import random
 import sys
@@ -349,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_lm rank {rank}: the last checkpoint did not persist: {exc}", file=sys.stderr, flush=True)
     all_persisted = _all_min(persisted, world)           # also keeps ranks together until all are done
     if distributed:
+        # DDP's reducer keeps the process group (and gloo's worker threads) alive: drop it first, or the
+        # group is torn down during interpreter finalization, which can abort ("terminate called ...")
+        del net
+        gc.collect()
         dist.destroy_process_group()
     if rank == 0 and all_persisted:
         print(f"done: {step} steps, last checkpoint step {last_saved}", flush=True)
