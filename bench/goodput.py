@@ -48,6 +48,7 @@ ratio of wall times a/b (target >= 1.4) and one JSON line.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import json
 import math
@@ -203,7 +204,7 @@ def _kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
             pass
 
 
-class Runner:
+class Runner(abc.ABC):
     """One run: launches the job, delivers the schedule, measures. Subclasses launch and target."""
 
     name = "run"
@@ -375,8 +376,9 @@ class Runner:
                     rec.slowdown_s = round(max(slow - r.normal_step_s, 0.0) * len(after), 1)
                     rec.note += f"; median step {slow:.2f}s vs {r.normal_step_s:.2f}s over {len(after)} steps"
 
+    @abc.abstractmethod
     def is_save_interval(self, s0: int, s1: int) -> bool:
-        raise NotImplementedError
+        """Whether the time from step ``s0`` to ``s1`` includes this job's checkpoint save."""
 
 
 # --------------------------------------------------------------------------- (a) torchrun retry loop

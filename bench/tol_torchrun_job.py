@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from transom.examples.train_lm import TemplateText, TinyLM, slowdown
+from transom.examples.train_lm import TemplateText, TinyLM, slowdown, train_step
 
 __all__ = ["main"]
 
@@ -68,15 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     out = open(args.steps_file, "a") if rank == 0 else None
     while step < args.steps:
         t0 = time.perf_counter()
-        for group in opt.param_groups:                   # the same warm-up as train_lm
-            group["lr"] = args.lr * min(1.0, (step + 1) / 20)
-        batch = data.batch(args.batch_size, args.seq_len)
-        logits = net(batch[:, :-1])
-        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        train_step(net, model, opt, loss_fn, data, step, args)      # the very step train_lm takes
         if args.slowdown_dir:
             slowdown(args.slowdown_dir, time.perf_counter() - t0)
         step += 1

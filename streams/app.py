@@ -35,14 +35,13 @@ import faust
 from faust.types import TP
 
 from transom import contracts
-from transom.config import ConfigError
 from transom.log import get
-from transom.security import KafkaSecurity, fault_signer
+from transom.security import fault_signer
 
 from .config import TEEConfig
 from .engine import TEEEngine
 from .resume import emitted_faults
-from .worker import BoundedWorker
+from .worker import BoundedWorker, faust_app
 
 __all__ = ["APP_ID", "make_app", "run_worker"]
 
@@ -52,20 +51,8 @@ log = get("tee")
 
 def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     """Build the Faust app that feeds ``engine`` from ``bootstrap`` (host:port[,host:port])."""
-    credentials = KafkaSecurity.from_env().faust_credentials()   # TLS / SASL, or None for PLAINTEXT
     signer = fault_signer()                                       # None: faults go unsigned
-    from aiokafka.codec import has_lz4
-    if not has_lz4():   # transom's producers compress with lz4; without it the fetcher crashes later
-        raise ConfigError("the TEE needs the 'cramjam' package (aiokafka's lz4 codec) to read transom's "
-                          "lz4-compressed metrics: pip install 'aiokafka[lz4]'")
-    brokers = ";".join(f"kafka://{b.strip()}" for b in bootstrap.split(",") if b.strip())
-    app = faust.App(
-        APP_ID, broker=brokers, value_serializer="raw", key_serializer="raw",
-        processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
-        web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
-        broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
-        broker_credentials=credentials,
-    )
+    app = faust_app(APP_ID, bootstrap, datadir=datadir, service="TEE", reads="metrics")
     metrics = app.topic(contracts.METRICS, key_type=bytes, value_type=bytes)
     faults = app.topic(contracts.FAULTS, key_type=bytes, value_type=bytes)
     deadletter = app.topic(contracts.DEADLETTER, key_type=bytes, value_type=bytes)

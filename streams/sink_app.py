@@ -27,12 +27,10 @@ from typing import Any, Sequence
 import faust
 
 from transom import contracts
-from transom.config import ConfigError
 from transom.log import get
-from transom.security import KafkaSecurity
 
 from .sink import PointsRejected, ServerUnavailable, SinkConfig, TOPICS, open_writer, to_points
-from .worker import BoundedWorker
+from .worker import BoundedWorker, faust_app
 
 __all__ = ["APP_ID", "make_app", "run_sink", "SinkStats"]
 
@@ -55,20 +53,8 @@ class SinkStats(dict):
 def make_app(bootstrap: str, writer: Any, config: SinkConfig, *, datadir: str,
              stats: SinkStats | None = None) -> faust.App:
     """Build the Faust app that writes the topics of ``bootstrap`` through ``writer``."""
-    credentials = KafkaSecurity.from_env().faust_credentials()   # TLS / SASL, or None for PLAINTEXT
-    from aiokafka.codec import has_lz4
-    if not has_lz4():
-        raise ConfigError("the sink needs the 'cramjam' package (aiokafka's lz4 codec) to read transom's "
-                          "lz4-compressed topics: pip install 'aiokafka[lz4]'")
     stats = stats if stats is not None else SinkStats()
-    brokers = ";".join(f"kafka://{b.strip()}" for b in bootstrap.split(",") if b.strip())
-    app = faust.App(
-        APP_ID, broker=brokers, value_serializer="raw", key_serializer="raw",
-        processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
-        web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
-        broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
-        broker_credentials=credentials,
-    )
+    app = faust_app(APP_ID, bootstrap, datadir=datadir, service="sink", reads="topics")
     source = app.topic(*TOPICS, key_type=bytes, value_type=bytes)
     deadletter = app.topic(contracts.DEADLETTER, key_type=bytes, value_type=bytes)
 

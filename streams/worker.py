@@ -1,5 +1,8 @@
-"""A Faust worker whose shutdown on a signal cannot hang, shared by the TEE and the sink.
+"""What the TEE and the sink share as Faust apps: how the app is built, and a worker whose
+shutdown on a signal cannot hang.
 
+:func:`faust_app` builds an app at-least-once over raw bytes, with the ``TRANSOM_KAFKA_*`` TLS /
+SASL settings as broker credentials, topics never declared (``transom.kafka.ensure_topics`` does).
 Faust's own shutdown waits for the broker, which may be the very thing that is gone; a
 :class:`BoundedWorker` exits ``STOP_GRACE`` seconds after SIGINT/SIGTERM whatever happens.
 """
@@ -12,14 +15,34 @@ import threading
 
 import faust
 
+from transom.config import ConfigError
 from transom.log import get
+from transom.security import KafkaSecurity
 
-__all__ = ["BoundedWorker", "STOP_GRACE"]
+__all__ = ["BoundedWorker", "STOP_GRACE", "faust_app"]
 
 log = get("streams.worker")
 
 #: Seconds a worker may take to stop after SIGINT/SIGTERM before it exits anyway.
 STOP_GRACE = 15.0
+
+
+def faust_app(app_id: str, bootstrap: str, *, datadir: str, service: str, reads: str) -> faust.App:
+    """The Faust app ``app_id`` on ``bootstrap`` (host:port[,host:port]); ``service`` and ``reads`` name
+    who needs lz4 for what in the error raised when aiokafka cannot decompress it."""
+    credentials = KafkaSecurity.from_env().faust_credentials()   # TLS / SASL, or None for PLAINTEXT
+    from aiokafka.codec import has_lz4
+    if not has_lz4():   # transom's producers compress with lz4; without it the fetcher crashes later
+        raise ConfigError(f"the {service} needs the 'cramjam' package (aiokafka's lz4 codec) to read transom's "
+                          f"lz4-compressed {reads}: pip install 'aiokafka[lz4]'")
+    brokers = ";".join(f"kafka://{b.strip()}" for b in bootstrap.split(",") if b.strip())
+    return faust.App(
+        app_id, broker=brokers, value_serializer="raw", key_serializer="raw",
+        processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
+        web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
+        broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
+        broker_credentials=credentials,
+    )
 
 
 class BoundedWorker(faust.Worker):

@@ -21,7 +21,7 @@ from transom import contracts as c
 from transom.kafka import make_producer, publish
 from transom.stack import LocalStack, train_command
 
-from util import topic_values, wait_until
+from util import topic_values, until_alive, wait_until
 
 pytestmark = pytest.mark.integration
 NODES = [f"node{i}" for i in range(5)]
@@ -86,16 +86,6 @@ def send(bootstrap: str, *faults: c.FaultEvent) -> None:
     producer.flush(10)
 
 
-def until(proc: subprocess.Popen, fn, timeout: float, what: str):
-    """wait_until that fails at once when the controller has exited."""
-    def check():
-        got = fn()
-        if not got and proc.poll() is not None:
-            raise AssertionError(f"the controller exited ({proc.returncode}) while waiting for {what}")
-        return got
-    return wait_until(check, timeout, what)
-
-
 def finish(proc: subprocess.Popen, timeout: float = 120) -> int:
     try:
         return proc.wait(timeout)
@@ -111,7 +101,7 @@ def launches(events: list[c.LifecycleEvent]) -> list[int]:
 def test_xid_evicts_relaunches_on_the_spare_and_survives_a_controller_killed_after_eviction(broker, stack):
     job, bs = "ctl-xid", broker.bootstrap
     first = start_controller(stack, job, "ctl-xid-1", crash_at="evicting", extra=("--precheck", "health"))
-    until(first, lambda: any(e.step >= 10 for e in checkpoints(bs, job)), 90, "a checkpoint at step 10 or later")
+    until_alive(first, lambda: any(e.step >= 10 for e in checkpoints(bs, job)), 90, "a checkpoint at step 10 or later")
     f = fault(job, "node1")
     send(bs, f, f)                                   # a redelivery: must not cause a second action
     assert first.wait(60) == -signal.SIGKILL         # the test hook killed it after the eviction
@@ -182,7 +172,7 @@ def test_standby_takes_over_during_relaunch_hang_restarts_in_place_and_the_budge
     job, bs = "ctl-standby", broker.bootstrap
     extra = ("--max-restarts", "1", "--precheck", "health")
     active = start_controller(stack, job, "ctl-standby-a", steps=400, crash_at="relaunching", extra=extra)
-    until(active, lambda: 0 in launches(lifecycle(bs, job)), 90, "the first launch")
+    until_alive(active, lambda: 0 in launches(lifecycle(bs, job)), 90, "the first launch")
     standby = start_controller(stack, job, "ctl-standby-b", steps=400, extra=extra)
     try:
         wait_until(lambda: "standby" in (stack.run_dir / "logs" / "ctl-standby-b.log").read_text(), 30,
@@ -190,7 +180,7 @@ def test_standby_takes_over_during_relaunch_hang_restarts_in_place_and_the_budge
         send(bs, fault(job, "node2", c.FaultKind.HANG))
         assert active.wait(90) == -signal.SIGKILL
         died = time.time()
-        until(standby, lambda: 1 in launches(lifecycle(bs, job)), 60, "the standby to record the relaunch")
+        until_alive(standby, lambda: 1 in launches(lifecycle(bs, job)), 60, "the standby to record the relaunch")
         took_over = time.time() - died
         send(bs, fault(job, "node3", c.FaultKind.HANG))
         assert finish(standby) == 1

@@ -26,3 +26,13 @@ def wait_until(fn: Callable[[], Any], timeout: float, what: str, interval: float
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def until_alive(proc, fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    """:func:`wait_until` that fails at once when ``proc`` (a controller under test) has exited."""
+    def check():
+        got = fn()
+        if not got and proc.poll() is not None:
+            raise AssertionError(f"the controller exited ({proc.returncode}) while waiting for {what}")
+        return got
+    return wait_until(check, timeout, what)

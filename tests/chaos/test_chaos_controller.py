@@ -29,7 +29,7 @@ from transom import contracts as c
 from transom.kafka import make_producer, publish
 from transom.stack import LocalStack, train_command
 
-from util import topic_values, wait_until
+from util import topic_values, until_alive
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
@@ -39,15 +39,6 @@ CRASH_STEPS = ("stopping", "evicting", "replacing", "relaunching")
 
 def lifecycle(bootstrap: str) -> list[c.LifecycleEvent]:
     return [e for e in topic_values(bootstrap, c.LIFECYCLE) if e.job == JOB]
-
-
-def until(proc: subprocess.Popen, fn, timeout: float, what: str):
-    def check():
-        got = fn()
-        if not got and proc.poll() is not None:
-            raise AssertionError(f"the controller exited ({proc.returncode}) while waiting for {what}")
-        return got
-    return wait_until(check, timeout, what)
 
 
 def test_controller_killed_in_each_recovery_step_finishes_the_recovery_once(broker, tmp_path):
@@ -73,7 +64,7 @@ def test_controller_killed_in_each_recovery_step_finishes_the_recovery_once(brok
     try:
         stack.start_agents()
         first = controller(1, CRASH_STEPS[0])
-        until(first, lambda: any(e.name == "checkpoint" and e.detail["step"] >= 5 for e in lifecycle(bs)), 120,
+        until_alive(first, lambda: any(e.name == "checkpoint" and e.detail["step"] >= 5 for e in lifecycle(bs)), 120,
               "a checkpoint recorded by the controller")
         now = time.time()
         fault = c.FaultEvent(fault_id=c.stable_id(JOB, "node1", "xid", now), job=JOB, node="node1",

@@ -61,7 +61,7 @@ except ImportError:  # the agent package is optional for the example: reports ar
     def report(**_fields: Any) -> None:
         return None
 
-__all__ = ["main", "TinyLM", "TemplateText", "parse_args", "slowdown"]
+__all__ = ["main", "TinyLM", "TemplateText", "parse_args", "slowdown", "train_step"]
 
 log = tlog.get("train")
 
@@ -191,6 +191,22 @@ def _resume(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
 
 # --------------------------------------------------------------------------- main
 
+def train_step(net: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
+               data: "TemplateText", step: int, args: argparse.Namespace) -> torch.Tensor:
+    """One optimizer step of step number ``step`` (learning-rate warm-up by step number, so a resumed
+    run takes the same steps); returns the loss. ``args``: lr, batch_size, seq_len."""
+    for group in opt.param_groups:
+        group["lr"] = args.lr * min(1.0, (step + 1) / 20)
+    batch = data.batch(args.batch_size, args.seq_len)
+    logits = net(batch[:, :-1])
+    loss = loss_fn(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def slowdown(directory: str, compute_s: float) -> float:
     """The benchmarks' straggler hook: busy-wait as a device at fraction f of its speed would; return the wait.
 
@@ -307,15 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     while step < args.steps:
         t0 = time.perf_counter()
-        for group in opt.param_groups:                   # warm-up by step number: resumable
-            group["lr"] = args.lr * min(1.0, (step + 1) / 20)
-        batch = data.batch(args.batch_size, args.seq_len)
-        logits = net(batch[:, :-1])
-        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = train_step(net, model, opt, loss_fn, data, step, args)
         step += 1
         if args.slowdown_dir:
             slowdown(args.slowdown_dir, time.perf_counter() - t0)
