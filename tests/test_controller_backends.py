@@ -26,7 +26,8 @@ from transom.controller.fakes.slurm import install
 from transom.kafka import make_producer, publish
 from transom.stack import LocalStack
 
-from test_controller import NODES, fault, finish, launches, lifecycle, send, until
+from test_controller import NODES, fault, finish, launches, lifecycle, send
+from util import until_alive
 
 pytestmark = pytest.mark.integration
 SLEEPER = [sys.executable, "-c", "import os, time; time.sleep(1 if os.environ.get('TRANSOM_RESUME_STEP') else 300)"]
@@ -130,12 +131,12 @@ def test_xid_evicts_on_the_platform_and_resumes_from_the_newest_surviving_checkp
     first = controller(platform, bs, agents, job, "first", crash_at="evicting")
     second = None
     try:
-        until(first, lambda: 0 in launches(lifecycle(bs, job)), 60, "the first launch")
+        until_alive(first, lambda: 0 in launches(lifecycle(bs, job)), 60, "the first launch")
         producer = make_producer(bs)
         publish(producer, c.CHECKPOINTS, job, ready(job, 10, c.Tier.SHARED))
         publish(producer, c.CHECKPOINTS, job, ready(job, 20, c.Tier.MEMORY))
         producer.flush(10)
-        until(first, lambda: [e for e in lifecycle(bs, job) if e.name == "checkpoint" and e.detail["step"] == 20],
+        until_alive(first, lambda: [e for e in lifecycle(bs, job) if e.name == "checkpoint" and e.detail["step"] == 20],
               30, "the checkpoints")
         f = fault(job, "node1")
         send(bs, f, f)
@@ -167,11 +168,11 @@ def test_run_submits_a_relaunch_survives_a_controller_crash_and_the_budget_fails
         submit = cli(bs, "run", "--nodes", "4", "--spares", "1", "--max-restarts", "1", "--job-id", job, "--",
                      *SLEEPER)
         assert submit.returncode == 0 and submit.stdout.strip() == job, submit.stderr
-        until(first, lambda: 0 in launches(lifecycle(bs, job)), 60, "the first launch")
+        until_alive(first, lambda: 0 in launches(lifecycle(bs, job)), 60, "the first launch")
         send(bs, fault(job, "node2", c.FaultKind.HANG))
         assert first.wait(60) == -signal.SIGKILL           # killed right after launching generation 1
         second = controller(platform, bs, agents, None, "second")
-        until(second, lambda: 1 in launches(lifecycle(bs, job)), 60, "the adopted relaunch")
+        until_alive(second, lambda: 1 in launches(lifecycle(bs, job)), 60, "the adopted relaunch")
         send(bs, fault(job, "node3", c.FaultKind.HANG))
         assert finish(second, 60) == 1
     finally:
