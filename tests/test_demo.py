@@ -36,9 +36,9 @@ def test_demo_recovers_from_xid79_and_completes(tmp_path):
     recover = float(re.search(r"time to recover: ([\d.]+) s", out).group(1))
     lost = int(re.search(r"steps lost     : (\d+)", out).group(1))
     assert 0 <= detect < recover
-    # one interval, + the step the ranks were in when they were stopped (a save in flight at the fault
-    # that completes before the relaunch moves the resume point: controller/state.py)
-    assert lost <= 20 + 1, "steps lost must stay within one checkpoint interval"
+    # one interval plus the steps the ranks ran until they were stopped; two intervals when the save in
+    # flight at the fault completed only after the relaunch had started (as tests/test_controller.py)
+    assert lost <= 2 * 20 + 1, "steps lost must stay within two checkpoint intervals"
     assert "job            : completed" in out
     # the relaunched ranks resumed from a checkpoint, not from scratch, and finished
     rank_log = (run_dir / "jobs" / "demo" / "gen-1" / "rank-0.log").read_text()
