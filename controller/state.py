@@ -96,6 +96,7 @@ FAULT_POLICY: Mapping[FaultKind, Mapping[Severity, Action]] = {
     FaultKind.NAN_LOSS: _RESTART,
     FaultKind.RANK_EXIT: _RESTART,
     FaultKind.ANOMALY: _OBSERVE,
+    FaultKind.STRAGGLER: _EVICT_ON_CRITICAL,   # and only while a spare is free (see decide)
 }
 
 
@@ -513,6 +514,9 @@ def decide(job: Job, event: Event) -> Decision:
         handled = (job.handled_faults + (f.fault_id,))[-200:]
         cause = {"fault_id": f.fault_id, "kind": f.kind.value, "severity": f.severity.value, "node": f.node}
         job = dataclasses.replace(job, handled_faults=handled)
+        if action == Action.EVICT and f.kind == FaultKind.STRAGGLER and not job.spares:
+            # a slow node still trains: never shrink or fail a job for one, keep it until a spare is free
+            return Decision(job, (), "fault_observed", cause, {"summary": f.summary, "kept": "no spare node"})
         if action == Action.OBSERVE:
             return Decision(job, (), "fault_observed", cause, {"summary": f.summary})
         why = f.summary or f"{f.kind.value} on {f.node}"

@@ -38,12 +38,13 @@ SOFT = frozenset(set(FaultClass) - HARD)
 
 #: The contract kind of each class. The contract has no ECC or link kinds yet: GPU memory faults
 #: are XIDs (NVIDIA reports them as XID 48/64 as well), a node whose fabric link is down is lost
-#: to its job, and soft classes are anomalies.
+#: to its job, a straggler is its own kind (the controller may replace it), other soft classes are
+#: anomalies.
 KIND_OF = {
     FaultClass.XID: FaultKind.XID, FaultClass.ECC_DBE: FaultKind.XID, FaultClass.ROW_REMAP_FAILURE: FaultKind.XID,
     FaultClass.GPU_LOST: FaultKind.GPU_LOST, FaultClass.LINK_DOWN: FaultKind.NODE_LOST,
     FaultClass.LINK_FLAP: FaultKind.NODE_LOST, FaultClass.NAN_LOSS: FaultKind.NAN_LOSS,
     FaultClass.NODE_LOST: FaultKind.NODE_LOST, FaultClass.HANG: FaultKind.HANG,
     FaultClass.THERMAL: FaultKind.ANOMALY, FaultClass.POWER_CAP: FaultKind.ANOMALY,
-    FaultClass.STRAGGLER: FaultKind.ANOMALY, FaultClass.LINK_DEGRADED: FaultKind.ANOMALY,
+    FaultClass.STRAGGLER: FaultKind.STRAGGLER, FaultClass.LINK_DEGRADED: FaultKind.ANOMALY,
 }

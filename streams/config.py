@@ -64,6 +64,14 @@ class TEEConfig:
     soft_margin: float = 1.2
     #: ... and the family's strongest feature at least this many robust spreads off the clean median.
     soft_min_z: float = 4.0
+    #: Cold start: until the family models are fitted (``soft_min_history`` clean vectors), a node of a
+    #: job with at least 3 reporting nodes whose family feature lies this many noise floors off the
+    #: job's median is anomalous (a blatant straggler in a job's first minutes is still caught); 0: off.
+    soft_cold_z: float = 10.0
+    #: A straggler whose SM clock is at least this share below the job's median is CRITICAL with the
+    #: suggested action evict (the controller replaces it when it has a spare); a smaller drop is a
+    #: WARNING to observe.
+    straggler_evict_drop: float = 0.2
     #: Anomalous windows in a row before a soft fault.
     soft_consecutive: int = 2
     #: Clean windows in a row after a soft fault before its resolution event.
@@ -98,6 +106,10 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")
+        for f in ("soft_cold_z", "straggler_evict_drop"):
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"TEE setting {f}={value!r}: expected a number >= 0")
         if self.clock not in ("wall", "event"):
             raise ConfigError(f"TEE setting clock={self.clock!r}: expected 'wall' or 'event'")
         if self.soft_detector not in ("ecod", "copod", "iforest", "hbos", "lof", "combo"):

@@ -25,10 +25,17 @@ threshold is the ``soft_quantile`` of those clean scores times ``soft_margin`` (
 quantile). A node's window is anomalous when its family score is above the threshold AND the
 family's strongest feature lies more than ``soft_min_z`` robust spreads (with a floor) from the
 clean median, so that a detector fitted on very quiet history does not fire on noise.
+Cold start: until the models are fitted (``soft_min_history`` clean vectors per family, minutes of
+a fresh TEE), a node of a job with at least 3 nodes reporting the same window is anomalous when a
+family feature lies ``soft_cold_z`` noise floors off the job's median (detector ``peers.cold``), so
+a blatant straggler in a job's first minutes is not left running.
 ``soft_consecutive`` anomalous windows make a fault; ``soft_clear`` clean windows after it make a
 resolution event (``resolved=True``, same fault id). The class comes from the evidence: NIC
 features -> link_degraded; a hot GPU -> thermal; a slow GPU whose clock-event reasons show a power
-cap -> power_cap; otherwise -> straggler.
+cap -> power_cap; a thermal slowdown reason -> thermal; otherwise -> straggler. A straggler whose SM
+clock is ``straggler_evict_drop`` or more below the job's median is CRITICAL with the suggested
+action evict (kind ``straggler``: the controller replaces the node when it has a spare); other soft
+faults are WARNINGs to observe.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ FAMILIES = {"thermal": (0,), "gpu": (1, 2), "nic": (3, 4)}
 _FLOOR = np.array([0.7, 0.01, 0.02, 0.2, 0.02])
 _REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
 _POWER_CAP_BITS = 0x4 | 0x8 | 0x100
+_THERMAL_BITS = 0x20 | 0x40          # SW and HW thermal slowdown
 
 
 def _median(values) -> float:
@@ -251,16 +259,23 @@ class PeerDetector:
                 if len(need):
                     sc[need] = self.models[fam].decision_function(rel[need][:, list(cols)])
                 fam_scores[fam] = sc
+        # cold start: no model yet, but a job of 3+ nodes gives a median to stand out from
+        cold = not ready and cfg.soft_cold_z > 0 and len(peers) >= 3
         for j, (row, (node, (x, worst, medians, ns, state))) in enumerate(zip(rel, peers.items())):
             z = Z[j]
             fam_hit = None
-            if ready:
-                for fam, cols in FAMILIES.items():
-                    s = float(fam_scores[fam][j])
-                    zmax = float(np.max(z[list(cols)]))
-                    if s > self.thresholds[fam] and zmax >= cfg.soft_min_z:
-                        if fam_hit is None or zmax > fam_hit[2]:
-                            fam_hit = (fam, s, zmax)
+            for fam, cols in FAMILIES.items():
+                zmax = float(np.max(z[list(cols)]))
+                if ready:
+                    s, thr = float(fam_scores[fam][j]), self.thresholds[fam]
+                    hit = s > thr and zmax >= cfg.soft_min_z
+                elif cold:
+                    s, thr = zmax, float(cfg.soft_cold_z)
+                    hit = zmax >= thr
+                else:
+                    hit = False
+                if hit and (fam_hit is None or zmax > fam_hit[2]):
+                    fam_hit = (fam, s, zmax, thr)
             scores[node] = fam_hit
             if fam_hit is not None:
                 flagged.add(node)
@@ -299,9 +314,10 @@ class PeerDetector:
     def _classify(self, fam: str, worst: dict) -> FaultClass:
         if fam == "nic":
             return FaultClass.LINK_DEGRADED
-        if fam == "thermal":
+        reasons = int(worst.get("clock", {}).get("reasons", 0))
+        if fam == "thermal" or reasons & _THERMAL_BITS:
             return FaultClass.THERMAL
-        if int(worst.get("clock", {}).get("reasons", 0)) & _POWER_CAP_BITS:
+        if reasons & _POWER_CAP_BITS:
             return FaultClass.POWER_CAP
         return FaultClass.STRAGGLER
 
@@ -326,22 +342,28 @@ class PeerDetector:
         ns.run += 1
         if ns.run < cfg.soft_consecutive:
             return []
-        fam, score, zmax = hit
+        fam, score, zmax, threshold = hit
         cls = self._classify(fam, worst)
+        severity, action = Severity.WARNING, Action.OBSERVE
+        clock_drop = float(row[FEATURES.index("clock_drop")])
+        if cls == FaultClass.STRAGGLER and clock_drop >= cfg.straggler_evict_drop:
+            severity, action = Severity.CRITICAL, Action.EVICT    # a whole job waits on it: replace it
         feats = {name: {"value": round(float(row[i]), 4), "z": round(float(z[i]), 2)} for i, name in enumerate(FEATURES)}
         top = sorted(feats, key=lambda n: -feats[n]["z"])[:3]
         evidence = {"class": cls.value, "family": fam, "score": round(score, 4),
-                    "threshold": round(self.thresholds[fam], 4), "z": round(zmax, 2),
+                    "threshold": round(threshold, 4), "z": round(zmax, 2),
+                    "model": cfg.soft_detector if self.models else "cold start: z off the job's median",
                     "top_features": {n: feats[n] for n in top}, "devices": worst,
                     "window_s": cfg.soft_window_s, "window": [win.first_ts, win.last_ts],
                     "since_ts": ns.run_start, "peers": n_peers,
                     "baseline": "each device's own clean history" + (", relative to the job's median" if n_peers >= 3 else "")}
         dev = worst.get({"thermal": "thermal", "gpu": "clock", "nic": "nic_bw"}[fam], {})
         where = f"GPU {dev['gpu']}" if "gpu" in dev else f"port {dev.get('device', '?')}"
-        f = fault(KIND_OF[cls], Severity.WARNING, Action.OBSERVE,
+        detector = f"pyod.{cfg.soft_detector}.peers" if self.models else "peers.cold"
+        f = fault(KIND_OF[cls], severity, action,
                   fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
-                  job=state.job, detector=f"pyod.{cfg.soft_detector}.peers", observed_ts=win.last_ts, now=now,
-                  score=score, threshold=self.thresholds[fam], evidence=evidence,
+                  job=state.job, detector=detector, observed_ts=win.last_ts, now=now,
+                  score=score, threshold=threshold, evidence=evidence,
                   summary=(f"{cls.value} on {state.node} {where}: {top[0]} {feats[top[0]]['value']:g} "
                            f"({feats[top[0]]['z']:.1f} spreads from the clean median) for {ns.run} windows"))
         ns.open_fault = f

@@ -194,6 +194,17 @@ def test_policy_by_kind_and_severity():
     assert d.name == "fault_observed"
 
 
+def test_a_critical_straggler_is_replaced_by_a_spare_and_kept_without_one():
+    d = decide(running_job(), FaultSeen(fault(kind=c.FaultKind.STRAGGLER, node="node2")))
+    assert d.name == "relaunching" and d.detail["evicted"] == "node2" and d.detail["replacement"] == NODES[4]
+    d = decide(running_job(), FaultSeen(fault(kind=c.FaultKind.STRAGGLER, severity=c.Severity.WARNING)))
+    assert d.name == "fault_observed" and d.actions == ()
+    alone = running_job(nodes=NODES[:4])
+    d = decide(alone, FaultSeen(fault(kind=c.FaultKind.STRAGGLER, node="node2")))
+    assert d.name == "fault_observed" and d.detail["kept"] == "no spare node" and d.job.nodes == alone.nodes
+    assert d.job.state == JobState.RUNNING
+
+
 def test_illegal_transitions_raise():
     done = decide(running_job(), RanksExited(0, {r: 0 for r in range(4)})).job
     with pytest.raises(IllegalTransition, match="completed -> running"):

@@ -87,6 +87,48 @@ def test_short_outages_are_a_flap_not_a_link_down(engine):
     assert f.evidence["class"] == "link_flap" and f.evidence["downs"] == 3 and f.observed_ts == T0 + 9
 
 
+def _job_minutes(engine, seconds, slow=None, at=60, clock=0.7, **slow_fields):
+    """4 nodes of one job, 2 GPUs each, 1 Hz with a little noise; from ``at`` on node ``slow``'s GPU 0
+    runs at ``clock`` of its SM clock and power (plus ``slow_fields``). Returns every fault event."""
+    rng = np.random.default_rng(5)
+    out = []
+    for t in range(seconds):
+        for n in range(4):
+            node = f"node{n}"
+            gpus = []
+            for i in range(2):
+                f = {c.DCGM.SM_CLOCK: 1980.0 - abs(rng.normal(0, 20)), c.DCGM.POWER_USAGE: 560 + rng.normal(0, 12),
+                     c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7)}
+                if node == slow and i == 0 and t >= at:
+                    f[c.DCGM.SM_CLOCK] *= clock
+                    f[c.DCGM.POWER_USAGE] = 90 + (f[c.DCGM.POWER_USAGE] - 90) * clock
+                    f.update(slow_fields)
+                gpus.append(gpu(i, **f))
+            out += engine.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
+    return out
+
+
+def test_a_straggler_in_a_jobs_first_minutes_is_caught_before_any_model_is_fitted(engine):
+    found = [f for f in _job_minutes(engine, 120, slow="node2") if not f.resolved]
+    [f] = found
+    assert (f.node, f.kind, f.severity, f.action) == ("node2", c.FaultKind.STRAGGLER, c.Severity.CRITICAL, c.Action.EVICT)
+    assert f.detector == "peers.cold" and f.evidence["class"] == "straggler" and f.evidence["peers"] == 4
+    assert f.evidence["top_features"]["clock_drop"]["value"] > 0.25
+    assert T0 + 60 <= f.detected_ts <= T0 + 60 + 35       # two 10 s windows, decided when the next one closes
+    quiet = TEEEngine(TEEConfig(soft_detectors=("peers",), soft_cold_z=0))
+    assert _job_minutes(quiet, 120, slow="node2") == []    # turned off: nothing before the models are fitted
+
+
+def test_a_thermal_slowdown_is_not_called_a_straggler(engine):
+    found = [f for f in _job_minutes(engine, 120, slow="node1", clock=0.6, DCGM_FI_DEV_GPU_TEMP=88.0,
+                                     DCGM_FI_DEV_CLOCKS_EVENT_REASONS=0x20 | 0x40) if not f.resolved]
+    assert [(f.node, f.evidence["class"], f.severity) for f in found] == [("node1", "thermal", c.Severity.WARNING)]
+
+
+def test_clean_job_minutes_raise_nothing(engine):
+    assert _job_minutes(engine, 240) == []
+
+
 def test_config_names_the_bad_soft_setting():
     with pytest.raises(ConfigError, match="soft_detector"):
         TEEConfig(soft_detector="svm")

@@ -111,6 +111,7 @@ class FaultKind(str, enum.Enum):
     RANK_EXIT = "rank_exit"      # a training process died
     NAN_LOSS = "nan_loss"
     ANOMALY = "anomaly"          # a soft fault from a pyod detector
+    STRAGGLER = "straggler"      # a node slower than its job's peers (soft, from the peers detector)
 
 
 class Severity(str, enum.Enum):
