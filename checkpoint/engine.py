@@ -298,18 +298,20 @@ class CheckpointEngine:
         self.close()
 
     # ------------------------------------------------------------------ load
-    def load(self, step: int | None = None, **_: Any) -> tuple[int, Any] | None:
+    def load(self, step: int | None = None, *, rank: int | None = None, **_: Any) -> tuple[int, Any] | None:
         """This rank's state of a committed step, as ``(step, state)``, from its fastest good copy.
 
         Without ``step``: the newest committed step with a good copy (a step without one is
         skipped with a warning), or None. With ``step``: that step, or :class:`NoCheckpoint`
-        (absent, not committed) / :class:`CorruptCheckpoint` (no copy verifies).
+        (absent, not committed) / :class:`CorruptCheckpoint` (no copy verifies). ``rank``: another
+        rank's shard instead (data-parallel replicas: one rank saves the model, every rank loads it).
         """
+        rank = self.rank if rank is None else rank
         if step is not None:
-            return step, self._load_step(step)
+            return step, self._load_step(step, rank)
         for s in reversed(layout.complete_steps(self.directory)):
             try:
-                return s, self._load_step(s)
+                return s, self._load_step(s, rank)
             except (CorruptCheckpoint, NoCheckpoint) as exc:
                 log.warning("rank %d: skipping checkpoint step %d: %s", self.rank, s, exc)
         return None
@@ -331,7 +333,7 @@ class CheckpointEngine:
         return man
 
     def _candidates(self, step: int, man: contracts.CheckpointReady, shard: contracts.Shard) -> list:
-        mine = [c for c in man.copies if c.rank == self.rank]
+        mine = [c for c in man.copies if c.rank == shard.rank]
         writer = next((c.node for c in mine if c.tier == contracts.Tier.DISK), None) or \
             next((c.node for c in mine if c.tier == contracts.Tier.MEMORY), None)
         out: list[tuple[int, str, Any]] = [(0, self.node, None)]
@@ -342,12 +344,14 @@ class CheckpointEngine:
         # the shared copy is read from this job's directory, wherever it is mounted now
         here = str(layout.step_dir(self.directory, step) / shard.name)
         if any(c.tier == contracts.Tier.SHARED for c in mine) or Path(here).exists():
-            out.append((3, "shared", contracts.Copy(self.rank, "shared", contracts.Tier.SHARED, here)))
+            out.append((3, "shared", contracts.Copy(shard.rank, "shared", contracts.Tier.SHARED, here)))
         return out
 
-    def _load_step(self, step: int) -> Any:
+    def _load_step(self, step: int, rank: int) -> Any:
         man = self._manifest(step)
-        shard = next(s for s in man.shards if s.rank == self.rank)
+        shard = next((s for s in man.shards if s.rank == rank), None)
+        if shard is None:
+            raise NoCheckpoint(f"checkpoint step {step} has no shard of rank {rank}")
         problems = []
         for tier, node, copy in self._candidates(step, man, shard):
             t0 = time.perf_counter()
@@ -357,14 +361,14 @@ class CheckpointEngine:
                     continue
                 state = shardfmt.decode(buf, f"{TIERS[tier]} copy on {node}")
             except (CorruptCheckpoint, DaemonError, OSError) as exc:
-                log.warning("rank %d: step %d: %s copy on %s is unusable, trying the next: %s",
-                            self.rank, step, TIERS[tier], node, exc)
+                log.warning("rank %d: step %d: %s copy of rank %d's shard on %s is unusable, trying the next: "
+                            "%s", self.rank, step, TIERS[tier], rank, node, exc)
                 problems.append(f"{TIERS[tier]}@{node}: {exc}")
                 continue
             self.last_restore = {"step": step, "tier": tier, "tier_name": TIERS[tier], "node": node,
-                                 "seconds": time.perf_counter() - t0, "bytes": shard.size}
-            log.info("rank %d: restored step %d from %s on %s (%d bytes, %.3fs)", self.rank, step,
-                     TIERS[tier], node, shard.size, self.last_restore["seconds"])
+                                 "seconds": time.perf_counter() - t0, "bytes": shard.size, "rank": rank}
+            log.info("rank %d: restored step %d (rank %d's shard) from %s on %s (%d bytes, %.3fs)", self.rank,
+                     step, rank, TIERS[tier], node, shard.size, self.last_restore["seconds"])
             return state
         raise CorruptCheckpoint(str(layout.step_dir(self.directory, step) / shard.name),
                                 "no copy verifies: " + ("; ".join(problems) or "no copy is reachable"))
@@ -372,7 +376,7 @@ class CheckpointEngine:
     def _fetch(self, tier: int, node: str, copy: contracts.Copy | None, step: int,
                shard: contracts.Shard):
         if tier == 0:
-            got = self._conn.call({"op": "lookup", "job": self.job, "rank": self.rank, "step": step,
+            got = self._conn.call({"op": "lookup", "job": self.job, "rank": shard.rank, "step": step,
                                    "sha256": shard.sha256})
             if not got["found"]:
                 return None
@@ -388,7 +392,7 @@ class CheckpointEngine:
         if tier == 1:
             info = segments.registered(self.runtime).get(node)
             addr = info["addr"] if info else copy.location.split("#", 1)[0]
-            return _read_peer(addr, self.job, self.rank, step, shard, node)
+            return _read_peer(addr, self.job, shard.rank, step, shard, node)
         return store.read_verified(Path(copy.location), shard)
 
 

@@ -204,7 +204,10 @@ def test_resumed_run_continues_exactly_like_the_uninterrupted_run(trained, tmp_p
         name = f"rank-{rank:05d}.safetensors"
         whole = shardfmt.decode(bytearray((step_dir(trained["ckpt"], 40) / name).read_bytes()))
         resumed = shardfmt.decode(bytearray((step_dir(ckpt, 40) / name).read_bytes()))
-        for part in ("model", "optimizer", "data"):
+        # data-parallel replicas: rank 0's shard has the model and optimizer every rank loads
+        parts = ("model", "optimizer", "data") if rank == 0 else ("data", "rng")
+        assert rank == 0 or "model" not in resumed and "optimizer" not in resumed
+        for part in parts:
             assert _flat(whole[part]) == _flat(resumed[part]), f"rank {rank}: {part} differs after resume"
 
 
@@ -252,6 +255,8 @@ def test_killed_rank_then_relaunch_resumes_from_newest_checkpoint(tmp_path, laun
     assert f"resumed from step {newest} gen 1" in out, second.explain(codes)
     assert f"rank 0: restored step {newest} from local-memory on node0" in out, second.explain(codes)
     assert f"rank 1: restored step {newest} from peer-memory on node2" in second.output(1), second.explain(codes)
+    # its model and optimizer come from rank 0's shard (saved once for all data-parallel replicas)
+    assert "(model and optimizer: rank 0's shard from peer-memory on node" in second.output(1), second.explain(codes)
     restore = {r["rank"]: r for r in reports if "restore_tier" in r}
     assert restore[0]["restore_tier"] == 0 and restore[1]["restore_tier"] == 1, reports[:4]
     assert all(r["restore_s"] > 0 and r["step"] == newest + 1 for r in restore.values())

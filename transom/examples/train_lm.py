@@ -10,7 +10,10 @@ Contract with the rest of Transom:
   (every rank must load that step, else all exit with status 3), otherwise from the newest
   complete step that every rank can load (ranks agree on it), otherwise from scratch;
 - a checkpoint holds the model, the optimizer, the RNG states and the data stream's position, so
-  a resumed run continues exactly as the uninterrupted run would have;
+  a resumed run continues exactly as the uninterrupted run would have; data-parallel ranks hold the
+  same model and optimizer, so only rank 0's shard has them (each rank's shard has its own data
+  position and RNG) and every rank loads them from rank 0's shard, wherever its fastest copy is
+  (``--no-dedup-replicas``: every rank saves everything);
 - checks before the first step that this node's shared memory (/dev/shm, RAM, the daemon's
   budget) can hold its checkpoints, and exits 4 with the reason when it cannot;
 - saves every ``--ckpt-every`` steps and after the last one, and waits for that save to persist
@@ -153,9 +156,28 @@ def _all_min(value: int, world: int) -> int:
     return int(t.item())
 
 
+def _load_full(engine: CheckpointEngine, step: int | None = None) -> tuple[int, Any] | None:
+    """This rank's state of ``step`` (default: the newest it can load), with the model and optimizer
+    from rank 0's shard when this rank's shard has none (the replicas were saved once)."""
+    got = engine.load(step)
+    if got is None or "model" in got[1]:
+        return got
+    s, state = got
+    own = dict(engine.last_restore or {})
+    _, shared = engine.load(s, rank=0)
+    rep = engine.last_restore or {}
+    engine.last_restore = {**own, "seconds": own.get("seconds", 0.0) + rep.get("seconds", 0.0),
+                           "replicas_from": f"{rep.get('tier_name')} on {rep.get('node')}"}
+    return s, {**state, "model": shared["model"], "optimizer": shared["optimizer"]}
+
+
 def _newest_agreed(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
     """The newest complete step every rank can load; ranks propose, the minimum wins, repeat."""
-    got = engine.load()
+    try:
+        got = _load_full(engine)
+    except (CorruptCheckpoint, NoCheckpoint) as exc:
+        log.warning("rank %d: the newest checkpoint cannot be loaded: %s", engine.rank, exc)
+        got = None
     while True:
         mine = got[0] if got else -1
         agreed = _all_min(mine, world)
@@ -165,7 +187,7 @@ def _newest_agreed(engine: CheckpointEngine, world: int) -> tuple[int, Any] | No
         for s in reversed(complete_steps(engine.directory)):
             if s <= agreed:
                 try:
-                    got = engine.load(s)
+                    got = _load_full(engine, s)
                     break
                 except (CorruptCheckpoint, NoCheckpoint) as exc:
                     log.warning("rank %d: skipping checkpoint step %d: %s", engine.rank, s, exc)
@@ -178,7 +200,7 @@ def _resume(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
     step = int(raw)
     got, err = None, None
     try:
-        got = engine.load(step)
+        got = _load_full(engine, step)
     except CheckpointError as exc:
         err = exc
     if _all_min(1 if got else 0, world) == 0:
@@ -259,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after warm-up (default 3e-3)")
+    p.add_argument("--dedup-replicas", action=argparse.BooleanOptionalAction, default=True,
+                   help="only rank 0 saves the model and optimizer, which every data-parallel rank holds "
+                        "alike; every rank loads them from rank 0's shard (default: on)")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every N steps (default 10)")
     p.add_argument("--width", type=int, default=64, help="model width d_model (default 64)")
     p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
@@ -307,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         random.setstate(state["rng"]["python"])
         where = engine.last_restore or {}
         restored = {"restore_s": where.get("seconds", 0.0), "restore_tier": where.get("tier", 3)}
+        also = f" (model and optimizer: rank 0's shard from {where['replicas_from']})" if "replicas_from" in where else ""
         print(f"rank {rank}: restored step {step} from {where.get('tier_name')} on {where.get('node')} "
-              f"in {restored['restore_s']:.3f}s", flush=True)
+              f"in {restored['restore_s']:.3f}s{also}", flush=True)
         if rank == 0:
             print(f"resumed from step {step} gen {generation}", flush=True)
     elif rank == 0:
@@ -331,11 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         value = loss.item()
         ckpt: dict[str, float] = {}
         if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
-            engine.save(step, {
-                "model": model.state_dict(), "optimizer": opt.state_dict(), "data": data.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                "step": step, "world_size": world,
-            })
+            state = {"data": data.state_dict(), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                     "step": step, "world_size": world}
+            if rank == 0 or not args.dedup_replicas:
+                state.update(model=model.state_dict(), optimizer=opt.state_dict())
+            engine.save(step, state)
             last_saved = step
             ckpt["ckpt_stall_s"] = engine.last_snapshot_s
         report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time, **ckpt, **restored)
