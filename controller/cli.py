@@ -72,6 +72,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precheck", default="full", choices=["full", "health", "off"],
                    help="before every launch: full = agent health + a gloo all-reduce across the nodes; "
                         "health = agent health only; off (default full)")
+    p.add_argument("--warm-ranks", action=argparse.BooleanOptionalAction, default=True,
+                   help="local backend: start ranks of `python -m MODULE` / `python SCRIPT.py` jobs in processes "
+                        "that imported torch ahead of time, one kept ready per node, so a relaunch does not wait "
+                        "for the import (default: on)")
     p.add_argument("--allow-no-gpus", action="store_true",
                    help="pre-check: pass nodes whose agent reports no GPU samples")
     p.add_argument("--heartbeat-stale", type=float, default=5.0, metavar="S",
@@ -120,7 +124,7 @@ def _make_backend(args: argparse.Namespace, bootstrap: str, nodes: dict[str, str
     importlib.import_module(f"transom.controller.{args.backend}")     # registers the backend
     if args.backend == "local":
         return create_backend("local", run_dir=args.run_dir, agents=nodes, ckpt_dir=args.ckpt_dir,
-                              bootstrap=bootstrap)
+                              bootstrap=bootstrap, warm=args.warm_ranks)
     if args.backend == "kubernetes":
         return create_backend("kubernetes", namespace=args.k8s_namespace, image=args.k8s_image,
                               kubeconfig=args.kubeconfig, api_url=args.k8s_api, bootstrap=bootstrap,

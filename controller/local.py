@@ -9,6 +9,14 @@ Layout of ``run_dir``::
     run_dir/cordoned.json              nodes kept out of launches, with the reason
 
 Each launch gets a fresh rendezvous port (gloo cannot re-form a group on the old one).
+
+Warm ranks (``warm=True``, the default): a rank whose command is ``python -m MODULE`` or ``python
+SCRIPT.py`` (this interpreter) starts in a process of :mod:`.warmrank` that has already imported
+torch, instead of a new interpreter under rankwrap; the same files come out (``rank-R.pid``,
+``.log``, ``.exit``). One warm process per node: those of a launch's nodes are started by the
+pre-check before it, the others ``warm_delay`` seconds after a launch (so their imports do not
+compete with the starting ranks). ``run_dir/warm-NODE.log`` has what a warm process said before
+it became a rank.
 """
 
 from __future__ import annotations
@@ -30,9 +38,20 @@ from transom.log import get
 from .backend import Backend, LaunchRecord, RankStatus, register_backend
 from .rankwrap import write_atomic
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "warm_argv"]
 
 log = get("controller.local")
+
+
+def warm_argv(command: Sequence[str], executable: str = sys.executable) -> list[str] | None:
+    """The part of ``command`` after the interpreter when a warm process can run it, else None."""
+    if len(command) < 2 or os.path.realpath(command[0]) != os.path.realpath(executable):
+        return None
+    if command[1] == "-m" and len(command) >= 3 and not command[2].startswith("-"):
+        return list(command[1:])
+    if command[1].endswith(".py") and not command[1].startswith("-"):
+        return list(command[1:])
+    return None
 
 
 class LocalBackend(Backend):
@@ -41,7 +60,8 @@ class LocalBackend(Backend):
     name = "local"
 
     def __init__(self, run_dir: str | os.PathLike, agents: Mapping[str, str], *, ckpt_dir: str | None = None,
-                 bootstrap: str | None = None, env: Mapping[str, str] | None = None) -> None:
+                 bootstrap: str | None = None, env: Mapping[str, str] | None = None, warm: bool = True,
+                 preload: str = "torch", warm_delay: float = 20.0) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.agents = dict(agents)
@@ -49,6 +69,10 @@ class LocalBackend(Backend):
         self.bootstrap = bootstrap
         self.extra_env = dict(env or {})
         self._workers: dict[str, subprocess.Popen] = {}
+        self.warm, self.preload, self.warm_delay = warm, preload, warm_delay
+        self._warm: dict[str, subprocess.Popen] = {}      # node -> idle warm process
+        self._running: list[subprocess.Popen] = []        # warm processes that became ranks
+        self._warm_due: float | None = None
 
     # ------------------------------------------------------------------ paths
     def _cordoned(self) -> dict[str, str]:
@@ -95,24 +119,74 @@ class LocalBackend(Backend):
             env.pop("TRANSOM_RESUME_STEP", None)
             if resume_step is not None:
                 env["TRANSOM_RESUME_STEP"] = str(resume_step)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir),
-                 "--rank", str(rank), "--", *command],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True)
-            pids.append(proc.pid)
+            pid = self._start_warm_rank(node, gen_dir, rank, command, env)
+            if pid is None:
+                pid = subprocess.Popen(
+                    [sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir),
+                     "--rank", str(rank), "--", *command],
+                    env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    start_new_session=True).pid
+            pids.append(pid)
         handle = {"pids": pids, "port": port, "run_dir": str(gen_dir), "nodes": list(nodes),
                   "resume_step": resume_step}
         record.write(handle)
-        log.info("launched job %s generation %d on %s (resume from %s)", job, generation,
-                 ",".join(nodes), "scratch" if resume_step is None else f"step {resume_step}")
+        warm = sum(1 for p in self._running if p.pid in pids)
+        log.info("launched job %s generation %d on %s (resume from %s; %d of %d ranks in warm processes)", job,
+                 generation, ",".join(nodes), "scratch" if resume_step is None else f"step {resume_step}", warm,
+                 len(pids))
+        if self.warm:
+            self._warm_due = time.monotonic() + self.warm_delay
         return handle
+
+    # ------------------------------------------------------------------ warm ranks
+    def _warm_process(self, node: str) -> subprocess.Popen:
+        proc = self._warm.get(node)
+        if proc is None or proc.poll() is not None:
+            env = {**os.environ, **self.extra_env, "TRANSOM_NODE": node}
+            with open(self.run_dir / f"warm-{node}.log", "ab") as err:
+                proc = subprocess.Popen([sys.executable, "-m", "transom.controller.warmrank", "--preload", self.preload],
+                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                        start_new_session=True)
+            self._warm[node] = proc
+        return proc
+
+    def prewarm(self, nodes: Sequence[str]) -> None:
+        """Have a warm process ready on each of ``nodes`` (no-op without warm ranks)."""
+        if self.warm:
+            for node in nodes:
+                if node in self.agents:
+                    self._warm_process(node)
+
+    def _start_warm_rank(self, node: str, gen_dir: Path, rank: int, command: Sequence[str],
+                         env: Mapping[str, str]) -> int | None:
+        argv = warm_argv(command) if self.warm else None
+        proc = self._warm.pop(node, None)
+        if argv is None or proc is None or proc.poll() is not None:
+            if proc is not None and proc.poll() is None:
+                self._warm[node] = proc       # not usable for this command: keep it for another
+            return None
+        request = {"dir": str(gen_dir), "rank": rank, "argv": argv, "env": dict(env), "cwd": os.getcwd()}
+        try:
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.close()
+        except (BrokenPipeError, OSError) as exc:
+            log.warning("warm process of %s is gone (%s): rank %d starts cold", node, exc, rank)
+            return None
+        self._running.append(proc)
+        return proc.pid
+
+    def _replenish(self) -> None:
+        if self._warm_due is not None and time.monotonic() >= self._warm_due:
+            self._warm_due = None
+            self.prewarm([n for n in self.nodes()])
+        self._running = [p for p in self._running if p.poll() is None]
 
     def status(self, job: str, generation: int) -> list[RankStatus]:
         record = LaunchRecord(self.run_dir, job, generation)
         gen_dir, handle = record.dir, record.read()
         if handle is None:
             return []
+        self._replenish()
         self._reap()
         out = []
         for rank, pid in enumerate(handle["pids"]):
@@ -192,6 +266,7 @@ class LocalBackend(Backend):
 
         for node in self.agents:          # start every node's worker at once: spares get warm too
             self._worker(node)
+        self.prewarm(nodes)               # and the launch that follows a passed test starts warm
         workers = [self._worker(n) for n in nodes]
         master = f"127.0.0.1:{free_port()}"
         deadline = time.monotonic() + timeout + 30         # the first test waits for torch's import
@@ -222,12 +297,13 @@ class LocalBackend(Backend):
         return failed
 
     def close(self) -> None:
-        """Stop the warm collective-test workers."""
-        for proc in self._workers.values():
+        """Stop the warm collective-test workers and the idle warm rank processes (not running ranks)."""
+        for proc in [*self._workers.values(), *self._warm.values()]:
             if proc.poll() is None:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
         self._workers.clear()
+        self._warm.clear()
 
     def _collective_once(self, nodes: Sequence[str], timeout: float) -> dict[str, str]:
         master = f"127.0.0.1:{free_port()}"
@@ -273,6 +349,14 @@ class LocalBackend(Backend):
             cmd = proc.info.get("cmdline") or []
             if "transom.controller.rankwrap" in cmd and marker in cmd:
                 found.append(proc)
+        # warm processes that became ranks of this generation: their pid files name them
+        for pidfile in gen_dir.glob("rank-*.pid") if gen_dir.is_dir() else ():
+            try:
+                proc = psutil.Process(int(pidfile.read_text().split()[0]))
+                if "transom.controller.warmrank" in proc.cmdline() and proc.pid not in {p.pid for p in found}:
+                    found.append(proc)
+            except (OSError, ValueError, IndexError, psutil.Error):
+                continue
         return found
 
     def _kill_strays(self, gen_dir: Path) -> None:

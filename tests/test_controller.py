@@ -166,6 +166,48 @@ def test_collective_precheck_runs_a_gloo_all_reduce_in_warm_per_node_processes(t
     assert not backend._workers
 
 
+def test_warm_ranks_run_the_job_in_processes_started_before_the_launch(tmp_path):
+    """A rank starts in its node's warm process (pid known before the launch), with the launch's
+    environment, argv, log and exit code; a command a warm process cannot run starts cold."""
+    import sys
+
+    from transom.controller.local import LocalBackend
+
+    backend = LocalBackend(tmp_path, {n: "127.0.0.1:9" for n in NODES[:2]}, preload="json", warm_delay=0)
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'on', os.environ['TRANSOM_NODE'], sys.argv[1:])\n"
+                      "sys.exit(int(os.environ['RANK']) * 3)\n")
+    try:
+        backend.prewarm(NODES[:2])
+        warm = [backend._warm[n].pid for n in NODES[:2]]
+        handle = backend.launch("j", 0, tuple(NODES[:2]), (sys.executable, str(script), "--flag"), None)
+        assert handle["pids"] == warm
+        wait_until(lambda: not any(s.running for s in backend.status("j", 0)), 30, "the warm ranks to end")
+        assert [s.exit_code for s in backend.status("j", 0)] == [0, 3]
+        gen = tmp_path / "j" / "gen-0"
+        assert "rank 1 on node1 ['--flag']" in (gen / "rank-1.log").read_text()
+        assert (gen / "rank-0.pid").read_text().split() == [str(warm[0])] * 2
+        # replenished after the launch: the next one takes new warm processes, -m modules too
+        (tmp_path / "doc.json").write_text('{"a": 1}')
+        fresh = [backend._warm[n].pid for n in NODES[:2]]
+        assert set(fresh).isdisjoint(warm)
+        handle = backend.launch("j", 1, (NODES[1],), (sys.executable, "-m", "json.tool", str(tmp_path / "doc.json")),
+                                None)
+        assert handle["pids"] == [fresh[1]]
+        wait_until(lambda: not any(s.running for s in backend.status("j", 1)), 30, "the module rank to end")
+        assert backend.status("j", 1)[0].exit_code == 0
+        assert '"a": 1' in (tmp_path / "j" / "gen-1" / "rank-0.log").read_text()
+        # interpreter flags: not something a warm process can reproduce, so rankwrap runs it
+        handle = backend.launch("j", 2, (NODES[0],), (sys.executable, "-u", str(script)), None)
+        assert handle["pids"] != [fresh[0]]
+        wait_until(lambda: not any(s.running for s in backend.status("j", 2)), 30, "the cold rank to end")
+        assert backend.status("j", 2)[0].exit_code == 0
+        idle = list(backend._warm.values())
+    finally:
+        backend.close()
+    assert all(p.poll() is not None for p in idle)          # idle warm processes end with the backend
+
+
 def test_standby_takes_over_during_relaunch_hang_restarts_in_place_and_the_budget_fails_the_job(broker, stack):
     """Two controllers; the active one SIGKILLs itself right after launching generation 1 (a restart in
     place after a hang); the standby takes over, adopts that launch, and fails the job at the next hang."""
