@@ -34,15 +34,16 @@ take every fault that falls within their wall time). What a fault does:
   the others and the job barely slows, as a first run showed; S from the rank's own step time
   feeds back on itself and slowed the job 2.5x); under Transom the node's
   simulated GPU also shows clocks and power at 70 %. Nobody replaces it in
-  the baseline; Transom's controller only observes soft faults (policy), so it keeps it too unless
-  the node is evicted for another reason.
+  the baseline; under Transom the TEE raises a straggler (critical: its clock is 30 % below its
+  peers') and the controller replaces the node with a spare, as its policy says.
 
 Figures per run: wall time from launch to the last step, steps, the normal step time (median
 interval between steps before the first fault, checkpoint steps excluded), useful time (steps x
 normal step time) and the effective training time ratio (useful / wall); per fault: detection
 (fault -> the retry loop sees torchrun exit or its watchdog fires; Transom: the controller's
 ``relaunching`` decision), recovery (detected -> first step of the new attempt or generation) and
-recomputation (steps redone x normal step time); for a straggler, the slowdown it caused. Then the
+recomputation (steps redone x normal step time); for a straggler, the slowdown it caused (until its
+node was replaced, when it was: then also that relaunch's recovery and recomputation). Then the
 ratio of wall times a/b (target >= 1.4) and one JSON line.
 """
 
@@ -160,6 +161,7 @@ class FaultRecord:
     steps_redone: int | None = None
     slowdown_s: float | None = None         # stragglers: extra time of the steps it slowed
     tee_event_s: float | None = None        # Transom: the TEE's fault event for this fault, if any
+    restarted: bool = False                 # a straggler whose node the controller replaced
     note: str = ""
 
 
@@ -274,7 +276,7 @@ class Runner(abc.ABC):
         if last is None or last[1] != self.gen or last[0] >= self.args.steps:
             return False                  # starting, recovering, or past its last step (saving, exiting)
         prev = self.result.faults[-1] if self.result.faults else None
-        if prev is not None and prev.kind in RESTARTING and prev.first_step_s is None:
+        if prev is not None and (prev.kind in RESTARTING or prev.restarted) and prev.first_step_s is None:
             return False
         return True
 
@@ -328,7 +330,8 @@ class Runner(abc.ABC):
         if self.result.startup_s is None:
             self.result.startup_s = ts - self.t0
         for rec in self.result.faults:
-            if rec.kind in RESTARTING and rec.first_step_s is None and gen > (rec.gen_at_fault or 0):
+            if (rec.kind in RESTARTING or rec.restarted) and rec.first_step_s is None \
+                    and gen > (rec.gen_at_fault or 0):
                 rec.first_step_s, rec.resume_step = ts - self.t0, step - 1
 
     def _measure(self) -> None:
@@ -358,7 +361,7 @@ class Runner(abc.ABC):
         for rec in r.faults:
             if rec.delivered_s is None:
                 continue
-            if rec.kind in RESTARTING:
+            if rec.kind in RESTARTING or rec.restarted:
                 if rec.detected_s is not None:
                     rec.detect_s = round(rec.detected_s - rec.delivered_s, 2)
                 if rec.first_step_s is not None and rec.detected_s is not None:
@@ -367,10 +370,12 @@ class Runner(abc.ABC):
                     rec.steps_redone = max(rec.step_at_fault - rec.resume_step, 0)
                     if r.normal_step_s:
                         rec.recompute_s = round(rec.steps_redone * r.normal_step_s, 2)
-            elif rec.kind == "straggler" and r.normal_step_s and "already" not in rec.note:
+            if rec.kind == "straggler" and r.normal_step_s and "already" not in rec.note:
                 start = rec.delivered_s + self.t0
+                end = rec.detected_s + self.t0 if rec.restarted else math.inf     # its node replaced
                 after = [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
-                         if t0 >= start and g0 == g1 and s1 == s0 + 1 and not self.is_save_interval(s0, s1)]
+                         if t0 >= start and t1 <= end and g0 == g1 and s1 == s0 + 1
+                         and not self.is_save_interval(s0, s1)]
                 if after:
                     slow = statistics.median(after)
                     rec.slowdown_s = round(max(slow - r.normal_step_s, 0.0) * len(after), 1)
@@ -492,8 +497,8 @@ class TransomRun(Runner):
         from transom import contracts as c
         from transom.stack import LocalStack, Monitor, train_command
         a = self.args
-        xids = sum(1 for f in self.schedule if f.kind == "xid79")
-        self.stack = LocalStack(self.work / "stack", nodes=a.world + max(a.spares, xids + 1))
+        replaced = sum(1 for f in self.schedule if f.kind in ("xid79", "straggler"))   # each takes a spare
+        self.stack = LocalStack(self.work / "stack", nodes=a.world + max(a.spares, replaced + 1))
         self.stack.start_broker()
         self.stack.start_agents()
         self.stack.start_tee()
@@ -515,7 +520,9 @@ class TransomRun(Runner):
             topic, ev = got
             if topic == c.LIFECYCLE and ev.job == self.job:
                 gen = ev.detail.get("generation")
-                if ev.name == "relaunching":
+                if ev.name == "relaunching" and (ev.cause or {}).get("kind") == "straggler":
+                    self._straggler_replaced(ev)
+                elif ev.name == "relaunching":
                     self.detected(ev.ts, f"controller: {ev.cause.get('kind') or ev.detail.get('reason') or 'relaunch'}")
                 elif ev.name == "launched" and isinstance(gen, int):
                     self.gen = max(self.gen, gen)
@@ -544,6 +551,17 @@ class TransomRun(Runner):
 
     def finished(self) -> bool:
         return self.end is not None
+
+    def _straggler_replaced(self, ev) -> None:
+        """The controller evicts a straggling node: from here that fault costs a relaunch."""
+        rec = next((r for r in self.result.faults if r.kind == "straggler" and r.target == ev.cause.get("node")
+                    and not r.restarted), None)
+        if rec is None:
+            return
+        last = self.steps.last
+        rec.restarted, rec.gen_at_fault = True, self.gen
+        rec.detected_s, rec.detector = ev.ts - self.t0, "controller: straggler replaced"
+        rec.step_at_fault = last[0] if last else rec.step_at_fault
 
     def _gen_dir(self) -> Path:
         return self.stack.run_dir / "jobs" / self.job / f"gen-{self.gen}"
@@ -626,7 +644,10 @@ def print_run(r: RunResult) -> None:
 
 def totals(r: RunResult) -> dict[str, float]:
     def s(attr: str) -> float:
-        return round(sum(getattr(f, attr) or 0.0 for f in r.faults), 1)
+        # a straggler's "detect" is the time it ran slow before its node was replaced: that cost is its
+        # slowdown (the steps still went on), not time lost whole
+        return round(sum(getattr(f, attr) or 0.0 for f in r.faults
+                         if not (attr == "detect_s" and f.kind == "straggler")), 1)
     return {k: s(k) for k in ("detect_s", "recover_s", "recompute_s", "slowdown_s")}
 
 
@@ -653,7 +674,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a shorter run (about 10 minutes on a busy 2-core machine): " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
                         + " (flags given explicitly win)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule, the model and the data (default 1)")
-    p.add_argument("--steps", type=int, default=None, help="training steps of the job (default 150)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of the job (default 400: several "
+                                                           "fault intervals long, so both runs take many faults)")
     p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint interval K in steps, both runs (default 10)")
     p.add_argument("--width", type=int, default=None, help="model width (default 384: ~7M parameters, ~90 MB "
                                                            "of model + AdamW state per rank)")
@@ -662,11 +684,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step (default 2)")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
     p.add_argument("--world", type=int, default=4, help="ranks (nodes) of the job (default 4)")
-    p.add_argument("--spares", type=int, default=1, help="Transom spare nodes (at least one per scheduled XID 79, "
-                                                         "plus one; default 1)")
+    p.add_argument("--spares", type=int, default=1, help="Transom spare nodes (at least one per scheduled XID 79 "
+                                                         "and straggler, plus one; default 1)")
     p.add_argument("--fault-every", type=float, default=None, help="seconds of wall time between faults (default 60)")
     p.add_argument("--faults", type=int, default=None,
-                   help="faults in the schedule (default 12; a run only takes those within its wall time)")
+                   help="faults in the schedule (default 16; a run only takes those within its wall time)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds to mix (default {','.join(KINDS)})")
     p.add_argument("--watchdog", type=float, default=60.0,
                    help="baseline: seconds without a step before the retry loop kills the attempt (default 60; "
@@ -688,8 +710,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, checkpoints, steps files)")
     p.add_argument("--print-schedule", action="store_true", help="print the fault schedule as JSON and exit")
     args = p.parse_args(argv)
-    defaults = {"steps": 150, "width": 384, "layers": 4, "batch_size": 2, "ckpt_every": 10, "fault_every": 60.0,
-                "faults": 12, "run_timeout": 1800.0}
+    defaults = {"steps": 400, "width": 384, "layers": 4, "batch_size": 2, "ckpt_every": 10, "fault_every": 60.0,
+                "faults": 16, "run_timeout": 1800.0}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, QUICK[k] if args.quick else v)

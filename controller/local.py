@@ -14,9 +14,10 @@ Warm ranks (``warm=True``, the default): a rank whose command is ``python -m MOD
 SCRIPT.py`` (this interpreter) starts in a process of :mod:`.warmrank` that has already imported
 torch, instead of a new interpreter under rankwrap; the same files come out (``rank-R.pid``,
 ``.log``, ``.exit``). One warm process per node: those of a launch's nodes are started by the
-pre-check before it, the others ``warm_delay`` seconds after a launch (so their imports do not
-compete with the starting ranks). ``run_dir/warm-NODE.log`` has what a warm process said before
-it became a rank.
+pre-check before it; after a launch, from ``warm_delay`` seconds on, the rest one at a time (the
+next once the previous says it is ready), the launch's nodes first, so their imports take little
+from the running ranks. ``run_dir/warm-NODE.log`` has what a warm process said before it became
+a rank.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class LocalBackend(Backend):
 
     def __init__(self, run_dir: str | os.PathLike, agents: Mapping[str, str], *, ckpt_dir: str | None = None,
                  bootstrap: str | None = None, env: Mapping[str, str] | None = None, warm: bool = True,
-                 preload: str = "torch", warm_delay: float = 20.0) -> None:
+                 preload: str = "torch", warm_delay: float = 10.0) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.agents = dict(agents)
@@ -73,6 +74,7 @@ class LocalBackend(Backend):
         self._warm: dict[str, subprocess.Popen] = {}      # node -> idle warm process
         self._running: list[subprocess.Popen] = []        # warm processes that became ranks
         self._warm_due: float | None = None
+        self._warm_queue: list[str] = []                  # nodes to warm after a launch, in order
 
     # ------------------------------------------------------------------ paths
     def _cordoned(self) -> dict[str, str]:
@@ -136,6 +138,7 @@ class LocalBackend(Backend):
                  len(pids))
         if self.warm:
             self._warm_due = time.monotonic() + self.warm_delay
+            self._warm_queue = [*nodes, *(n for n in self.agents if n not in nodes)]
         return handle
 
     # ------------------------------------------------------------------ warm ranks
@@ -145,10 +148,22 @@ class LocalBackend(Backend):
             env = {**os.environ, **self.extra_env, "TRANSOM_NODE": node}
             with open(self.run_dir / f"warm-{node}.log", "ab") as err:
                 proc = subprocess.Popen([sys.executable, "-m", "transom.controller.warmrank", "--preload", self.preload],
-                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                         start_new_session=True)
+            os.set_blocking(proc.stdout.fileno(), False)
+            proc.warm_ready = False
             self._warm[node] = proc
         return proc
+
+    @staticmethod
+    def _ready(proc: subprocess.Popen) -> bool:
+        """Whether a warm process has finished its imports (it says so on its stdout)."""
+        if not proc.warm_ready:
+            try:
+                proc.warm_ready = b"ready" in (os.read(proc.stdout.fileno(), 64) or b"")
+            except BlockingIOError:
+                pass
+        return proc.warm_ready
 
     def prewarm(self, nodes: Sequence[str]) -> None:
         """Have a warm process ready on each of ``nodes`` (no-op without warm ranks)."""
@@ -176,10 +191,20 @@ class LocalBackend(Backend):
         return proc.pid
 
     def _replenish(self) -> None:
-        if self._warm_due is not None and time.monotonic() >= self._warm_due:
-            self._warm_due = None
-            self.prewarm([n for n in self.nodes()])
+        """After a launch: warm the next node of the queue once no warm process is still importing."""
         self._running = [p for p in self._running if p.poll() is None]
+        if self._warm_due is None or time.monotonic() < self._warm_due:
+            return
+        if any(p.poll() is None and not self._ready(p) for p in self._warm.values()):
+            return
+        schedulable = set(self.nodes())
+        while self._warm_queue:
+            node = self._warm_queue.pop(0)
+            proc = self._warm.get(node)
+            if node in schedulable and (proc is None or proc.poll() is not None):
+                self._warm_process(node)
+                return
+        self._warm_due = None
 
     def status(self, job: str, generation: int) -> list[RankStatus]:
         record = LaunchRecord(self.run_dir, job, generation)

@@ -3,8 +3,8 @@
 Starting a rank costs the interpreter's start and the import of torch before the first line of the
 job runs (about 3 s each here, 6 s for four ranks on two cores), and a relaunch pays it on the
 critical path. The local backend keeps one warm process per node: ``python -m
-transom.controller.warmrank --preload torch`` imports the listed modules and waits on its stdin for
-one launch request, a JSON line::
+transom.controller.warmrank --preload torch`` imports the listed modules, says ``ready`` on its stdout
+and waits on its stdin for one launch request, a JSON line::
 
     {"dir": GEN_DIR, "rank": R, "argv": ["-m", "pkg.mod", ...] | ["script.py", ...],
      "env": {...}, "cwd": "/path"}
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(name)
         except Exception as exc:          # the rank will import it itself, and say what is wrong
             print(f"warmrank: could not preload {name}: {exc}", file=sys.stderr, flush=True)
+    print("ready", flush=True)            # to the backend, which warms one process at a time
     line = sys.stdin.readline()
     if not line.strip():
         return 0                          # the controller went away before using this process

@@ -187,7 +187,9 @@ def test_warm_ranks_run_the_job_in_processes_started_before_the_launch(tmp_path)
         gen = tmp_path / "j" / "gen-0"
         assert "rank 1 on node1 ['--flag']" in (gen / "rank-1.log").read_text()
         assert (gen / "rank-0.pid").read_text().split() == [str(warm[0])] * 2
-        # replenished after the launch: the next one takes new warm processes, -m modules too
+        # replenished after the launch, one at a time: the next launch takes new warm processes
+        wait_until(lambda: backend.status("j", 0) and all(n in backend._warm and backend._ready(backend._warm[n])
+                                                          for n in NODES[:2]), 30, "new warm processes")
         (tmp_path / "doc.json").write_text('{"a": 1}')
         fresh = [backend._warm[n].pid for n in NODES[:2]]
         assert set(fresh).isdisjoint(warm)
