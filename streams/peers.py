@@ -28,7 +28,10 @@ clean median, so that a detector fitted on very quiet history does not fire on n
 Cold start: until the models are fitted (``soft_min_history`` clean vectors per family, minutes of
 a fresh TEE), a node of a job with at least 3 nodes reporting the same window is anomalous when a
 family feature lies ``soft_cold_z`` noise floors off the job's median (detector ``peers.cold``), so
-a blatant straggler in a job's first minutes is not left running.
+a blatant straggler in a job's first minutes is not left running. And at any time, in such a job, a
+GPU whose SM clock is ``straggler_evict_drop`` or more below the job's median is anomalous whatever
+the model says (detector ``peers.rule``): a model refitted on history that already holds slow
+windows can learn to accept them.
 ``soft_consecutive`` anomalous windows make a fault; ``soft_clear`` clean windows after it make a
 resolution event (``resolved=True``, same fault id). The class comes from the evidence: NIC
 features -> link_degraded; a hot GPU -> thermal; a slow GPU whose clock-event reasons show a power
@@ -61,6 +64,7 @@ _FLOOR = np.array([0.7, 0.01, 0.02, 0.2, 0.02])
 _REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
 _POWER_CAP_BITS = 0x4 | 0x8 | 0x100
 _THERMAL_BITS = 0x20 | 0x40          # SW and HW thermal slowdown
+_CLOCK = 1                           # FEATURES.index("clock_drop")
 
 
 def _median(values) -> float:
@@ -267,15 +271,21 @@ class PeerDetector:
             for fam, cols in FAMILIES.items():
                 zmax = float(np.max(z[list(cols)]))
                 if ready:
-                    s, thr = float(fam_scores[fam][j]), self.thresholds[fam]
+                    s, thr, mode = float(fam_scores[fam][j]), self.thresholds[fam], "model"
                     hit = s > thr and zmax >= cfg.soft_min_z
                 elif cold:
-                    s, thr = zmax, float(cfg.soft_cold_z)
+                    s, thr, mode = zmax, float(cfg.soft_cold_z), "cold"
                     hit = zmax >= thr
                 else:
                     hit = False
                 if hit and (fam_hit is None or zmax > fam_hit[2]):
-                    fam_hit = (fam, s, zmax, thr)
+                    fam_hit = (fam, s, zmax, thr, mode)
+            # a GPU clocked straggler_evict_drop or more below its job's median is slow, whatever a model
+            # fitted on this job's history says (history that may hold such windows already)
+            drop = float(row[_CLOCK])
+            if len(peers) >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop \
+                    and (fam_hit is None or fam_hit[0] == "nic"):
+                fam_hit = ("gpu", drop, float(z[_CLOCK]), float(cfg.straggler_evict_drop), "rule")
             scores[node] = fam_hit
             if fam_hit is not None:
                 flagged.add(node)
@@ -342,7 +352,7 @@ class PeerDetector:
         ns.run += 1
         if ns.run < cfg.soft_consecutive:
             return []
-        fam, score, zmax, threshold = hit
+        fam, score, zmax, threshold, mode = hit
         cls = self._classify(fam, worst)
         severity, action = Severity.WARNING, Action.OBSERVE
         clock_drop = float(row[FEATURES.index("clock_drop")])
@@ -352,14 +362,15 @@ class PeerDetector:
         top = sorted(feats, key=lambda n: -feats[n]["z"])[:3]
         evidence = {"class": cls.value, "family": fam, "score": round(score, 4),
                     "threshold": round(threshold, 4), "z": round(zmax, 2),
-                    "model": cfg.soft_detector if self.models else "cold start: z off the job's median",
+                    "model": {"model": cfg.soft_detector, "cold": "cold start: z off the job's median",
+                              "rule": f"SM clock {cfg.straggler_evict_drop:.0%} or more below the job's median"}[mode],
                     "top_features": {n: feats[n] for n in top}, "devices": worst,
                     "window_s": cfg.soft_window_s, "window": [win.first_ts, win.last_ts],
                     "since_ts": ns.run_start, "peers": n_peers,
                     "baseline": "each device's own clean history" + (", relative to the job's median" if n_peers >= 3 else "")}
         dev = worst.get({"thermal": "thermal", "gpu": "clock", "nic": "nic_bw"}[fam], {})
         where = f"GPU {dev['gpu']}" if "gpu" in dev else f"port {dev.get('device', '?')}"
-        detector = f"pyod.{cfg.soft_detector}.peers" if self.models else "peers.cold"
+        detector = {"model": f"pyod.{cfg.soft_detector}.peers", "cold": "peers.cold", "rule": "peers.rule"}[mode]
         f = fault(KIND_OF[cls], severity, action,
                   fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
                   job=state.job, detector=detector, observed_ts=win.last_ts, now=now,

@@ -115,8 +115,21 @@ def test_a_straggler_in_a_jobs_first_minutes_is_caught_before_any_model_is_fitte
     assert f.detector == "peers.cold" and f.evidence["class"] == "straggler" and f.evidence["peers"] == 4
     assert f.evidence["top_features"]["clock_drop"]["value"] > 0.25
     assert T0 + 60 <= f.detected_ts <= T0 + 60 + 35       # two 10 s windows, decided when the next one closes
-    quiet = TEEEngine(TEEConfig(soft_detectors=("peers",), soft_cold_z=0))
-    assert _job_minutes(quiet, 120, slow="node2") == []    # turned off: nothing before the models are fitted
+    # without the cold start the clock rule still sees a GPU 30 % below its peers; with neither, nothing
+    ruled = TEEEngine(TEEConfig(soft_detectors=("peers",), soft_cold_z=0))
+    assert [(f.node, f.detector) for f in _job_minutes(ruled, 120, slow="node2")] == [("node2", "peers.rule")]
+    quiet = TEEEngine(TEEConfig(soft_detectors=("peers",), soft_cold_z=0, straggler_evict_drop=0))
+    assert _job_minutes(quiet, 120, slow="node2") == []
+
+
+def test_a_straggler_after_the_models_are_fitted_is_still_replaced(engine):
+    """Minutes into a job (models fitted on its history), a GPU at 70 % of its peers' clock is a critical
+    straggler on the right node, and no other node is flagged."""
+    found = [f for f in _job_minutes(engine, 420, slow="node3", at=330) if not f.resolved]
+    assert engine.peers.models                            # fitted by then
+    [f] = found
+    assert (f.node, f.kind, f.severity, f.action) == ("node3", c.FaultKind.STRAGGLER, c.Severity.CRITICAL, c.Action.EVICT)
+    assert f.detector in ("pyod.ecod.peers", "peers.rule") and f.detected_ts <= T0 + 330 + 35
 
 
 def test_a_thermal_slowdown_is_not_called_a_straggler(engine):
