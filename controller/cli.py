@@ -73,8 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="before every launch: full = agent health + a gloo all-reduce across the nodes; "
                         "health = agent health only; off (default full)")
     p.add_argument("--warm-ranks", action=argparse.BooleanOptionalAction, default=True,
-                   help="local backend: start ranks of `python -m MODULE` / `python SCRIPT.py` jobs in processes "
-                        "that imported torch ahead of time, one kept ready per node, so a relaunch does not wait "
+                   help="local backend: ranks of `python -m MODULE` / `python SCRIPT.py` jobs and the pre-check's "
+                        "processes are forks of one zygote that imported torch once, so a relaunch does not wait "
                         "for the import (default: on)")
     p.add_argument("--allow-no-gpus", action="store_true",
                    help="pre-check: pass nodes whose agent reports no GPU samples")

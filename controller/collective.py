@@ -5,9 +5,8 @@ group of N processes (one per node), all-reduces a small tensor of ones and chec
 element is N. Exit 0: passed; 1: the sum was wrong; 2: the group did not form or the
 all-reduce failed within ``--timeout`` seconds (the reason on stderr).
 
-``--serve`` keeps one process per node warm (torch imported once): it reads requests
-``RANK WORLD HOST:PORT TIMEOUT`` from stdin, one per line, runs the same test for each and
-answers ``ok`` or ``fail <reason>`` on stdout. Importing torch is most of the test's cost.
+Importing torch is most of the test's cost: the local backend runs :func:`run_once` in forks of
+its zygote (:mod:`.zygote`) instead, and this command only when warm starts are off.
 """
 
 from __future__ import annotations
@@ -40,20 +39,6 @@ def run_once(rank: int, world: int, master: str, timeout: float) -> tuple[int, s
     return 0, ""
 
 
-def serve() -> int:
-    import torch  # noqa: F401  (the point of serving: import once)
-
-    print("ready", flush=True)
-    for line in sys.stdin:
-        try:
-            rank, world, master, timeout = line.split()
-            code, why = run_once(int(rank), int(world), master, float(timeout))
-        except ValueError as exc:
-            code, why = 2, f"bad request {line.strip()!r}: {exc}"
-        print("ok" if code == 0 else f"fail {why}", flush=True)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m transom.controller.collective",
                                 description="pre-check: a tiny gloo all-reduce across the chosen nodes")
@@ -61,12 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int)
     p.add_argument("--master", metavar="HOST:PORT")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds for forming the group and the all-reduce")
-    p.add_argument("--serve", action="store_true", help="answer requests on stdin (one warm process per node)")
     args = p.parse_args(argv)
-    if args.serve:
-        return serve()
     if args.rank is None or args.world is None or not args.master:
-        p.error("give --rank, --world and --master (or --serve)")
+        p.error("give --rank, --world and --master")
     code, why = run_once(args.rank, args.world, args.master, args.timeout)
     if why:
         print(why, file=sys.stderr, flush=True)

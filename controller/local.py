@@ -10,14 +10,12 @@ Layout of ``run_dir``::
 
 Each launch gets a fresh rendezvous port (gloo cannot re-form a group on the old one).
 
-Warm ranks (``warm=True``, the default): a rank whose command is ``python -m MODULE`` or ``python
-SCRIPT.py`` (this interpreter) starts in a process of :mod:`.warmrank` that has already imported
-torch, instead of a new interpreter under rankwrap; the same files come out (``rank-R.pid``,
-``.log``, ``.exit``). One warm process per node: those of a launch's nodes are started by the
-pre-check before it; after a launch, from ``warm_delay`` seconds on, the rest one at a time (the
-next once the previous says it is ready), the launch's nodes first, so their imports take little
-from the running ranks. ``run_dir/warm-NODE.log`` has what a warm process said before it became
-a rank.
+Warm starts (``warm=True``, the default): the backend keeps one zygote (:mod:`.zygote`), a process
+that imported torch once; a rank whose command is ``python -m MODULE`` or ``python SCRIPT.py``
+(this interpreter, no interpreter flags) is a fork of it instead of a new interpreter under
+rankwrap, with the same files (``rank-R.pid``, ``.log``, ``.exit``), and so is every process of the
+pre-check's all-reduce. Any other command starts cold. ``run_dir/zygote.log`` has what the zygote
+and the pre-check's processes said.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ log = get("controller.local")
 
 
 def warm_argv(command: Sequence[str], executable: str = sys.executable) -> list[str] | None:
-    """The part of ``command`` after the interpreter when a warm process can run it, else None."""
+    """The part of ``command`` after the interpreter when a fork of the zygote can run it, else None."""
     if len(command) < 2 or os.path.realpath(command[0]) != os.path.realpath(executable):
         return None
     if command[1] == "-m" and len(command) >= 3 and not command[2].startswith("-"):
@@ -62,19 +60,18 @@ class LocalBackend(Backend):
 
     def __init__(self, run_dir: str | os.PathLike, agents: Mapping[str, str], *, ckpt_dir: str | None = None,
                  bootstrap: str | None = None, env: Mapping[str, str] | None = None, warm: bool = True,
-                 preload: str = "torch", warm_delay: float = 10.0) -> None:
+                 preload: str = "torch,torch.distributed,torch.nn") -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.agents = dict(agents)
         self.ckpt_dir = ckpt_dir
         self.bootstrap = bootstrap
         self.extra_env = dict(env or {})
-        self._workers: dict[str, subprocess.Popen] = {}
-        self.warm, self.preload, self.warm_delay = warm, preload, warm_delay
-        self._warm: dict[str, subprocess.Popen] = {}      # node -> idle warm process
-        self._running: list[subprocess.Popen] = []        # warm processes that became ranks
-        self._warm_due: float | None = None
-        self._warm_queue: list[str] = []                  # nodes to warm after a launch, in order
+        self.warm, self.preload = warm, preload
+        self._zygote: subprocess.Popen | None = None
+        self._zy_next = 0                                  # request ids
+        self._zy_buf = b""
+        self._zy_answers: dict[int, list[dict]] = {}       # request id -> answers not yet taken
 
     # ------------------------------------------------------------------ paths
     def _cordoned(self) -> dict[str, str]:
@@ -121,7 +118,7 @@ class LocalBackend(Backend):
             env.pop("TRANSOM_RESUME_STEP", None)
             if resume_step is not None:
                 env["TRANSOM_RESUME_STEP"] = str(resume_step)
-            pid = self._start_warm_rank(node, gen_dir, rank, command, env)
+            pid = self._fork_rank(gen_dir, rank, command, env)
             if pid is None:
                 pid = subprocess.Popen(
                     [sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir),
@@ -132,86 +129,100 @@ class LocalBackend(Backend):
         handle = {"pids": pids, "port": port, "run_dir": str(gen_dir), "nodes": list(nodes),
                   "resume_step": resume_step}
         record.write(handle)
-        warm = sum(1 for p in self._running if p.pid in pids)
-        log.info("launched job %s generation %d on %s (resume from %s; %d of %d ranks in warm processes)", job,
-                 generation, ",".join(nodes), "scratch" if resume_step is None else f"step {resume_step}", warm,
-                 len(pids))
-        if self.warm:
-            self._warm_due = time.monotonic() + self.warm_delay
-            self._warm_queue = [*nodes, *(n for n in self.agents if n not in nodes)]
+        log.info("launched job %s generation %d on %s (resume from %s; %s)", job, generation, ",".join(nodes),
+                 "scratch" if resume_step is None else f"step {resume_step}",
+                 "forked from the zygote" if self._forked(pids) else "cold starts")
         return handle
 
-    # ------------------------------------------------------------------ warm ranks
-    def _warm_process(self, node: str) -> subprocess.Popen:
-        proc = self._warm.get(node)
-        if proc is None or proc.poll() is not None:
-            env = {**os.environ, **self.extra_env, "TRANSOM_NODE": node}
-            with open(self.run_dir / f"warm-{node}.log", "ab") as err:
-                proc = subprocess.Popen([sys.executable, "-m", "transom.controller.warmrank", "--preload", self.preload],
-                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                        start_new_session=True)
-            os.set_blocking(proc.stdout.fileno(), False)
-            proc.warm_ready = False
-            self._warm[node] = proc
-        return proc
-
-    @staticmethod
-    def _ready(proc: subprocess.Popen) -> bool:
-        """Whether a warm process has finished its imports (it says so on its stdout)."""
-        if not proc.warm_ready:
-            try:
-                proc.warm_ready = b"ready" in (os.read(proc.stdout.fileno(), 64) or b"")
-            except BlockingIOError:
-                pass
-        return proc.warm_ready
-
-    def prewarm(self, nodes: Sequence[str]) -> None:
-        """Have a warm process ready on each of ``nodes`` (no-op without warm ranks)."""
-        if self.warm:
-            for node in nodes:
-                if node in self.agents:
-                    self._warm_process(node)
-
-    def _start_warm_rank(self, node: str, gen_dir: Path, rank: int, command: Sequence[str],
-                         env: Mapping[str, str]) -> int | None:
-        argv = warm_argv(command) if self.warm else None
-        proc = self._warm.pop(node, None)
-        if argv is None or proc is None or proc.poll() is not None:
-            if proc is not None and proc.poll() is None:
-                self._warm[node] = proc       # not usable for this command: keep it for another
+    # ------------------------------------------------------------------ zygote
+    def _zy(self) -> subprocess.Popen | None:
+        """The zygote, started on first use (None when warm starts are off)."""
+        if not self.warm:
             return None
-        request = {"dir": str(gen_dir), "rank": rank, "argv": argv, "env": dict(env), "cwd": os.getcwd()}
+        if self._zygote is None or self._zygote.poll() is not None:
+            env = {**os.environ, **self.extra_env}
+            with open(self.run_dir / "zygote.log", "ab") as err:
+                self._zygote = subprocess.Popen(
+                    [sys.executable, "-m", "transom.controller.zygote", "--preload", self.preload], env=env,
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+            self._zy_buf, self._zy_answers = b"", {}
+        return self._zygote
+
+    def _zy_send(self, req: dict[str, Any]) -> int | None:
+        """Send a request; its id, or None when the zygote cannot take it."""
+        zy = self._zy()
+        if zy is None:
+            return None
+        self._zy_next += 1
+        req = {**req, "id": self._zy_next}
         try:
-            proc.stdin.write((json.dumps(request) + "\n").encode())
-            proc.stdin.close()
+            zy.stdin.write((json.dumps(req) + "\n").encode())
+            zy.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
-            log.warning("warm process of %s is gone (%s): rank %d starts cold", node, exc, rank)
+            log.warning("the zygote is gone (%s): starting cold", exc)
             return None
-        self._running.append(proc)
-        return proc.pid
+        return req["id"]
 
-    def _replenish(self) -> None:
-        """After a launch: warm the next node of the queue once no warm process is still importing."""
-        self._running = [p for p in self._running if p.poll() is None]
-        if self._warm_due is None or time.monotonic() < self._warm_due:
-            return
-        if any(p.poll() is None and not self._ready(p) for p in self._warm.values()):
-            return
-        schedulable = set(self.nodes())
-        while self._warm_queue:
-            node = self._warm_queue.pop(0)
-            proc = self._warm.get(node)
-            if node in schedulable and (proc is None or proc.poll() is not None):
-                self._warm_process(node)
-                return
-        self._warm_due = None
+    def _zy_wait(self, ids: Sequence[int], key: str, timeout: float) -> dict[int, dict]:
+        """The first answer with ``key`` for each of ``ids`` that comes within ``timeout`` seconds."""
+        import select
+
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            for i in ids:
+                if i not in got:
+                    for k, msg in enumerate(self._zy_answers.get(i, [])):
+                        if key in msg:
+                            got[i] = self._zy_answers[i].pop(k)
+                            break
+            left = deadline - time.monotonic()
+            if len(got) == len(ids) or left <= 0 or self._zygote is None:
+                return got
+            fd = self._zygote.stdout.fileno()
+            if not select.select([fd], [], [], min(left, 0.5))[0]:
+                if self._zygote.poll() is not None:
+                    return got
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return got
+            self._zy_buf += chunk
+            while b"\n" in self._zy_buf:
+                line, self._zy_buf = self._zy_buf.split(b"\n", 1)
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if msg.get("error"):
+                    log.warning("zygote: %s", msg["error"])
+                self._zy_answers.setdefault(msg.get("id"), []).append(msg)
+
+    def _forked(self, pids: Sequence[int]) -> bool:
+        try:
+            return self._zygote is not None and all(psutil.Process(p).ppid() == self._zygote.pid for p in pids)
+        except psutil.Error:
+            return False
+
+    def _fork_rank(self, gen_dir: Path, rank: int, command: Sequence[str], env: Mapping[str, str]) -> int | None:
+        """The pid of the rank forked from the zygote, or None to start it cold."""
+        argv = warm_argv(command) if self.warm else None
+        if argv is None:
+            return None
+        rid = self._zy_send({"op": "rank", "dir": str(gen_dir), "rank": rank, "argv": argv, "env": dict(env),
+                             "cwd": os.getcwd()})
+        if rid is None:
+            return None
+        pid = self._zy_wait([rid], "pid", 120.0).get(rid, {}).get("pid")   # the first answer waits for the imports
+        if pid is None:
+            log.warning("the zygote did not fork rank %d within 120s: starting it cold", rank)
+        return pid
 
     def status(self, job: str, generation: int) -> list[RankStatus]:
         record = LaunchRecord(self.run_dir, job, generation)
         gen_dir, handle = record.dir, record.read()
         if handle is None:
             return []
-        self._replenish()
         self._reap()
         out = []
         for rank, pid in enumerate(handle["pids"]):
@@ -261,12 +272,11 @@ class LocalBackend(Backend):
     def collective_test(self, job: str, generation: int, nodes: Sequence[str], timeout: float) -> dict[str, str]:
         """A gloo all-reduce across one process per node (``TRANSOM_NODE`` set); retried once on a new port.
 
-        The processes are kept warm between tests (``collective --serve``, one per node, started
-        at the first test for every node this backend knows), so a relaunch pays no torch import.
+        The processes are forks of the zygote (no torch import), else fresh interpreters.
         """
         failed: dict[str, str] = {}
         for _attempt in range(2):
-            failed = self._collective_warm(nodes, timeout)
+            failed = self._collective_forked(nodes, timeout)
             if failed is None:
                 failed = self._collective_once(nodes, timeout)
             if len(failed) < len(nodes):
@@ -275,60 +285,36 @@ class LocalBackend(Backend):
                         next(iter(failed.values()), ""))
         return failed
 
-    def _worker(self, node: str) -> subprocess.Popen:
-        proc = self._workers.get(node)
-        if proc is None or proc.poll() is not None:
-            env = {**os.environ, **self.extra_env, "TRANSOM_NODE": node}
-            proc = subprocess.Popen([sys.executable, "-m", "transom.controller.collective", "--serve"], env=env,
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                    text=True, bufsize=1, start_new_session=True)
-            self._workers[node] = proc
-        return proc
-
-    def _collective_warm(self, nodes: Sequence[str], timeout: float) -> dict[str, str] | None:
-        """The test through the warm workers; None when they cannot be used (then a one-off run)."""
-        import select
-
-        for node in self.agents:          # start every node's worker at once: spares get warm too
-            self._worker(node)
-        self.prewarm(nodes)               # and the launch that follows a passed test starts warm
-        workers = [self._worker(n) for n in nodes]
+    def _collective_forked(self, nodes: Sequence[str], timeout: float) -> dict[str, str] | None:
+        """The test in processes forked from the zygote; None when it cannot fork them (then fresh ones)."""
         master = f"127.0.0.1:{free_port()}"
-        deadline = time.monotonic() + timeout + 30         # the first test waits for torch's import
-        try:
-            for rank, w in enumerate(workers):
-                w.stdin.write(f"{rank} {len(nodes)} {master} {timeout}\n")
-                w.stdin.flush()
-        except (BrokenPipeError, OSError):
-            return None
-        answers: dict[int, str] = {}
-        while len(answers) < len(workers) and time.monotonic() < deadline:
-            pending = {w.stdout: r for r, w in enumerate(workers) if r not in answers}
-            ready, _, _ = select.select(list(pending), [], [], 0.2)
-            for f in ready:
-                line = f.readline()
-                if line.strip() == "ready":
-                    continue
-                answers[pending[f]] = line.strip() or "fail the worker exited"
-        failed = {}
+        ids = []
         for rank, node in enumerate(nodes):
-            answer = answers.get(rank)
-            if answer is None:
+            rid = self._zy_send({"op": "collective", "rank": rank, "world": len(nodes), "master": master,
+                                 "timeout": timeout, "node": node})
+            if rid is None:
+                return None
+            ids.append(rid)
+        pids = self._zy_wait(ids, "pid", 120.0)                     # the first request waits for the imports
+        if len(pids) < len(ids):
+            return None
+        results = self._zy_wait(ids, "code", timeout + 10.0)
+        failed = {}
+        for rid, node in zip(ids, nodes):
+            res = results.get(rid)
+            if res is None:
                 failed[node] = "collective test did not answer in time"
-                _signal_group(workers[rank].pid, signal.SIGKILL)
-                self._workers.pop(node, None)
-            elif answer != "ok":
-                failed[node] = answer.removeprefix("fail ")
+                _signal_group(pids[rid]["pid"], signal.SIGKILL)
+            elif res["code"] != 0:
+                failed[node] = res.get("why") or f"collective test exited {res['code']}"
         return failed
 
     def close(self) -> None:
-        """Stop the warm collective-test workers and the idle warm rank processes (not running ranks)."""
-        for proc in [*self._workers.values(), *self._warm.values()]:
-            if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self._workers.clear()
-        self._warm.clear()
+        """Stop the zygote (the ranks it forked live on, in their own sessions)."""
+        if self._zygote is not None and self._zygote.poll() is None:
+            _signal_group(self._zygote.pid, signal.SIGKILL)
+            self._zygote.wait()
+        self._zygote = None
 
     def _collective_once(self, nodes: Sequence[str], timeout: float) -> dict[str, str]:
         master = f"127.0.0.1:{free_port()}"
@@ -374,11 +360,11 @@ class LocalBackend(Backend):
             cmd = proc.info.get("cmdline") or []
             if "transom.controller.rankwrap" in cmd and marker in cmd:
                 found.append(proc)
-        # warm processes that became ranks of this generation: their pid files name them
+        # ranks forked from the zygote: their pid files name them
         for pidfile in gen_dir.glob("rank-*.pid") if gen_dir.is_dir() else ():
             try:
                 proc = psutil.Process(int(pidfile.read_text().split()[0]))
-                if "transom.controller.warmrank" in proc.cmdline() and proc.pid not in {p.pid for p in found}:
+                if "transom.controller.zygote" in proc.cmdline() and proc.pid not in {p.pid for p in found}:
                     found.append(proc)
             except (OSError, ValueError, IndexError, psutil.Error):
                 continue

@@ -147,67 +147,70 @@ def test_xid_evicts_relaunches_on_the_spare_and_survives_a_controller_killed_aft
     assert f"resumed from step {resume} gen 1" in (gen1 / "rank-0.log").read_text()
 
 
-def test_collective_precheck_runs_a_gloo_all_reduce_in_warm_per_node_processes(tmp_path):
+def test_collective_precheck_runs_a_gloo_all_reduce_in_forks_of_one_zygote(tmp_path):
     from transom.controller.local import LocalBackend
 
     backend = LocalBackend(tmp_path, {n: "127.0.0.1:9" for n in NODES[:3]})
     try:
         assert backend.collective_test("j", 0, NODES[:2], 20) == {}
-        workers = {n: p.pid for n, p in backend._workers.items()}
-        assert sorted(workers) == NODES[:3]                  # the spare's worker is warm too
+        zygote = backend._zygote.pid
         assert backend.collective_test("j", 1, [NODES[2], NODES[0]], 20) == {}
-        assert {n: p.pid for n, p in backend._workers.items()} == workers    # reused, not started again
-        backend._workers[NODES[1]].kill()
-        backend._workers[NODES[1]].wait()
-        assert backend.collective_test("j", 2, NODES[:2], 20) == {}          # a dead worker is replaced
+        assert backend._zygote.pid == zygote                  # reused, not started again
+        backend._zygote.kill()
+        backend._zygote.wait()
+        assert backend.collective_test("j", 2, NODES[:2], 20) == {}          # a dead zygote is replaced
+        assert backend._zygote.pid != zygote
         assert backend.health(["node1", "nodeX"]) == {"nodeX": "no agent address (give --node NAME=HOST:PORT)"}
     finally:
         backend.close()
-    assert not backend._workers
+    assert backend._zygote is None
+    cold = LocalBackend(tmp_path / "cold", {n: "127.0.0.1:9" for n in NODES[:2]}, warm=False)
+    assert cold.collective_test("j", 0, NODES[:2], 20) == {} and cold._zygote is None     # fresh interpreters
 
 
-def test_warm_ranks_run_the_job_in_processes_started_before_the_launch(tmp_path):
-    """A rank starts in its node's warm process (pid known before the launch), with the launch's
-    environment, argv, log and exit code; a command a warm process cannot run starts cold."""
+def test_warm_ranks_are_forks_of_the_zygote(tmp_path):
+    """A rank is a fork of the zygote (torch already imported) with the launch's environment, argv,
+    log, pid and exit files; a command the zygote cannot run starts cold under rankwrap."""
     import sys
+
+    import psutil
 
     from transom.controller.local import LocalBackend
 
-    backend = LocalBackend(tmp_path, {n: "127.0.0.1:9" for n in NODES[:2]}, preload="json", warm_delay=0)
+    backend = LocalBackend(tmp_path, {n: "127.0.0.1:9" for n in NODES[:2]}, preload="json")
+    go = tmp_path / "go"
     script = tmp_path / "job.py"
-    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'on', os.environ['TRANSOM_NODE'], sys.argv[1:])\n"
+    script.write_text("import os, sys, time\nprint('rank', os.environ['RANK'], 'on', os.environ['TRANSOM_NODE'], sys.argv[1:])\n"
+                      f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
                       "sys.exit(int(os.environ['RANK']) * 3)\n")
     try:
-        backend.prewarm(NODES[:2])
-        warm = [backend._warm[n].pid for n in NODES[:2]]
         handle = backend.launch("j", 0, tuple(NODES[:2]), (sys.executable, str(script), "--flag"), None)
-        assert handle["pids"] == warm
-        wait_until(lambda: not any(s.running for s in backend.status("j", 0)), 30, "the warm ranks to end")
+        zygote = backend._zygote.pid
+        for pid in handle["pids"]:
+            assert os.getpgid(pid) == pid                      # its own group at once: stop() reaches it
+            proc = psutil.Process(pid)
+            assert proc.ppid() == zygote and "transom.controller.zygote" in proc.cmdline()
+            assert os.getpgid(pid) == pid                      # its own group: stop() signals only the rank
+        go.write_text("")
+        wait_until(lambda: not any(s.running for s in backend.status("j", 0)), 30, "the forked ranks to end")
         assert [s.exit_code for s in backend.status("j", 0)] == [0, 3]
         gen = tmp_path / "j" / "gen-0"
         assert "rank 1 on node1 ['--flag']" in (gen / "rank-1.log").read_text()
-        assert (gen / "rank-0.pid").read_text().split() == [str(warm[0])] * 2
-        # replenished after the launch, one at a time: the next launch takes new warm processes
-        wait_until(lambda: backend.status("j", 0) and all(n in backend._warm and backend._ready(backend._warm[n])
-                                                          for n in NODES[:2]), 30, "new warm processes")
+        assert (gen / "rank-0.pid").read_text().split() == [str(handle["pids"][0])] * 2
+        # -m modules too
         (tmp_path / "doc.json").write_text('{"a": 1}')
-        fresh = [backend._warm[n].pid for n in NODES[:2]]
-        assert set(fresh).isdisjoint(warm)
         handle = backend.launch("j", 1, (NODES[1],), (sys.executable, "-m", "json.tool", str(tmp_path / "doc.json")),
                                 None)
-        assert handle["pids"] == [fresh[1]]
         wait_until(lambda: not any(s.running for s in backend.status("j", 1)), 30, "the module rank to end")
         assert backend.status("j", 1)[0].exit_code == 0
         assert '"a": 1' in (tmp_path / "j" / "gen-1" / "rank-0.log").read_text()
-        # interpreter flags: not something a warm process can reproduce, so rankwrap runs it
+        # interpreter flags: not something a fork can reproduce, so rankwrap runs it
         handle = backend.launch("j", 2, (NODES[0],), (sys.executable, "-u", str(script)), None)
-        assert handle["pids"] != [fresh[0]]
+        assert psutil.Process(handle["pids"][0]).ppid() != zygote
         wait_until(lambda: not any(s.running for s in backend.status("j", 2)), 30, "the cold rank to end")
         assert backend.status("j", 2)[0].exit_code == 0
-        idle = list(backend._warm.values())
     finally:
         backend.close()
-    assert all(p.poll() is not None for p in idle)          # idle warm processes end with the backend
 
 
 def test_standby_takes_over_during_relaunch_hang_restarts_in_place_and_the_budget_fails_the_job(broker, stack):
