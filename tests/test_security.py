@@ -52,9 +52,20 @@ KEY_A, KEY_B = "tee-a-key-0123456789abcdef", "tee-b-key-fedcba9876543210"
 SECURITY_ENV = [k for k in os.environ if k.startswith(("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_"))]
 
 
+@pytest.fixture(autouse=True)
+def no_security_settings_leak():
+    """Every test leaves the process's security settings as it found them (a leaked TLS setting makes
+    every later client of the session speak TLS to plaintext brokers)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith(("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_"))}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith(("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_"))}
+    assert after == before, f"security settings leaked out of the test: {sorted(set(after.items()) ^ set(before.items()))}"
+
+
 @contextlib.contextmanager
 def environ(**values: str) -> Iterator[None]:
-    """Set (or, with None, unset) environment variables for the block; every security variable starts unset."""
+    """Set (or, with None, unset) environment variables for the block; every security variable starts unset.
+    The process environment is global: never use this on more than one thread at a time."""
     saved = dict(os.environ)
     for k in [k for k in os.environ if k.startswith(("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_"))]:
         del os.environ[k]
@@ -352,8 +363,9 @@ def test_the_agent_runs_as_nobody_without_capabilities_and_publishes(broker, tmp
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "HOME": str(state), "TMPDIR": str(state), "PYTHONDONTWRITEBYTECODE": "1"}, cwd=state)
     try:
-        got = wait_until(lambda: proc.poll() is not None or [b for b in topic_values(broker.bootstrap, c.METRICS)
-                                                             if b.node == node], 60, "the nobody agent's batches")
+        got = wait_until(lambda: proc.poll() is not None or [
+            b for b in topic_values(broker.bootstrap, c.METRICS, valid_only=True) if b.node == node],   # shared broker:
+            60, "the nobody agent's batches")                                                         # others' bad input
         assert proc.poll() is None, f"the agent as nobody exited {proc.returncode}:\n{log.read_text()[-3000:]}"
         assert any(s.source == c.Source.GPU for s in got[0].samples)
         status = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
@@ -481,8 +493,10 @@ def _connect_error(bootstrap: str, env: dict[str, str]) -> str:
     logger = logging.getLogger(f"rdkafka-{uuid.uuid4().hex[:6]}")
     logger.propagate = False
     logger.addHandler(Capture())
-    with environ(**env):
-        conf = kafka.client_config(bootstrap, socket_timeout_ms=3000, socket_connection_setup_timeout_ms=1500)
+    # the settings from ``env`` itself, not through os.environ: this runs on several threads at once, and
+    # swapping the process environment from two threads leaked one thread's TLS settings into every later test
+    conf = {"bootstrap.servers": bootstrap, **KafkaSecurity.from_env(env).librdkafka(),
+            "socket.timeout.ms": 3000, "socket.connection.setup.timeout.ms": 1500}
     admin = AdminClient({**conf, "logger": logger, "error_cb": lambda e: lines.append(str(e))})
     try:
         admin.list_topics(timeout=4)
