@@ -12,8 +12,9 @@ Contract::
 Merging: a fault of the same class (``evidence["class"]``) on the same node and device (GPU, port)
 whose trigger lies within ``cooldown_s`` (sample time) of the last one is merged into it (counted in
 ``counts["merged"]``, not emitted), so an XID 48 and the DBE counter that moves with it, or a
-link that flaps for minutes, make one fault. A soft fault on a node with a hard fault of the last
-``cooldown_s`` is explained by it and dropped (``counts["explained"]``). Resolution events
+link that flaps for minutes, make one fault. A soft fault whose anomaly began while a hard fault of
+its node went on, or within ``soft_consecutive`` windows after, is explained by it and dropped
+(``counts["explained"]``); one that began later is a fault of its own. Resolution events
 (``resolved=True``) pass through with the id of the fault they resolve.
 
 A fault id is emitted at most once per engine (the last ``dedup_capacity`` ids are remembered),
@@ -109,6 +110,13 @@ class TEEEngine:
             return True
         return any(ts - p.since > self._hang.limit(p) for p in state.ranks.values())
 
+    def _explained(self, f: FaultEvent) -> bool:
+        """Whether soft fault ``f`` is a symptom of the node's last hard fault: its anomaly began while
+        that fault went on, or within ``soft_consecutive`` windows after. A drift that begins later is
+        a fault of its own (a node that hung and was restarted can straggle minutes later)."""
+        began = float(f.evidence.get("since_ts", f.observed_ts)) if isinstance(f.evidence, Mapping) else f.observed_ts
+        return began - self._hard_at[f.node] <= self.config.soft_window_s * self.config.soft_consecutive
+
     def check_heartbeats(self, now: float | None = None) -> list[FaultEvent]:
         """Faults for nodes that went silent; drops nodes that are only replayed history."""
         now = self.clock() if now is None else now
@@ -187,7 +195,7 @@ class TEEEngine:
             hard = cls in {c.value for c in HARD}
             if hard:
                 self._hard_at[f.node] = f.observed_ts
-            elif f.node in self._hard_at and f.observed_ts - self._hard_at[f.node] <= cooldown:
+            elif f.node in self._hard_at and self._explained(f):
                 self.counts["explained"] += 1
                 continue
             self._emitted[f.fault_id] = None

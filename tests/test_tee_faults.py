@@ -199,3 +199,15 @@ def test_temporal_scorer_flags_a_level_shift_above_its_train_threshold():
     assert scorer.contributions(test[210])[1] > 5
     with pytest.raises(ConfigError, match="svm"):
         ScorerConfig(members=("svm",))
+
+
+def test_a_straggler_that_begins_minutes_after_a_hang_of_its_node_is_its_own_fault(engine):
+    """A hang explains the soft symptoms that come with it, not a drift that starts after the job was
+    restarted: that straggler is reported."""
+    hang = c.FaultEvent(fault_id="h1", job="job1", node="node2", kind=c.FaultKind.HANG, severity=c.Severity.CRITICAL,
+                        detector="rule.hang", action=c.Action.RESTART, observed_ts=T0 + 200, detected_ts=T0 + 201,
+                        evidence={"class": "hang"})
+    engine.restore([hang], now=T0 + 201)
+    found = [f for f in _job_minutes(engine, 420, slow="node2", at=320) if not f.resolved]
+    assert [(f.node, f.kind) for f in found] == [("node2", c.FaultKind.STRAGGLER)]
+    assert engine.counts["explained"] == 0
