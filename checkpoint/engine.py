@@ -361,8 +361,8 @@ class CheckpointEngine:
                     continue
                 state = shardfmt.decode(buf, f"{TIERS[tier]} copy on {node}")
             except (CorruptCheckpoint, DaemonError, OSError) as exc:
-                log.warning("rank %d: step %d: %s copy of rank %d's shard on %s is unusable, trying the next: "
-                            "%s", self.rank, step, TIERS[tier], rank, node, exc)
+                log.warning("rank %d: step %d: %s copy on %s (of rank %d's shard) is unusable, trying the next: "
+                            "%s", self.rank, step, TIERS[tier], node, rank, exc)
                 problems.append(f"{TIERS[tier]}@{node}: {exc}")
                 continue
             self.last_restore = {"step": step, "tier": tier, "tier_name": TIERS[tier], "node": node,
