@@ -102,7 +102,7 @@ class LocalBackend(Backend):
             raise ValueError(f"nodes {unknown} have no agent address; known: {sorted(self.agents)}")
         port = free_port()
         ckpt_dir = self.ckpt_dir or str(self.run_dir / job / "ckpt")
-        pids = []
+        pids, forked = [], 0
         for rank, node in enumerate(nodes):
             env = dict(os.environ)
             env.update(self.extra_env)
@@ -119,6 +119,7 @@ class LocalBackend(Backend):
             if resume_step is not None:
                 env["TRANSOM_RESUME_STEP"] = str(resume_step)
             pid = self._fork_rank(gen_dir, rank, command, env)
+            forked += pid is not None
             if pid is None:
                 pid = subprocess.Popen(
                     [sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir),
@@ -129,9 +130,9 @@ class LocalBackend(Backend):
         handle = {"pids": pids, "port": port, "run_dir": str(gen_dir), "nodes": list(nodes),
                   "resume_step": resume_step}
         record.write(handle)
-        log.info("launched job %s generation %d on %s (resume from %s; %s)", job, generation, ",".join(nodes),
-                 "scratch" if resume_step is None else f"step {resume_step}",
-                 "forked from the zygote" if self._forked(pids) else "cold starts")
+        log.info("launched job %s generation %d on %s (resume from %s; %d of %d ranks forked from the zygote)", job,
+                 generation, ",".join(nodes), "scratch" if resume_step is None else f"step {resume_step}", forked,
+                 len(pids))
         return handle
 
     # ------------------------------------------------------------------ zygote
@@ -197,12 +198,6 @@ class LocalBackend(Backend):
                 if msg.get("error"):
                     log.warning("zygote: %s", msg["error"])
                 self._zy_answers.setdefault(msg.get("id"), []).append(msg)
-
-    def _forked(self, pids: Sequence[int]) -> bool:
-        try:
-            return self._zygote is not None and all(psutil.Process(p).ppid() == self._zygote.pid for p in pids)
-        except psutil.Error:
-            return False
 
     def _fork_rank(self, gen_dir: Path, rank: int, command: Sequence[str], env: Mapping[str, str]) -> int | None:
         """The pid of the rank forked from the zygote, or None to start it cold."""

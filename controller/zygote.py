@@ -29,6 +29,7 @@ live on, in their own process groups, for the next controller to adopt).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -67,10 +68,8 @@ def _detach(log_path: str | None) -> None:
     """In a fresh child: own session (or at least own process group: the zygote makes the child a
     group leader right after the fork, so that stopping it works before this line has run), stdin
     from /dev/null, stdout and stderr to ``log_path``."""
-    try:
+    with contextlib.suppress(OSError):    # already a group leader (the zygote was first): keep that group
         os.setsid()
-    except OSError:                       # already a group leader (the zygote was first): keep that group
-        pass
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -188,10 +187,10 @@ def serve() -> int:
                 return become_rank(req)   # unwinds to the interpreter's exit: atexit handlers run
             children[pid] = os.path.join(req["dir"], f"rank-{int(req['rank'])}.exit") if op == "rank" else None
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-            try:
-                os.setpgid(pid, pid)      # its own group before anyone learns its pid (stop() signals the group)
-            except OSError:
-                pass                      # the child's setsid() came first: it leads its own group already
+            # its own group before anyone learns its pid (stop() signals the group); an OSError means the
+            # child's setsid() came first and it leads its own group already
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)
             _answer({"id": req.get("id"), "pid": pid})
 
 

@@ -355,7 +355,7 @@ class PeerDetector:
         fam, score, zmax, threshold, mode = hit
         cls = self._classify(fam, worst)
         severity, action = Severity.WARNING, Action.OBSERVE
-        clock_drop = float(row[FEATURES.index("clock_drop")])
+        clock_drop = float(row[_CLOCK])
         if cls == FaultClass.STRAGGLER and clock_drop >= cfg.straggler_evict_drop:
             severity, action = Severity.CRITICAL, Action.EVICT    # a whole job waits on it: replace it
         feats = {name: {"value": round(float(row[i]), 4), "z": round(float(z[i]), 2)} for i, name in enumerate(FEATURES)}

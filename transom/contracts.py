@@ -258,7 +258,8 @@ class _SampleWhere:
     def __str__(self) -> str:
         return f"{self.what} sample {self.i}"
 
-    __format__ = lambda self, spec: format(str(self), spec)   # noqa: E731 - f-strings call __format__
+    def __format__(self, spec: str) -> str:      # f-strings call __format__, not __str__
+        return format(str(self), spec)
 
 
 @dataclass(frozen=True)
