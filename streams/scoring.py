@@ -9,13 +9,18 @@ Contract::
 
 The score is an ensemble of members (``members``; pyod names or ``knn`` / ``pca``, each of them
 also as ``<name>_resid``: the same model over the residuals of each row against the trailing mean
-of the ``residual_window`` rows before it, which catches a sudden change of level), each
-rank-normalised against its own scores on the history: ``(s - median) / (q99 - median)``, so
-members with different units add up. Features are min-max scaled by the history (constant features
-dropped, values clipped to [-3, 4] of the range), then each member's score is smoothed by a
-trailing mean of ``smooth`` samples (a fault lasts; noise does not). The defaults (kNN distance,
-k=5, on the values and on their residuals, smooth 5) are the one configuration
-``bench/tee_external.py`` scores on both SMD and ASD.
+of the ``residual_window`` rows before it, which catches a sudden change of level, and as
+``<name>_joint``: the same model over each row's values side by side with its residuals, so a
+level and a change are judged together), each rank-normalised against its own scores on the
+history: ``(s - median) / (q99 - median)``, so members with different units add up. Features are
+min-max scaled by the history (constant features dropped, values clipped to [-3, 4] of the range),
+then each member's score is smoothed by an exponentially weighted trailing mean of span ``smooth``
+(a fault lasts; noise does not). The kNN member scores a row by its mean distance to the k nearest
+rows of a small seeded sample of the history (``knn_sample`` rows), averaged over ``knn_bags``
+independent samples: a small sample rarely holds the history's few odd rows (the history is not
+labelled and may hold faults), and the average removes the luck of one draw. The defaults (one
+kNN member over values and residuals, k=5, 4 samples of 1000 rows, residual window 10, span 5)
+are the one configuration ``bench/tee_external.py`` scores on both SMD and ASD.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 
 from transom.config import ConfigError
 
-__all__ = ["ScorerConfig", "TemporalScorer", "trailing_mean", "residuals", "PYOD_MODELS"]
+__all__ = ["ScorerConfig", "TemporalScorer", "ewma", "residuals", "PYOD_MODELS"]
 
 #: Member names that map onto pyod models (built with their defaults and ``contamination``).
 PYOD_MODELS = {"ecod": "pyod.models.ecod.ECOD", "iforest": "pyod.models.iforest.IForest",
@@ -37,18 +42,23 @@ PYOD_MODELS = {"ecod": "pyod.models.ecod.ECOD", "iforest": "pyod.models.iforest.
 
 @dataclass(frozen=True)
 class ScorerConfig:
-    #: ensemble members: "knn" (mean distance to the k nearest history rows), "pca" (reconstruction
-    #: error with components for ``pca_variance`` of the variance), or a name of ``PYOD_MODELS``
-    members: tuple[str, ...] = ("knn", "knn_resid")
-    #: rows of the trailing mean the ``_resid`` members subtract
+    #: ensemble members: "knn" (mean distance to the k nearest sampled history rows), "pca" (reconstruction
+    #: error with components for ``pca_variance`` of the variance), or a name of ``PYOD_MODELS``;
+    #: each also as "<name>_resid" (over the residuals) or "<name>_joint" (values and residuals)
+    members: tuple[str, ...] = ("knn_joint",)
+    #: rows of the trailing mean the ``_resid`` and ``_joint`` members subtract
     residual_window: int = 10
     #: neighbours of the kNN member
     k: int = 5
-    #: most history rows the kNN member keeps (a seeded sample; keeps scoring fast)
-    knn_sample: int = 4000
+    #: history rows in each seeded sample the kNN member searches (small: leaves out the
+    #: history's rare, possibly faulty rows, and keeps scoring fast)
+    knn_sample: int = 1000
+    #: independent samples (seeds ``seed``, ``seed + 1``, ...) whose kNN distances are averaged
+    knn_bags: int = 4
     #: share of variance the PCA member's components explain
     pca_variance: float = 0.9
-    #: trailing mean over this many samples of each member's score
+    #: span of the exponentially weighted trailing mean of each member's score (weight 2/(span+1)
+    #: on the newest sample; 1: no smoothing)
     smooth: int = 5
     #: the threshold is this quantile of the smoothed history scores (0.98: a fault found early
     #: matters more than a few more alarms to look at; see bench/tee_external.py)
@@ -59,26 +69,34 @@ class ScorerConfig:
 
     def __post_init__(self) -> None:
         for m in self.members:
-            m = m[:-len("_resid")] if m.endswith("_resid") else m
+            m = _base(m)
             if m not in ("knn", "pca") and m not in PYOD_MODELS:
-                raise ConfigError(f"scorer member {m!r}: expected knn, pca or one of {', '.join(PYOD_MODELS)}")
+                raise ConfigError(f"scorer member {m!r}: expected knn, pca or one of {', '.join(PYOD_MODELS)}"
+                                  " (optionally with _resid or _joint)")
         if not self.members:
             raise ConfigError("scorer members: expected at least one")
         if not 0.5 < self.quantile < 1:
             raise ConfigError(f"scorer quantile={self.quantile!r}: expected a share between 0.5 and 1")
-        for f in ("k", "knn_sample", "smooth", "residual_window"):
+        for f in ("k", "knn_sample", "knn_bags", "smooth", "residual_window"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"scorer {f}={getattr(self, f)!r}: expected a positive integer")
 
 
-def trailing_mean(s: np.ndarray, w: int) -> np.ndarray:
-    """Causal moving mean: out[i] = mean(s[max(0, i-w+1) : i+1])."""
-    if w <= 1:
-        return np.asarray(s, dtype=float)
-    c = np.concatenate([[0.0], np.cumsum(s, dtype=float)])
-    i = np.arange(len(s))
-    a = np.maximum(0, i - w + 1)
-    return (c[i + 1] - c[a]) / (i + 1 - a)
+def ewma(s: np.ndarray, span: int) -> np.ndarray:
+    """Causal exponentially weighted mean: out[0] = s[0], out[i] = a*s[i] + (1-a)*out[i-1], a = 2/(span+1)."""
+    s = np.asarray(s, dtype=float)
+    if span <= 1 or not len(s):
+        return s
+    from scipy.signal import lfilter
+    a = 2.0 / (span + 1)
+    return lfilter([a], [1.0, a - 1.0], s, zi=[(1 - a) * s[0]])[0]
+
+
+def _base(member: str) -> str:
+    for suffix in ("_resid", "_joint"):
+        if member.endswith(suffix):
+            return member[:-len(suffix)]
+    return member
 
 
 def residuals(X: np.ndarray, w: int) -> np.ndarray:
@@ -98,19 +116,24 @@ def _import(path: str) -> Any:
 
 
 class _Knn:
-    def __init__(self, k: int, sample: int, seed: int) -> None:
-        self.k, self.sample, self.seed = k, sample, seed
+    def __init__(self, k: int, sample: int, bags: int, seed: int) -> None:
+        self.k, self.sample, self.bags, self.seed = k, sample, bags, seed
 
     def fit(self, X: np.ndarray) -> np.ndarray:
         from sklearn.neighbors import NearestNeighbors
-        rng = np.random.default_rng(self.seed)
-        idx = rng.choice(len(X), min(self.sample, len(X)), replace=False)
-        self.nn = NearestNeighbors(n_neighbors=self.k).fit(X[idx])
-        d = self.nn.kneighbors(X, n_neighbors=min(self.k + 1, len(idx)))[0]
-        return d[:, 1:].mean(1) if d.shape[1] > 1 else d.mean(1)   # leave the row itself out
+        self.nns, total = [], np.zeros(len(X))
+        for b in range(self.bags):
+            rng = np.random.default_rng(self.seed + b)
+            idx = rng.choice(len(X), min(self.sample, len(X)), replace=False)
+            k = min(self.k, len(idx))
+            nn = NearestNeighbors(n_neighbors=k).fit(X[idx])
+            d = nn.kneighbors(X, n_neighbors=min(k + 1, len(idx)))[0]
+            total += d[:, 1:].mean(1) if d.shape[1] > 1 else d.mean(1)   # leave the row itself out
+            self.nns.append(nn)
+        return total / self.bags
 
     def score(self, X: np.ndarray) -> np.ndarray:
-        return self.nn.kneighbors(X)[0].mean(1)
+        return np.mean([nn.kneighbors(X)[0].mean(1) for nn in self.nns], 0)
 
 
 class _Pca:
@@ -166,10 +189,10 @@ class TemporalScorer:
         self.members, self.norms = [], []
         total = np.zeros(len(X))
         for full in cfg.members:
-            name = full[:-len("_resid")] if full.endswith("_resid") else full
-            m = (_Knn(cfg.k, cfg.knn_sample, cfg.seed) if name == "knn" else
+            name = _base(full)
+            m = (_Knn(cfg.k, cfg.knn_sample, cfg.knn_bags, cfg.seed) if name == "knn" else
                  _Pca(cfg.pca_variance) if name == "pca" else _Pyod(name))
-            s = trailing_mean(m.fit(self._view(full, X)), cfg.smooth)
+            s = ewma(m.fit(self._view(full, X)), cfg.smooth)
             med, q = float(np.median(s)), float(np.percentile(s, 99))
             self.members.append(m)
             self.norms.append((med, max(q - med, 1e-12)))
@@ -179,13 +202,17 @@ class TemporalScorer:
         return self
 
     def _view(self, member: str, X: np.ndarray) -> np.ndarray:
-        return residuals(X, self.config.residual_window) if member.endswith("_resid") else X
+        if member.endswith("_resid"):
+            return residuals(X, self.config.residual_window)
+        if member.endswith("_joint"):
+            return np.hstack([X, residuals(X, self.config.residual_window)])
+        return X
 
     def score(self, X: np.ndarray) -> np.ndarray:
         X = self._scale(np.asarray(X, dtype=float))
         total = np.zeros(len(X))
         for full, m, (med, span) in zip(self.config.members, self.members, self.norms):
-            total += (trailing_mean(m.score(self._view(full, X)), self.config.smooth) - med) / span
+            total += (ewma(m.score(self._view(full, X)), self.config.smooth) - med) / span
         return total
 
     def contributions(self, x: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from transom.streams.classes import HARD, FaultClass
 from transom.streams.config import TEEConfig
 from transom.streams.corpus import Corpus, CorpusSpec
 from transom.streams.engine import TEEEngine
-from transom.streams.scoring import ScorerConfig, TemporalScorer
+from transom.streams.scoring import ScorerConfig, TemporalScorer, ewma
 
 T0 = 1_700_000_000.0
 
@@ -190,7 +190,7 @@ def test_temporal_scorer_flags_a_level_shift_above_its_train_threshold():
     rng = np.random.default_rng(3)
     t = np.arange(3000)
     history = np.c_[np.sin(t / 50) + rng.normal(0, 0.05, 3000), rng.normal(0, 0.1, 3000)]
-    scorer = TemporalScorer(ScorerConfig(knn_sample=1000)).fit(history)
+    scorer = TemporalScorer(ScorerConfig()).fit(history)
     test = np.c_[np.sin((t[:400] + 3000) / 50) + rng.normal(0, 0.05, 400), rng.normal(0, 0.1, 400)]
     test[200:230, 1] += 2.0
     s = scorer.score(test)
@@ -199,6 +199,27 @@ def test_temporal_scorer_flags_a_level_shift_above_its_train_threshold():
     assert scorer.contributions(test[210])[1] > 5
     with pytest.raises(ConfigError, match="svm"):
         ScorerConfig(members=("svm",))
+    with pytest.raises(ConfigError, match="knn_bags=0: expected a positive integer"):
+        ScorerConfig(knn_bags=0)
+
+
+def test_temporal_scorer_is_causal_and_its_bags_average_the_luck_of_one_sample():
+    """A row's score depends on the rows before it only (appending rows changes no earlier score), and
+    the bagged kNN's distance is the mean of its samples' distances."""
+    rng = np.random.default_rng(5)
+    history = rng.normal(0, 1, (2000, 3))
+    test = rng.normal(0, 1, (300, 3))
+    test[150:, 0] += 3.0
+    scorer = TemporalScorer(ScorerConfig()).fit(history)
+    whole, head = scorer.score(test), scorer.score(test[:150])
+    np.testing.assert_allclose(whole[:150], head)
+    assert whole[160:].mean() > whole[:150].mean() + 3 * whole[:150].std()
+    one = [TemporalScorer(ScorerConfig(knn_bags=1, seed=s)).fit(history) for s in range(4)]
+    knn = scorer.members[0]
+    assert len(knn.nns) == 4
+    view = scorer._view("knn_joint", scorer._scale(test))
+    np.testing.assert_allclose(knn.score(view), np.mean([m.members[0].score(view) for m in one], 0))
+    np.testing.assert_allclose(ewma(np.array([0.0, 3.0, 3.0]), 2), [0.0, 2.0, 8 / 3])
 
 
 def test_a_straggler_that_begins_minutes_after_a_hang_of_its_node_is_its_own_fault(engine):
