@@ -41,7 +41,7 @@ from transom.security import fault_signer
 from .config import TEEConfig
 from .engine import TEEEngine
 from .resume import emitted_faults
-from .worker import BoundedWorker, faust_app
+from .worker import BoundedWorker, faust_app, new_event_loop
 
 __all__ = ["APP_ID", "make_app", "run_worker"]
 
@@ -156,18 +156,18 @@ class _BoundedWorker(BoundedWorker):
 
 def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None) -> int:
     """Run one TEE worker in this process until SIGINT/SIGTERM; return its exit status."""
+    loop = new_event_loop("TEE")   # a bad TRANSOM_EVENT_LOOP stops here, before anything starts
     engine = TEEEngine(config)   # builds the detectors (imports pyod) before joining the group
     restored = engine.restore(emitted_faults(bootstrap))   # a predecessor's faults are not sent again
     with tempfile.TemporaryDirectory(prefix="transom-tee-") as tmp:
         app = make_app(bootstrap, engine, datadir=datadir or tmp)
-        loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         # Our logging stays (override_logging=False); quiet and no spinner: no banner on stdout.
         worker = _BoundedWorker(app, loop=loop, quiet=True, override_logging=False, redirect_stdouts=False)
         worker.spinner = None
-        log.info("TEE consuming %s from %s (hang timeout %gs, heartbeat timeout %gs; %d fault(s) already on %s)",
-                 contracts.METRICS, bootstrap, config.hang_timeout, config.heartbeat_timeout, restored,
-                 contracts.FAULTS)
+        log.info("TEE consuming %s from %s (hang timeout %gs, heartbeat timeout %gs; %d fault(s) already on %s; "
+                 "event loop %s)", contracts.METRICS, bootstrap, config.hang_timeout, config.heartbeat_timeout,
+                 restored, contracts.FAULTS, type(loop).__module__.split(".")[0])
         try:
             worker.execute_from_commandline()
         except SystemExit as exc:

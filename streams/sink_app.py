@@ -30,7 +30,7 @@ from transom import contracts
 from transom.log import get
 
 from .sink import PointsRejected, ServerUnavailable, SinkConfig, TOPICS, open_writer, to_points
-from .worker import BoundedWorker, faust_app
+from .worker import BoundedWorker, faust_app, new_event_loop
 
 __all__ = ["APP_ID", "make_app", "run_sink", "SinkStats"]
 
@@ -132,6 +132,7 @@ class _BoundedWorker(BoundedWorker):
 
 def run_sink(bootstrap: str, config: SinkConfig, *, datadir: str | None = None) -> int:
     """Run one sink worker in this process until SIGINT/SIGTERM; return its exit status."""
+    loop = new_event_loop("sink")   # a bad TRANSOM_EVENT_LOOP stops here, before anything starts
     writer = open_writer(config)
     stats = SinkStats()
     log.info("sink writing %s to %s (InfluxDB %s, %s write path, database/bucket %r)", ", ".join(TOPICS),
@@ -139,7 +140,6 @@ def run_sink(bootstrap: str, config: SinkConfig, *, datadir: str | None = None) 
     try:
         with tempfile.TemporaryDirectory(prefix="transom-sink-") as tmp:
             app = make_app(bootstrap, writer, config, datadir=datadir or tmp, stats=stats)
-            loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
             worker = _BoundedWorker(app, loop=loop, quiet=True, override_logging=False, redirect_stdouts=False)
             worker.spinner = None

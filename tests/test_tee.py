@@ -394,6 +394,15 @@ def test_worker_stops_cleanly_on_sigterm(tee):
     assert tee.wait(30) == 0
     text = tee.logfile.read_text()
     assert "TEE stopped" in text and "Traceback" not in text
+    assert "event loop uvloop" in text            # the default where uvloop is installed (a dependency)
+
+
+def test_worker_refuses_an_unknown_event_loop_before_it_starts(broker):
+    env = {**os.environ, "TRANSOM_EVENT_LOOP": "trio"}
+    out = subprocess.run([sys.executable, "-m", "transom.cli", "tee", "--bootstrap", broker.bootstrap],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "TRANSOM_EVENT_LOOP='trio': expected uvloop or asyncio" in out.stderr
 
 
 @pytest.mark.integration
