@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
 import sys
 from collections import Counter
@@ -40,7 +39,7 @@ import numpy as np
 
 from transom.contracts import DCGM, MetricBatch, Sample, Source, encode
 
-from .classes import HARD, FaultClass
+from .classes import FaultClass
 
 __all__ = ["CorpusSpec", "Injection", "Corpus", "trace_mix", "SEVERITIES", "NIC_FIELDS", "REASON_SW_POWER",
            "REASON_THERMAL", "main"]
