@@ -17,12 +17,11 @@ import pytest
 import yaml
 
 from transom import contracts as c
-from transom import dashboards, kafka
+from transom import dashboards
 from transom.agents.intake import send_inject
 from transom.broker import EmbeddedBroker, free_port
 from transom.streams.sink import SCHEMA
 from test_sink import publish_all, run_events
-from util import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BOARDS = ROOT / "deploy/grafana/dashboards"

@@ -42,7 +42,7 @@ from transom import contracts as c
 from transom import kafka
 from transom.broker import free_port
 from transom.config import ConfigError
-from transom.security import (PRINCIPAL_HEADER, SIGNATURE_HEADER, FaultSigner, FaultVerifier, KafkaSecurity,
+from transom.security import (PRINCIPAL_HEADER, SIGNATURE_HEADER, FaultSigner, KafkaSecurity,
                               fault_signer, fault_verifier)
 from util import topic_values, wait_until
 

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from typing import Iterator
 
 from . import kafka
