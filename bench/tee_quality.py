@@ -84,11 +84,10 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None) -> tuple[list, int, f
             try:
                 producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
                 t0, n = time.time(), 0
-                for b in corpus.batches():
-                    value = c.encode(b)
+                for node, value in corpus.encoded():
                     while True:
                         try:
-                            producer.produce(c.METRICS, key=b.node.encode(), value=value)
+                            producer.produce(c.METRICS, key=node.encode(), value=value)
                             break
                         except BufferError:
                             producer.poll(0.05)
