@@ -40,7 +40,7 @@ __all__ = [
     "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER",
     "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
     "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
-    "decode", "encode", "encode_plain", "stable_id", "DCGM",
+    "decode", "encode", "stable_id", "DCGM",
 ]
 
 SCHEMA_VERSION = 1
@@ -508,12 +508,7 @@ _BY_TOPIC: dict[str, type] = {
 
 def encode(event: Any) -> bytes:
     """Serialise an event to its JSON bytes (NaN and Inf are refused: JSON has none)."""
-    return encode_plain(_plain(event))
-
-
-def encode_plain(value: Any) -> bytes:
-    """JSON bytes of an event already in its plain form (the dicts and lists :func:`encode` writes)."""
-    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(_plain(event), separators=(",", ":"), allow_nan=False).encode()
 
 
 def _reject_constant(name: str) -> Any:
