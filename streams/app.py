@@ -7,9 +7,11 @@ Wiring (app id ``transom-tee``, at-least-once, raw bytes in and out)::
     timer, every 1 s -----------------------------------> engine.check_heartbeats --> transom.faults
 
 With ``TEEConfig.clock == "event"`` (``transom tee --clock event``, for replays) the engine's
-clock is the sample time instead: each batch is processed at its own time and heartbeats are
-checked whenever the clock reaches a new second: the slowest partition's newest sample time over
-the partitions with more to read, or the newest of all once every partition is read to its end.
+clock is the sample time instead: each batch is processed at its own time, and the heartbeats of a
+partition's nodes are checked whenever that partition's clock reaches a new second: its newest
+sample time while it has more to read (its nodes report in time order), else at least the slowest
+time of the partitions with more to read, or the newest of all once every partition is read to
+its end.
 
 Faults are keyed by job id (node id when the job is unknown); dead letters keep the original key.
 With a signing key configured (``TRANSOM_FAULT_PRINCIPAL`` + ``TRANSOM_SIGNING_KEY``, see
@@ -29,7 +31,7 @@ import asyncio
 import tempfile
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import faust
 from faust.types import TP
@@ -43,12 +45,24 @@ from .engine import TEEEngine
 from .resume import emitted_faults
 from .worker import BoundedWorker, faust_app, new_event_loop
 
-__all__ = ["APP_ID", "make_app", "run_worker"]
+__all__ = ["APP_ID", "make_app", "partition_clocks", "run_worker"]
 
 APP_ID = "transom-tee"
 #: The agent takes metric batches in lists of up to this many, or what arrived within TAKE_WITHIN seconds.
 TAKE, TAKE_WITHIN = 1000, 0.05
 log = get("tee")
+
+
+def partition_clocks(marks: Mapping[int, float], behind: Iterable[int]) -> dict[int, float]:
+    """Each partition's time on the event clock, from its newest sample time read (``marks``) and
+    the partitions with more to read (``behind``). A partition with more to read is at its own
+    newest sample time: its nodes' batches are read in time order, so a node that sent nothing since
+    is silent on that partition's time, however far behind or ahead the other partitions are. One
+    read to its end is at least at the slowest time of the partitions with more to read (a node
+    there may be read later), or at the newest of all once every partition is read to its end."""
+    behind = {p for p in behind if p in marks}
+    floor = min(marks[p] for p in behind) if behind else max(marks.values(), default=0.0)
+    return {p: mark if p in behind else max(mark, floor) for p, mark in marks.items()}
 
 
 def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
@@ -61,21 +75,19 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     nodes_of: dict[int, set[str]] = defaultdict(set)   # metrics partition -> nodes seen on it
     event_clock = engine.config.clock == "event"
     watermarks: dict[int, float] = {}                    # event clock: partition -> newest sample time
-    checked = [0]                                        # event clock: the last second heartbeats were checked
+    checked: dict[int, int] = {}                         # event clock: partition -> second last checked
     positions: dict[int, int] = {}                       # event clock: partition -> offset last processed
 
-    def event_now() -> float:
-        """The slowest partition's newest sample time, over the partitions with more to read (a node on
-        a partition read later is not silent); once every partition is read to its end, the newest."""
-        behind = []
-        for p, mark in watermarks.items():
+    def event_clocks() -> dict[int, float]:
+        behind = set()
+        for p in watermarks:
             try:
                 high = app.consumer.highwater(TP(contracts.METRICS, p))
             except Exception:
                 high = None
             if high is None or positions[p] + 1 < high:
-                behind.append(mark)
-        return min(behind) if behind else max(watermarks.values())
+                behind.add(p)
+        return partition_clocks(watermarks, behind)
 
     async def emit(found: list[contracts.FaultEvent]) -> None:
         for f in found:
@@ -110,10 +122,10 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             return [], (f"tee failed to process the batch: {exc!r}", msg)
         if event_clock:
             positions[msg.partition] = msg.offset
-            now = event_now()
-            if int(now) > checked[0]:
-                checked[0] = int(now)
-                found = found + engine.check_heartbeats(now)
+            for p, now in event_clocks().items():
+                if int(now) > checked.get(p, 0):
+                    checked[p] = int(now)
+                    found = found + engine.check_heartbeats(now, nodes_of[p])
         return found, None
 
     @app.agent(metrics, name="tee")
@@ -141,6 +153,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 engine.forget(nodes_of.pop(tp.partition, ()))
                 watermarks.pop(tp.partition, None)
                 positions.pop(tp.partition, None)
+                checked.pop(tp.partition, None)
 
     @app.on_partitions_assigned.connect
     async def on_assigned(sender, assigned, **_):

@@ -117,10 +117,12 @@ class TEEEngine:
         began = float(f.evidence.get("since_ts", f.observed_ts)) if isinstance(f.evidence, Mapping) else f.observed_ts
         return began - self._hard_at[f.node] <= self.config.soft_window_s * self.config.soft_consecutive
 
-    def check_heartbeats(self, now: float | None = None) -> list[FaultEvent]:
-        """Faults for nodes that went silent; drops nodes that are only replayed history."""
+    def check_heartbeats(self, now: float | None = None, nodes: Iterable[str] | None = None) -> list[FaultEvent]:
+        """Faults for nodes (all, or ``nodes``) that went silent; drops nodes that are only replayed history."""
         now = self.clock() if now is None else now
-        found, history = self.heartbeat.check(list(self._nodes.values()), now)
+        states = list(self._nodes.values()) if nodes is None else \
+            [st for st in map(self._nodes.get, nodes) if st is not None]
+        found, history = self.heartbeat.check(states, now)
         if history:
             log.info("not watching %d node(s) whose newest metrics are older than %.0fs: %s",
                      len(history), self.config.heartbeat_horizon, ", ".join(sorted(history)[:10]))

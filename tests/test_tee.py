@@ -158,6 +158,28 @@ def test_node_lost_after_heartbeat_timeout_once(engine_cfg):
     assert g.fault_id != f.fault_id
 
 
+def test_event_clock_judges_each_partition_on_its_own_time():
+    """A replay read faster on one partition than another: a node of the fast partition that fell
+    silent is lost on that partition's time (the slowest partition's clock would wait until it came
+    back); a partition read to its end is at least as late as the slowest one with more to read."""
+    from transom.streams.app import partition_clocks
+
+    assert partition_clocks({0: 1000.0, 1: 500.0}, {0, 1}) == {0: 1000.0, 1: 500.0}
+    assert partition_clocks({0: 400.0, 1: 500.0, 2: 900.0}, {1, 2}) == {0: 500.0, 1: 500.0, 2: 900.0}
+    assert partition_clocks({0: 400.0, 1: 500.0}, set()) == {0: 500.0, 1: 500.0}
+    assert partition_clocks({}, set()) == {}
+
+
+def test_heartbeats_of_some_nodes_leave_the_others_alone(engine_cfg):
+    engine = TEEEngine(engine_cfg)
+    for node in ("a", "b"):
+        engine.process(clean(T0, node=node), now=T0)
+    [f] = engine.check_heartbeats(now=T0 + 5, nodes=["a", "gone"])     # an unknown node is skipped
+    assert f.node == "a"
+    [g] = engine.check_heartbeats(now=T0 + 5)
+    assert g.node == "b"
+
+
 def test_replayed_history_is_not_a_lost_node(engine_cfg):
     engine = TEEEngine(engine_cfg)
     now = T0 + 1000
