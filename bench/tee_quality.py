@@ -62,10 +62,11 @@ def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool 
     return events, n, engine.counts
 
 
-def pipeline(corpus: Corpus, bootstrap: str | None = None) -> tuple[list, int, float]:
-    """Replay ``corpus`` through the real pipeline: the embedded broker (or ``bootstrap``) and one
-    ``transom tee --clock event`` worker process. Returns the fault events it wrote, the batches
-    published and the seconds from the first publish until the worker had committed the last one."""
+def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> tuple[list, int, float]:
+    """Replay ``corpus`` through the real pipeline: the embedded broker (or ``bootstrap``) and
+    ``workers`` ``transom tee --clock event`` worker processes. Returns the fault events they wrote,
+    the batches published and the seconds from the first publish until the workers had committed the
+    last one."""
     from confluent_kafka import Consumer, TopicPartition
 
     from tee_throughput import start_workers, stop
@@ -80,17 +81,12 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None) -> tuple[list, int, f
     try:
         kafka.ensure_topics(bootstrap)
         with tempfile.TemporaryDirectory() as logdir:
-            procs = start_workers(bootstrap, 1, logdir, ("--clock", "event"))
+            procs = start_workers(bootstrap, workers, logdir, ("--clock", "event"))
             try:
                 producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
                 t0, n = time.time(), 0
                 for node, value in corpus.encoded():
-                    while True:
-                        try:
-                            producer.produce(c.METRICS, key=node.encode(), value=value)
-                            break
-                        except BufferError:
-                            producer.poll(0.05)
+                    kafka.produce(producer, c.METRICS, node, value)
                     n += 1
                     if n % 1000 == 0:
                         producer.poll(0)
@@ -112,11 +108,12 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None) -> tuple[list, int, f
                         print(f"  pipeline: worker committed {done}/{sum(ends.values())}", file=sys.stderr,
                               flush=True)
                         last = done
-                    if procs[0].poll() is not None:
-                        raise RuntimeError("the TEE worker exited: " + open(procs[0].logpath).read()[-2000:])
+                    for p in procs:
+                        if p.poll() is not None:
+                            raise RuntimeError("a TEE worker exited: " + open(p.logpath).read()[-2000:])
                     time.sleep(2)
                 else:
-                    raise RuntimeError("the TEE worker did not commit every batch in 30 min")
+                    raise RuntimeError("the TEE workers did not commit every batch in 30 min")
                 span = time.time() - t0
                 probe.close()
                 time.sleep(2)                        # faults are sent before their input is committed

@@ -117,12 +117,7 @@ def run(bootstrap: str, workers: int, batches: int, nodes: int, tag: str, rate: 
                     node = f"{tag}-mark{marks:05d}"
                     value = c.encode(node_batch(node, now, 0, rng, xid=True))
                     marks += 1
-                while True:
-                    try:
-                        producer.produce(c.METRICS, key=node.encode(), value=value)
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
+                kafka.produce(producer, c.METRICS, node, value)
                 if i % 1000 == 0:
                     producer.poll(0)
             producer.flush(60)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -428,80 +429,23 @@ def test_worker_refuses_an_unknown_event_loop_before_it_starts(broker):
 
 
 @pytest.mark.integration
-def test_two_workers_replay_100_clean_node_hours_and_raise_no_fault(fresh_broker, tmp_path):
+def test_two_workers_replay_100_clean_node_hours_and_raise_no_fault(fresh_broker, monkeypatch):
     """The false-alarm budget through the real pipeline: 100 node-hours of a clean corpus (40 nodes in
     jobs of 8, 2.5 h at 1 Hz, GPU and NIC noise, job-wide checkpoint pauses; a seed no tuning used),
     published to the broker and read on the event clock by two `transom tee` workers sharing the
-    partitions, yield no fault event and no dead letter, and every batch is processed."""
-    import re
-
-    from confluent_kafka import Consumer, TopicPartition
-
-    from transom.streams.app import APP_ID
+    partitions (bench/tee_quality.py's pipeline replay, which returns once the workers committed every
+    batch), yield no fault event and no dead letter."""
     from transom.streams.corpus import Corpus, CorpusSpec
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from tee_quality import pipeline
 
     corpus = Corpus(CorpusSpec(nodes=40, hours=2.5, seed=7301, faults_per_node_hour=0.0, min_per_class=0))
     assert corpus.injections == [] and corpus.spec.nodes * corpus.spec.hours == 100
-    bs = fresh_broker.bootstrap
-    kafka.ensure_topics(bs)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_LOG_LEVEL": "INFO"}
-    procs = []
-    for i in range(2):
-        with open(tmp_path / f"tee{i}.log", "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "transom.cli", "tee", "--bootstrap", bs,
-                                           "--clock", "event"], stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=env))
-    logs = [tmp_path / f"tee{i}.log" for i in range(2)]
-
-    def both_hold_partitions():
-        assert all(p.poll() is None for p in procs), "\n".join(f.read_text() for f in logs)
-        last = [f.read_text().split("TEE assigned")[-1] for f in logs]
-        return all(re.match(r" \S+ partitions \[\d", t) for t in last)
-
-    try:
-        wait_until(both_hold_partitions, 120, "both TEE workers to hold metrics partitions")
-        producer = kafka.make_producer(bs, **{"linger.ms": 20, "batch.num.messages": 10000})
-        n = 0
-        for node, value in corpus.encoded():
-            while True:
-                try:
-                    producer.produce(c.METRICS, key=node.encode(), value=value)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
-            n += 1
-            if n % 1000 == 0:
-                producer.poll(0)
-        assert producer.flush(60) == 0
-        assert n == 40 * 9000
-
-        probe = Consumer({**kafka.client_config(bs), "group.id": APP_ID, "enable.auto.commit": False})
-        parts = [TopicPartition(c.METRICS, p) for p in range(next(t.partitions for t in c.TOPICS
-                                                                 if t.name == c.METRICS))]
-        end = sum(probe.get_watermark_offsets(tp, timeout=10)[1] for tp in parts)
-
-        def all_committed():
-            assert all(p.poll() is None for p in procs), "\n".join(f.read_text() for f in logs)
-            return sum(max(tp.offset, 0) for tp in probe.committed(parts, timeout=10)) >= end
-
-        try:
-            wait_until(all_committed, 600, f"the workers to commit all {n} batches", interval=2)
-        finally:
-            probe.close()
-        time.sleep(2)                                 # faults are sent before their input is committed
-        assert [(f.node, f.kind.value, f.summary) for f in topic_values(bs, c.FAULTS)] == []
-        assert topic_values(bs, c.DEADLETTER, raw=True) == []
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    done = [int(m) for f in logs for m in re.findall(r"TEE stopped \((\d+) batches", f.read_text())]
-    assert len(done) == 2 and sum(done) >= n, done
+    events, published, _seconds = pipeline(corpus, fresh_broker.bootstrap, workers=2)
+    assert published == 40 * 9000
+    assert [(f.node, f.kind.value, f.summary) for f in events] == []
+    assert topic_values(fresh_broker.bootstrap, c.DEADLETTER, raw=True) == []
 
 
 @pytest.mark.integration

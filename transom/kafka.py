@@ -24,7 +24,7 @@ from .log import get
 from .security import FaultSigner, fault_signer
 
 __all__ = ["BrokerUnavailable", "client_config", "make_producer", "make_consumer", "wait_ready",
-           "ensure_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "SIGNED_TOPICS",
+           "ensure_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "produce", "SIGNED_TOPICS",
            "env_signer"]
 
 log = get("kafka")
@@ -204,9 +204,17 @@ def publish(producer: Producer, topic: str, key: str | None, event: Any,
     if signer is _FROM_ENV:
         signer = env_signer() if topic in SIGNED_TOPICS else None
     headers = signer.headers(topic, kbytes, value) if signer is not None and topic in SIGNED_TOPICS else None
+    produce(producer, topic, kbytes, value, on_delivery=on_delivery, headers=headers)
+
+
+def produce(producer: Producer, topic: str, key: bytes | str | None, value: bytes | None, *,
+            on_delivery: Callable | None = None, headers: Any = None) -> None:
+    """Produce ``value`` (already encoded) under ``key``, waiting while the producer's local queue is full."""
+    if isinstance(key, str):
+        key = key.encode()
     while True:
         try:
-            producer.produce(topic, value=value, key=kbytes, on_delivery=on_delivery, headers=headers)
+            producer.produce(topic, value=value, key=key, on_delivery=on_delivery, headers=headers)
             return
         except BufferError:
             producer.poll(0.1)
