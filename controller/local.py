@@ -36,6 +36,7 @@ from transom.log import get
 
 from .backend import Backend, LaunchRecord, RankStatus, register_backend
 from .rankwrap import write_atomic
+from .zygote import PRELOAD
 
 __all__ = ["LocalBackend", "warm_argv"]
 
@@ -60,7 +61,7 @@ class LocalBackend(Backend):
 
     def __init__(self, run_dir: str | os.PathLike, agents: Mapping[str, str], *, ckpt_dir: str | None = None,
                  bootstrap: str | None = None, env: Mapping[str, str] | None = None, warm: bool = True,
-                 preload: str = "torch,torch.distributed,torch.nn") -> None:
+                 preload: str = PRELOAD) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.agents = dict(agents)
@@ -166,38 +167,46 @@ class LocalBackend(Backend):
 
     def _zy_wait(self, ids: Sequence[int], key: str, timeout: float) -> dict[int, dict]:
         """The first answer with ``key`` for each of ``ids`` that comes within ``timeout`` seconds."""
-        import select
-
         got: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         while True:
             for i in ids:
-                if i not in got:
-                    for k, msg in enumerate(self._zy_answers.get(i, [])):
-                        if key in msg:
-                            got[i] = self._zy_answers[i].pop(k)
-                            break
+                msg = None if i in got else self._zy_take(i, key)
+                if msg is not None:
+                    got[i] = msg
             left = deadline - time.monotonic()
-            if len(got) == len(ids) or left <= 0 or self._zygote is None:
+            if len(got) == len(ids) or left <= 0 or not self._zy_read(min(left, 0.5)):
                 return got
-            fd = self._zygote.stdout.fileno()
-            if not select.select([fd], [], [], min(left, 0.5))[0]:
-                if self._zygote.poll() is not None:
-                    return got
+
+    def _zy_take(self, rid: int, key: str) -> dict | None:
+        """The first answer to request ``rid`` that has ``key``, taken out of those read so far."""
+        answers = self._zy_answers.get(rid, [])
+        k = next((k for k, msg in enumerate(answers) if key in msg), None)
+        return None if k is None else answers.pop(k)
+
+    def _zy_read(self, timeout: float) -> bool:
+        """Read what the zygote answered within ``timeout`` s into ``_zy_answers``; False once it is gone."""
+        import select
+
+        if self._zygote is None:
+            return False
+        fd = self._zygote.stdout.fileno()
+        if not select.select([fd], [], [], timeout)[0]:
+            return self._zygote.poll() is None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return False
+        self._zy_buf += chunk
+        while b"\n" in self._zy_buf:
+            line, self._zy_buf = self._zy_buf.split(b"\n", 1)
+            try:
+                msg = json.loads(line)
+            except ValueError:
                 continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return got
-            self._zy_buf += chunk
-            while b"\n" in self._zy_buf:
-                line, self._zy_buf = self._zy_buf.split(b"\n", 1)
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if msg.get("error"):
-                    log.warning("zygote: %s", msg["error"])
-                self._zy_answers.setdefault(msg.get("id"), []).append(msg)
+            if msg.get("error"):
+                log.warning("zygote: %s", msg["error"])
+            self._zy_answers.setdefault(msg.get("id"), []).append(msg)
+        return True
 
     def _fork_rank(self, gen_dir: Path, rank: int, command: Sequence[str], env: Mapping[str, str]) -> int | None:
         """The pid of the rank forked from the zygote, or None to start it cold."""

@@ -43,7 +43,10 @@ from typing import Any
 
 from .rankwrap import write_atomic
 
-__all__ = ["main", "become_rank"]
+__all__ = ["main", "become_rank", "PRELOAD"]
+
+#: What the zygote imports before it forks anything (comma-separated modules).
+PRELOAD = "torch,torch.distributed,torch.nn"
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -198,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m transom.controller.zygote",
                                 description="import modules once, then fork training ranks and pre-check tests on "
                                             "request (the local backend's zygote; JSON lines on stdin and stdout)")
-    p.add_argument("--preload", default="torch,torch.distributed,torch.nn",
-                   help="comma-separated modules to import first (default torch,torch.distributed,torch.nn; "
-                        "one that fails to import is skipped)")
+    p.add_argument("--preload", default=PRELOAD,
+                   help=f"comma-separated modules to import first (default {PRELOAD}; one that fails to import "
+                        "is skipped)")
     args = p.parse_args(argv)
     for name in filter(None, (m.strip() for m in args.preload.split(","))):
         try:

@@ -38,7 +38,7 @@ from typing import Iterator, Mapping
 import numpy as np
 import orjson
 
-from transom.contracts import DCGM, SCHEMA_VERSION, MetricBatch, Sample, Source
+from transom.contracts import DCGM, SCHEMA_VERSION, MetricBatch
 
 from .classes import FaultClass
 
@@ -166,9 +166,6 @@ class Injection:
 T0 = 1_750_000_000.0
 
 
-_SOURCE = {m.value: m for m in Source}
-
-
 def _sample(source: str, fields: dict, index: int | None = None, *, tags: dict | None = None,
             ts: float | None = None) -> dict:
     """One sample as ``contracts.encode`` writes it."""
@@ -221,9 +218,7 @@ class Corpus:
     def batches(self, start_s: int = 0, stop_s: int | None = None) -> Iterator[MetricBatch]:
         """Every batch from second ``start_s`` to ``stop_s`` (default: the end), in time order."""
         for d in self._wire(start_s, stop_s):
-            yield MetricBatch(node=d["node"], ts=d["ts"], seq=d["seq"], job=d["job"], samples=tuple(
-                Sample(_SOURCE[x["source"]], x["fields"], index=x["index"], tags=x["tags"], ts=x["ts"])
-                for x in d["samples"]))
+            yield MetricBatch.from_dict(d, owned=True)
 
     def encoded(self, start_s: int = 0, stop_s: int | None = None) -> Iterator[tuple[str, bytes]]:
         """``(node, value)`` of every batch, as :meth:`batches` but already encoded for

@@ -49,16 +49,17 @@ from util import topic_values, wait_until
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("transom", "agents", "streams", "controller", "checkpoint")
 KEY_A, KEY_B = "tee-a-key-0123456789abcdef", "tee-b-key-fedcba9876543210"
-SECURITY_ENV = [k for k in os.environ if k.startswith(("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_"))]
+SECURITY_PREFIXES = ("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_")
+SECURITY_ENV = [k for k in os.environ if k.startswith(SECURITY_PREFIXES)]
 
 
 @pytest.fixture(autouse=True)
 def no_security_settings_leak():
     """Every test leaves the process's security settings as it found them (a leaked TLS setting makes
     every later client of the session speak TLS to plaintext brokers)."""
-    before = {k: v for k, v in os.environ.items() if k.startswith(("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_"))}
+    before = {k: v for k, v in os.environ.items() if k.startswith(SECURITY_PREFIXES)}
     yield
-    after = {k: v for k, v in os.environ.items() if k.startswith(("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_"))}
+    after = {k: v for k, v in os.environ.items() if k.startswith(SECURITY_PREFIXES)}
     assert after == before, f"security settings leaked out of the test: {sorted(set(after.items()) ^ set(before.items()))}"
 
 
@@ -67,7 +68,7 @@ def environ(**values: str) -> Iterator[None]:
     """Set (or, with None, unset) environment variables for the block; every security variable starts unset.
     The process environment is global: never use this on more than one thread at a time."""
     saved = dict(os.environ)
-    for k in [k for k in os.environ if k.startswith(("TRANSOM_KAFKA_", "TRANSOM_FAULT_", "TRANSOM_SIGNING_"))]:
+    for k in [k for k in os.environ if k.startswith(SECURITY_PREFIXES)]:
         del os.environ[k]
     os.environ.update({k: v for k, v in values.items() if v is not None})
     try:

@@ -24,8 +24,8 @@ from .log import get
 from .security import FaultSigner, fault_signer
 
 __all__ = ["BrokerUnavailable", "client_config", "make_producer", "make_consumer", "wait_ready",
-           "ensure_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "produce", "SIGNED_TOPICS",
-           "env_signer"]
+           "ensure_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "produce",
+           "SIGNED_TOPICS", "env_signer"]
 
 log = get("kafka")
 
