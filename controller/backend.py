@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .rankwrap import write_atomic
 
-__all__ = ["Backend", "RankStatus", "LaunchRecord", "register_backend", "create_backend", "BACKENDS"]
+__all__ = ["Backend", "RankStatus", "LaunchRecord", "Cordons", "register_backend", "create_backend", "BACKENDS"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,25 @@ class LaunchRecord:
 
     def write(self, handle: Mapping[str, Any]) -> None:
         write_atomic(str(self.path), json.dumps(dict(handle)))
+
+
+class Cordons:
+    """``RUN_DIR/cordoned.json``: nodes kept out of launches (node -> reason), for backends that keep their own."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / "cordoned.json"
+
+    def read(self) -> dict[str, str]:
+        return json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def add(self, node: str, reason: str) -> bool:
+        """Cordon ``node``; False if it already was."""
+        cordoned = self.read()
+        if node in cordoned:
+            return False
+        cordoned[node] = reason
+        write_atomic(str(self.path), json.dumps(cordoned, indent=1))
+        return True
 
 
 class Backend(abc.ABC):

@@ -57,8 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: transom controller --node node0=127.0.0.1:7000 --node node1=127.0.0.1:7001 "
                "--job-id demo --world-size 1 -- python -m transom.examples.train_lm --steps 100")
     add_bootstrap(p)
-    p.add_argument("--backend", default="local", choices=["local", "kubernetes", "slurm"],
-                   help="where ranks run (default: local)")
+    p.add_argument("--backend", default="local", choices=["local", "hosts", "kubernetes", "slurm"],
+                   help="where ranks run (default: local; hosts: through each node host's `transom launcher`)")
     p.add_argument("--run-dir", default=os.environ.get("TRANSOM_RUN_DIR", "runs"),
                    help="directory for rank logs and launch records (default: runs; env TRANSOM_RUN_DIR)")
     p.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CKPT_DIR"),
@@ -66,6 +66,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node", type=_node, action="append", default=[], metavar="NAME=HOST:PORT",
                    help="a node and its agent's intake address, in order; the first WORLD_SIZE run the job, "
                         "the rest are spares (repeat); kubernetes and slurm: default all schedulable nodes")
+    p.add_argument("--launcher", type=_node, action="append", default=[], metavar="NODE=HOST:PORT",
+                   help="hosts backend: a node's launcher address (repeat); launchers that advertise themselves "
+                        "in the service registry are found without it")
+    p.add_argument("--unreachable", type=float, default=5.0, metavar="S",
+                   help="hosts backend: a launcher silent this long is a lost node, its ranks killed (default 5)")
     p.add_argument("--job-id", help="submit this job")
     p.add_argument("--world-size", type=int, default=None, help="ranks of the submitted job (default: all but one node)")
     _policy_args(p)
@@ -125,6 +130,11 @@ def _make_backend(args: argparse.Namespace, bootstrap: str, nodes: dict[str, str
     if args.backend == "local":
         return create_backend("local", run_dir=args.run_dir, agents=nodes, ckpt_dir=args.ckpt_dir,
                               bootstrap=bootstrap, warm=args.warm_ranks)
+    if args.backend == "hosts":
+        from .hosts import discover_launchers
+        return create_backend("hosts", run_dir=args.run_dir, launchers=dict(args.launcher), ckpt_dir=args.ckpt_dir,
+                              bootstrap=bootstrap, unreachable_s=args.unreachable,
+                              discover=discover_launchers(bootstrap))
     if args.backend == "kubernetes":
         return create_backend("kubernetes", namespace=args.k8s_namespace, image=args.k8s_image,
                               kubeconfig=args.kubeconfig, api_url=args.k8s_api, bootstrap=bootstrap,

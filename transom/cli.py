@@ -23,6 +23,7 @@ _COMPONENT_CLIS = (
     "transom.agents.cli",
     "transom.streams.cli",
     "transom.controller.cli",
+    "transom.controller.launcher",
     "transom.checkpoint.cli",
     "transom.streams.sink_cli",
     "transom.report",

@@ -63,6 +63,10 @@ ENV: Mapping[str, str] = {
     "TRANSOM_FAULT_PRINCIPAL": "producer of fault events (TEE): the principal name it signs as",
     "TRANSOM_SIGNING_KEY": "producer of fault events (TEE): its HMAC-SHA256 key (at least 16 characters)",
     "TRANSOM_SIGNING_KEY_FILE": "file whose first line is the signing key (instead of TRANSOM_SIGNING_KEY)",
+    "TRANSOM_CLUSTER_KEY": "controller and node launchers: HMAC key of their channel (at least 16 characters; "
+                           "unset: TRANSOM_SIGNING_KEY is used; a launcher refuses to start without either)",
+    "TRANSOM_CLUSTER_KEY_FILE": "file whose first line is the cluster key (instead of TRANSOM_CLUSTER_KEY)",
+    "TRANSOM_RUN_DIR": "controller and launcher: directory for rank logs and launch records (default: runs)",
 }
 
 
