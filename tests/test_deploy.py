@@ -26,8 +26,8 @@ CODE = ("transom", "agents", "streams", "controller", "checkpoint")
 #: Set by the controller's backends for the ranks they launch (never by an operator).
 LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR", "TRANSOM_AGENTS"}
 #: Given per node or per pod, not in the shared settings: the node id (a flag or the pod's node name),
-#: the InfluxDB token (a secret).
-PER_NODE = {"TRANSOM_NODE"}
+#: the address a node's services advertise (the pod's IP, from the downward API), the InfluxDB token (a secret).
+PER_NODE = {"TRANSOM_NODE", "TRANSOM_ADVERTISE_ADDR"}
 SECRET = {"TRANSOM_INFLUX_TOKEN"}
 #: Read only by benchmarks and the corpus generator, never by a deployed service.
 BENCH_ONLY = {"TRANSOM_FAULT_TRACE"}

@@ -1,0 +1,169 @@
+"""TCE daemons across host boundaries, on one machine: each daemon on its own loopback address
+(127.0.0.2, .3, .4) with its own runtime dir (its own "/dev/shm"), so nothing but the service
+registry on the real broker can tell one daemon where another is.
+
+- discovery and replication through the registry, advertised addresses that are routable;
+- restore from the neighbour's memory after the writer's daemon (its host) is gone;
+- writes of a replaced launch (older generation) refused by daemons and by the job directory.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from transom import contracts, registry
+from transom.checkpoint import CheckpointEngine, CheckpointError, complete_steps, store
+from transom.checkpoint.errors import StaleGeneration
+from transom.checkpoint.server import CheckpointServer
+from transom.checkpoint.wire import Conn, DaemonError, recv_msg, send_msg
+from transom.contracts import ServiceKind
+
+
+@pytest.fixture()
+def hosts(broker, tmp_path, monkeypatch):
+    """start(node, addr) -> a daemon bound to ``addr`` with runtime and disk dirs of its own; all closed after."""
+    monkeypatch.setenv("TRANSOM_CLUSTER", f"t-{uuid.uuid4().hex[:8]}")     # this test's daemons only
+    monkeypatch.delenv("TRANSOM_ADVERTISE_ADDR", raising=False)
+    base = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"transom-hosts-{uuid.uuid4().hex[:8]}"
+    daemons: dict[str, CheckpointServer] = {}
+    engines: list[CheckpointEngine] = []
+
+    def start(node: str, addr: str) -> CheckpointServer:
+        d = CheckpointServer(node, base / node, disk_dir=str(tmp_path / f"disk-{node}"), host=addr,
+                             transport="tcp", bootstrap=broker.bootstrap).start()
+        daemons[node] = d
+        return d
+
+    def engine(ckpt: Path, job: str, node: str, generation: int = 0, rank: int = 0, world: int = 1):
+        eng = CheckpointEngine(ckpt, job, rank, world, node, generation, runtime=base / node, shared=False)
+        engines.append(eng)
+        return eng
+
+    start.engine = engine
+    start.daemons = daemons
+    try:
+        yield start
+    finally:
+        for eng in engines:
+            try:
+                eng.close()
+            except CheckpointError:
+                pass
+        for d in daemons.values():
+            if d.tcp.fileno() >= 0:
+                d.close()
+        import shutil
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _wait_ring(daemons, timeout=20.0):
+    for d in daemons:
+        others = {n for n in (x.node for x in daemons) if n != d.node}
+        assert d._reader.wait_for(lambda r: others <= set(d.peers()), timeout), \
+            f"{d.node} sees {sorted(d.peers())} in the registry, expected {sorted(others)}"
+
+
+def test_daemons_on_separate_addresses_find_each_other_through_the_registry_and_replicate(hosts, tmp_path):
+    a, b = hosts("hostA", "127.0.0.2"), hosts("hostB", "127.0.0.3")
+    _wait_ring([a, b])
+    assert a.ring()[0]["addr"] == b.addr == f"127.0.0.3:{b.port}"                    # advertised = routable
+    regs = registry.read_registry(a.bootstrap).live(ServiceKind.CKPT_DAEMON)
+    assert {n: r.addr for n, r in regs.items()} == {"hostA": "127.0.0.2", "hostB": "127.0.0.3"}
+    eng = hosts.engine(tmp_path / "ckpt", "job-h1", "hostA")
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    eng.save(1, state)
+    eng.wait()
+    mem = {c["node"]: c["location"] for c in eng.last_result["copies"] if c["tier"] == "memory"}
+    assert set(mem) == {"hostA", "hostB"} and mem["hostB"].startswith(f"127.0.0.3:{b.port}#")
+    assert not any("0.0.0.0" in loc for loc in mem.values())
+    replica = [s for s in b._op_stats(None, {})["slots"] if s["kind"] == "replica" and s["state"] == "held"]
+    assert [(s["job"], s["step"], s["origin"]) for s in replica] == [("job-h1", 1, "hostA")]
+
+
+def test_restore_from_the_neighbours_memory_when_the_writers_host_is_gone(hosts, tmp_path):
+    a, b, c = hosts("hostA", "127.0.0.2"), hosts("hostB", "127.0.0.3"), hosts("hostC", "127.0.0.4")
+    _wait_ring([a, b, c])
+    ckpt = tmp_path / "ckpt"
+    writer = hosts.engine(ckpt, "job-h2", "hostA")
+    state = {"w": torch.randn(4096)}
+    writer.save(7, state)
+    writer.wait()
+    assert complete_steps(ckpt) == [7]
+    writer.close()
+    a.close()                # host A lost: its daemon, its memory (segments unlinked) and its disk dir
+    import shutil
+    shutil.rmtree(a.disk_dir, ignore_errors=True)
+    assert c._reader.wait_for(lambda r: "hostA" not in c.peers(), 20)
+    # the rank now runs on host C: no local copy, A is gone, B holds the replica
+    eng = hosts.engine(ckpt, "job-h2", "hostC")
+    step, got = eng.load()
+    assert step == 7 and torch.equal(got["w"], state["w"])
+    assert (eng.last_restore["tier_name"], eng.last_restore["node"]) == ("peer-memory", "hostB")
+
+
+def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
+    a, b, c = hosts("hostA", "127.0.0.2"), hosts("hostB", "127.0.0.3"), hosts("hostC", "127.0.0.4")
+    _wait_ring([a, b, c])
+    ckpt, job = tmp_path / "ckpt", "job-h3"
+    new = hosts.engine(ckpt, job, "hostB", generation=2)        # the relaunched generation, on host B
+    new.save(10, {"w": torch.ones(64)})                         # (replicated to C)
+    new.wait()
+    assert store.newest_generation(ckpt) == 2
+    # host A was cut off during the relaunch: its daemon never saw generation 2, its rank still runs
+    assert "job-h3" not in a.generations
+    old = hosts.engine(ckpt, job, "hostA", generation=1)
+    old.save(11, {"w": torch.zeros(64)})                       # A's daemon takes it; the job directory refuses
+    with pytest.raises(CheckpointError, match="stale generation"):
+        old.wait()
+    assert a.generations[job] == 2
+    assert not [s for s in b._op_stats(None, {})["slots"] if s["step"] == 11]      # never replicated
+    assert complete_steps(ckpt) == [10]
+    assert not (ckpt / "step-00000011").exists() or not any((ckpt / "step-00000011").glob("rank-*.json"))
+    # A's daemon has learnt generation 2 now: the stale rank's next save is refused at once
+    with pytest.raises(DaemonError, match="stale generation"):
+        old.save(12, {"w": torch.zeros(64)})
+    # a replica stamped with the old generation is refused by B, and the refusal reaches the sender
+    conn = Conn(b.addr)
+    try:
+        send_msg(conn.sock, {"op": "replica_put", "job": job, "rank": 0, "step": 13, "size": 3, "sha256": "0" * 64,
+                             "origin": "hostA", "generation": 1})
+        conn.sock.sendall(b"abc")
+        reply = recv_msg(conn.sock)
+    finally:
+        conn.close()
+    assert "stale generation" in reply["error"] and "generation 2" in reply["error"]
+    # the generation record itself
+    with pytest.raises(StaleGeneration, match="generation 1, but generation 2"):
+        store.claim_generation(ckpt, job, 1)
+    assert store.claim_generation(ckpt, job, 3) == 3
+
+
+def test_one_host_mode_needs_no_broker(tmp_path, monkeypatch):
+    """Without a broker the daemons of one runtime dir find each other there, on loopback."""
+    monkeypatch.delenv("TRANSOM_ADVERTISE_ADDR", raising=False)
+    runtime = Path("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp") / f"transom-one-{uuid.uuid4().hex[:8]}"
+    a = CheckpointServer("n0", runtime, disk_dir=str(tmp_path), host="0.0.0.0", transport="tcp").start()
+    b = CheckpointServer("n1", runtime, disk_dir=str(tmp_path), transport="tcp").start()
+    try:
+        assert a.addr.startswith("127.0.0.1:")              # a wildcard bind advertises loopback, never 0.0.0.0
+        assert [p["node"] for p in a.ring()] == ["n1"] and [p["node"] for p in b.ring()] == ["n0"]
+        assert a._op_resolve(None, {"node": "n1"}) == {"addr": b.addr, "source": "runtime", "live": True}
+    finally:
+        a.close()
+        b.close()
+        import shutil
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_ring_order():
+    from transom.checkpoint.segments import ring
+    peers = {n: {"node": n} for n in ("a", "b", "d")}
+    assert [p["node"] for p in ring(peers, "c")] == ["d", "a", "b"]
+    assert [p["node"] for p in ring({**peers, "c": {"node": "c"}}, "d")] == ["a", "b", "c"]
+    assert ring({}, "a") == []
+    assert contracts.REGISTRY in {t.name for t in contracts.TOPICS}
