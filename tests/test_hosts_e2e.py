@@ -52,7 +52,7 @@ def test_a_killed_node_host_is_replaced_by_the_spare_and_the_job_resumes_from_th
             if got is None:
                 continue
             topic, ev = got
-            if topic != contracts.LIFECYCLE:
+            if topic != contracts.LIFECYCLE or ev.job != "hosts-e2e":
                 continue
             events.append(ev)
             if killed_at is None and ev.name == "checkpoint" and ev.detail["step"] >= 2 * CKPT_EVERY:
@@ -63,6 +63,7 @@ def test_a_killed_node_host_is_replaced_by_the_spare_and_the_job_resumes_from_th
         monitor.close()
     assert killed_at is not None, [e.name for e in events]
     names = [e.name for e in events]
+    print(" ".join(f"{e.name}{'/' + str(e.detail.get('step', '')) if e.name == 'checkpoint' else ''}" for e in events))
     assert names[-1] == "completed", names
     relaunch = next(e for e in events if e.name == "launched" and e.detail["generation"] >= 1)
     assert "node1" not in relaunch.detail["nodes"] and "node4" in relaunch.detail["nodes"]
@@ -70,12 +71,14 @@ def test_a_killed_node_host_is_replaced_by_the_spare_and_the_job_resumes_from_th
     resumed = next(e for e in events if e.name == "resumed")
     assert resumed.detail["resume_step"] >= killed_at                  # the newest checkpoint, not an older one
     assert 0 <= resumed.detail["steps_lost"] <= CKPT_EVERY
-    # the spare's rank restored its shard (node1's, now gone) and the job finished on the bed's hosts
+    # the spare's rank restored node1's shard from a neighbour's memory (node1's memory is gone), over the
+    # bed's network, and the job finished on the bed's hosts
     rank = relaunch.detail["nodes"].index("node4")
     gen = relaunch.detail["generation"]
     log = (stack.run_dir / "hosts" / "node4" / "hosts-e2e" / f"gen-{gen}" / f"rank-{rank}.log").read_text()
     restored = re.search(r"restored step (\d+) from (\S+) on (\S+)", log)
     assert restored and int(restored.group(1)) == resumed.detail["resume_step"], log[-2000:]
-    print(f"rank {rank} on node4 restored step {restored.group(1)} from {restored.group(2)} on {restored.group(3)}")
-    assert restored.group(3) != "node1"
-    assert "done: 70 steps" in log
+    print(f"\nrank {rank} on node4 restored step {restored.group(1)} from {restored.group(2)} on {restored.group(3)}")
+    assert restored.group(2) == "peer-memory" and restored.group(3) != "node1"   # a neighbour's memory, over the bed
+    first = relaunch.detail["nodes"][0]
+    assert "done: 70 steps" in (stack.run_dir / "hosts" / first / "hosts-e2e" / f"gen-{gen}" / "rank-0.log").read_text()
