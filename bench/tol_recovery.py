@@ -16,6 +16,11 @@ port after each failure, the way users' retry loops do it (its own ``--max-resta
 re-form a gloo group here). The same kill: SIGKILL of rank 1 once the job passes ``--fault-step``;
 the clock stops at the first step the new attempt writes.
 
+``--hosts``: Transom runs on the test bed (transom/testbed.py): broker and controller on a control
+host, each node a host of its own with its agent, checkpoint daemon and launcher (the hosts
+backend), ranks reached only over the bed's network; the rank on node1 is killed inside node1's
+PID namespace. The torchrun baseline runs on one host either way (it has no notion of hosts).
+
 Prints one line per trial, the medians, the ratio, and one JSON line.
 """
 
@@ -42,13 +47,17 @@ from transom.stack import LocalStack, Monitor, train_command  # noqa: E402
 TARGET_S = 20.0
 
 
-def _kill_rank(gen_dir: Path, rank: int, timeout: float = 10) -> None:
+def _kill_rank(gen_dir: Path, rank: int, timeout: float = 10, stack: LocalStack | None = None,
+               node: str = "node1") -> None:
     pid_file = gen_dir / f"rank-{rank}.pid"
     deadline = time.monotonic() + timeout
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     child = int(pid_file.read_text().split()[1])
-    os.kill(child, signal.SIGKILL)
+    if stack is not None and stack.bed is not None:     # a pid of the node host's own PID namespace
+        stack.bed.sh(node, f"kill -KILL {child}", check=True)
+    else:
+        os.kill(child, signal.SIGKILL)
 
 
 def transom_trial(stack: LocalStack, i: int, args: argparse.Namespace, producer) -> dict:
@@ -82,7 +91,10 @@ def transom_trial(stack: LocalStack, i: int, args: argparse.Namespace, producer)
                                          evidence={"xid": 79}, summary="XID 79 on node1 (bench)")
                         publish(producer, c.FAULTS, job, f)
                         producer.flush(10)
-                        _kill_rank(run_dir / job / "gen-0", 1)
+                        if stack.bed is not None:
+                            _kill_rank(stack.run_dir / "hosts" / "node1" / job / "gen-0", 1, stack=stack)
+                        else:
+                            _kill_rank(run_dir / job / "gen-0", 1)
                         t_fault = now
                         result["fault_step"] = step
                     elif t_fault is not None and gen == 1 and first is None:
@@ -104,11 +116,11 @@ def transom_trial(stack: LocalStack, i: int, args: argparse.Namespace, producer)
     finally:
         monitor.close()
         if ctl.popen.poll() is None:
-            os.killpg(ctl.popen.pid, signal.SIGTERM)
+            ctl.signal(signal.SIGTERM)
             try:
                 ctl.popen.wait(20)
             except subprocess.TimeoutExpired:
-                os.killpg(ctl.popen.pid, signal.SIGKILL)
+                ctl.signal(signal.SIGKILL)
     return result
 
 
@@ -177,11 +189,14 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint interval in steps (default 10)")
     p.add_argument("--fault-step", type=int, default=25, help="inject once the job passes this step (default 25)")
     p.add_argument("--trial-timeout", type=float, default=120)
+    p.add_argument("--hosts", action="store_true",
+                   help="Transom on the test bed's hosts (namespaces; needs root), the baseline on one host")
+    p.add_argument("--skip-baseline", action="store_true", help="Transom's trials only")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tol-bench-"))
     print(f"tol_recovery: {args.trials} trials each; 4 ranks; checkpoint every {args.ckpt_every} steps; "
           f"fault at step {args.fault_step}; work dir {work}", flush=True)
-    stack = LocalStack(work / "stack")
+    stack = LocalStack(work / "stack", hosts=args.hosts)
     transom: list[dict] = []
     baseline: list[dict] = []
     producer = None
@@ -199,7 +214,7 @@ def main() -> int:
             producer.flush(5)
             del producer                             # before the broker goes: no reconnect noise
         stack.stop()
-    for i in range(args.trials):
+    for i in range(0 if args.skip_baseline else args.trials):
         r = torchrun_trial(i, args, work)
         baseline.append(r)
         print(f"torchrun trial {i}: {json.dumps(r)}", flush=True)
@@ -213,7 +228,7 @@ def main() -> int:
     print(f"median fault -> first step: transom {med_t} s ({len(t)}/{args.trials} trials), torchrun {med_b} s "
           f"({len(b)}/{args.trials}); torchrun/transom = {ratio}", flush=True)
     print(json.dumps({
-        "bench": "tol_recovery", "ranks": 4, "trials": args.trials, "ckpt_every": args.ckpt_every,
+        "bench": "tol_recovery", "hosts": bool(args.hosts), "ranks": 4, "trials": args.trials, "ckpt_every": args.ckpt_every,
         "fault": "XID 79 event published on transom.faults + SIGKILL of the rank on node1 (no TEE)",
         "transom_fault_to_first_step_s": med_t, "transom_all_s": t,
         "transom_steps_lost": lost, "torchrun_fault_to_first_step_s": med_b, "torchrun_all_s": b,

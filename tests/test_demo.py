@@ -1,4 +1,5 @@
-"""End to end: `transom demo` runs the whole loop and heals the job after an injected XID 79."""
+"""End to end: `transom demo` runs the whole loop and heals the job after an injected XID 79 (on the test
+bed's hosts where the machine can make namespaces, else on this one host)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,18 @@ def test_demo_recovers_from_xid79_and_completes(tmp_path):
     assert lost <= 2 * 20 + 1, "steps lost must stay within two checkpoint intervals"
     assert "job            : completed" in out
     # the relaunched ranks resumed from a checkpoint, not from scratch, and finished
-    rank_log = (run_dir / "jobs" / "demo" / "gen-1" / "rank-0.log").read_text()
+    # (on the bed the launchers keep rank logs under hosts/NODE/, on one host the controller under jobs/)
+    (rank_log,) = [p.read_text() for p in run_dir.glob("*/**/demo/gen-1/rank-0.log")]
     assert re.search(r"resumed from step [1-9]\d* gen 1", rank_log)
     # nothing the demo started is left running
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
                  and any("transom" in part for part in (p.info["cmdline"] or []))]
     assert leftovers == []
+    bed = re.search(r"bed tb(\d+)\)", out)
+    if bed:                                     # it ran on the test bed: no namespace of it is left
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"tb{bed.group(1)}-" not in left, left
+    else:
+        from transom import testbed
+        assert not testbed.available()[0], "the demo ran on one host although the test bed is available"
+        assert "the test bed is unavailable" in out

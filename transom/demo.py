@@ -5,14 +5,18 @@ spare), a TEE worker and the controller; runs the example language model with fo
 injects XID 79 ("GPU has fallen off the bus") on one node halfway through; shows progress live;
 then prints the timeline of the recovery and a summary, stops everything it started, and exits
 0 only if the job completed all its steps.
+
+Where the machine can make namespaces (the test bed, :mod:`transom.testbed`), every node is a host
+of its own (agent, checkpoint daemon and launcher; its own network, /tmp and /dev/shm) and the
+broker, TEE and controller run on a control host: the parts meet only over the bed's network, as
+on a cluster. Elsewhere it runs on this one host and says so in one line. ``--hosts`` /
+``--no-hosts`` choose.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -31,13 +35,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-node", default="node1", help="node to inject XID 79 on (default node1)")
     p.add_argument("--run-dir", default=None, help="where logs, checkpoints and rank outputs go (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds (default 600)")
+    p.add_argument("--hosts", action=argparse.BooleanOptionalAction, default=None,
+                   help="run on the test bed: a control host and five node hosts as namespaces (default: when this "
+                        "machine can make them; --no-hosts: every part on this one host)")
     p.set_defaults(func=run_demo)
 
 
-def _inject(addr: str, fault: str) -> None:
-    host, port = addr.rsplit(":", 1)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.sendto(json.dumps({"type": "inject", "fault": fault, "gpu": 0}).encode(), (host, int(port)))
+def _on_hosts(wanted: bool | None) -> bool:
+    """Whether to run on the test bed: ``wanted`` (None: when it is available, else one line saying why not)."""
+    from . import testbed
+
+    if wanted is False:
+        return False
+    ok, reason = testbed.available()
+    if not ok:
+        if wanted:
+            raise SystemExit(f"transom demo: error: --hosts: {reason}")
+        print(f"demo: the test bed is unavailable ({reason}): running every part on this one host", flush=True)
+    return ok
 
 
 class _Clock:
@@ -59,9 +74,12 @@ def run_demo(args: argparse.Namespace) -> int:
     clock = _Clock()
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="transom-demo-"))
     fault_at = args.fault_at or args.steps // 2
-    stack = LocalStack(run_dir)
-    print(f"Transom demo: 4 ranks on node0..node3, spare node4; XID 79 on {args.fault_node} at step {fault_at}. "
-          f"Logs in {run_dir}/logs", flush=True)
+    on_hosts = _on_hosts(args.hosts)
+    stack = LocalStack(run_dir, hosts=on_hosts)
+    where = (f"on the test bed {stack.bed.subnet} (hosts {', '.join(stack.bed.hosts)}; bed tb{stack.bed.index})"
+             if on_hosts else "on this host")
+    print(f"Transom demo {where}: 4 ranks on node0..node3, spare node4; XID 79 on {args.fault_node} at step "
+          f"{fault_at}. Logs in {run_dir}/logs", flush=True)
     job = "demo"
     timeline: dict[str, float] = {}
     steps_lost = None
@@ -74,7 +92,8 @@ def run_demo(args: argparse.Namespace) -> int:
         monitor = Monitor(bootstrap)
         stack.start_agents()
         stack.start_tee()
-        clock.say("agents (5 nodes, simulated GPUs) and the TEE worker started")
+        clock.say("agents, checkpoint daemons and launchers on node0..node4 (simulated GPUs), TEE on ctl, started"
+                  if on_hosts else "agents (5 nodes, simulated GPUs) and the TEE worker started")
         ctl = stack.start_controller(job, train_command(args.steps, args.ckpt_every), world_size=4,
                                      extra=["--exit-when-done"])
         clock.say("controller started; job submitted")
@@ -103,7 +122,7 @@ def run_demo(args: argparse.Namespace) -> int:
                                   f"gen {s.tags.get('generation')}")
                         next_progress = time.monotonic() + 5
                     if not injected and step >= fault_at:
-                        _inject(stack.agents[args.fault_node], "xid79")
+                        stack.inject(args.fault_node, "xid79")
                         injected = True
                         clock.say(f"INJECT XID 79 on {args.fault_node} (GPU 0)")
             elif topic == contracts.FAULTS and ev.job in (job, None):

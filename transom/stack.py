@@ -210,7 +210,7 @@ class LocalStack:
                          extra: Sequence[str] = (), name: str = "controller") -> _Proc:
         args = ["controller", "--bootstrap", self.bootstrap, "--run-dir", str(self.run_dir / "jobs")]
         if self.bed is not None:
-            args += ["--backend", "hosts", "--ckpt-dir", str(self.run_dir / "ckpt")]
+            args += ["--backend", "hosts"]        # checkpoints in RUN_DIR/JOB/ckpt, shared into every host
             args += [a for node, addr in self.launchers.items() for a in ("--launcher", f"{node}={addr}")]
         else:
             for node, addr in self.agents.items():
