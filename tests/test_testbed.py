@@ -42,13 +42,15 @@ CLIENT = textwrap.dedent("""
 
 
 def serve(b, host, port=7000):
-    proc = b.python(host, ["-c", SERVER, b.addr(host), str(port)], stdout=subprocess.PIPE, text=True)
+    proc = b.run(host, [sys.executable, "-I", "-S", "-c", SERVER, b.addr(host), str(port)], stdout=subprocess.PIPE,
+                 text=True)
     assert proc.stdout.readline().strip() == "listening"
     return proc
 
 
 def connect(b, host, addr, port=7000, timeout=5.0) -> str:
-    r = b.python(host, ["-c", CLIENT, addr, str(port), str(timeout)], stdout=subprocess.PIPE, text=True)
+    r = b.run(host, [sys.executable, "-I", "-S", "-c", CLIENT, addr, str(port), str(timeout)], stdout=subprocess.PIPE,
+              text=True)
     out, _ = r.communicate(timeout=60)
     return out.strip()
 
@@ -80,6 +82,12 @@ def test_hosts_have_their_own_name_memory_and_pids(bed, tmp_path):
         assert 1 < sleeper.host_pid < 100 and sleeper.root_pid != sleeper.host_pid
         assert b.sh("alpha", "cat /proc/*/cmdline | tr '\\0' ' '").stdout.count("sleep 300") == 1
         assert "sleep 300" not in b.sh("beta", "cat /proc/*/cmdline | tr '\\0' ' '").stdout
+        assert [(p["pid"], p["host_pid"]) for p in b.processes("alpha") if p["cmdline"] == ["sleep", "300"]] \
+            == [(sleeper.root_pid, sleeper.host_pid)]
+        sleeper.signal(signal.SIGSTOP)            # the real process stops, not its relay
+        wait_until(lambda: testbed._state(sleeper.root_pid) == "T", 30, "the sleeper stopped")
+        assert testbed._state(sleeper.pid) != "T"
+        sleeper.signal(signal.SIGCONT)
         assert b.sh("beta", "echo $$").stdout.strip() in {str(n) for n in range(2, 100)}
     finally:
         sleeper.terminate()

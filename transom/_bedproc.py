@@ -29,6 +29,7 @@ import sys
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+_MNT_DETACH = 2
 _PR_SET_PDEATHSIG = 1
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2, signal.SIGALRM, signal.SIGWINCH, signal.SIGCONT)
@@ -64,11 +65,24 @@ def _root_pid() -> int:
     return os.getpid()
 
 
+def _drop_netns_mounts() -> None:
+    """Unmount this mount namespace's copies of /run/netns/*: each would keep a network namespace of
+    this or another bed alive after ``ip netns del`` until this host dies."""
+    try:
+        names = os.listdir("/run/netns")
+    except OSError:
+        return
+    for name in names:
+        _libc.umount2(f"/run/netns/{name}".encode(), _MNT_DETACH)
+    _libc.umount2(b"/run/netns", _MNT_DETACH)
+
+
 def init(spec: dict) -> None:
     out = sys.stdout
     try:                                  # any error, as one JSON line: the bed hides this stderr
         pid = _root_pid()                       # read before /proc is replaced by this host's own
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+        _drop_netns_mounts()
         _mount("proc", "/proc", "proc", 0)
         socket.sethostname(spec["hostname"])
         cgroup = os.open("/sys/fs/cgroup", os.O_PATH) if os.path.isdir("/sys/fs/cgroup") else None

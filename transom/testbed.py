@@ -286,6 +286,33 @@ class Bed:
         h = self._host(host, need_up=True)
         return h.pid
 
+    def addresses(self) -> dict[str, str]:
+        """``{host: address}`` for every host of the bed."""
+        return {h: self.addr(h) for h in self.hosts}
+
+    def processes(self, host: str) -> list[dict]:
+        """The processes running in ``host`` (its init left out): ``{"pid": PID seen from here,
+        "host_pid": PID inside the host, "cmdline": [...]}``, e.g. to SIGSTOP a rank the host's own
+        launcher started."""
+        h = self._host(host, need_up=True)
+        try:
+            want = os.stat(f"/proc/{h.pid}/ns/pid")
+        except OSError:
+            return []
+        out = []
+        for pid in _netns_pids(h.netns):
+            try:
+                if pid == h.pid or os.stat(f"/proc/{pid}/ns/pid").st_ino != want.st_ino:
+                    continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+                with open(f"/proc/{pid}/status") as f:
+                    nspid = next(int(line.split()[-1]) for line in f if line.startswith("NSpid:"))
+            except (OSError, StopIteration):
+                continue                          # exited meanwhile
+            out.append({"pid": pid, "host_pid": nspid, "cmdline": cmdline})
+        return out
+
     def is_up(self, host: str) -> bool:
         return self._host(host).up
 
@@ -756,13 +783,18 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+def _state(pid: int) -> str | None:
+    """The process state letter of ``pid`` (R, S, D, T, Z...), None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    return _state(pid) not in (None, "Z", "X")
 
 
 def _wait_dead(pids: list[int], timeout: float = 30.0) -> None:
