@@ -239,7 +239,12 @@ class Bed:
         self.hosts: list[str] = names
         always = [ROOT, sys.prefix, sys.base_prefix, Path(os.path.realpath(sys.executable)).parent]
         self.shared = sorted({os.path.realpath(p) for p in [*always, *share]}, key=len)
-        self.private = [os.path.realpath(p) for p in private]
+        # a private directory that is itself shared (or lies in a shared one) stays the machine's
+        self.private = [p for p in map(os.path.realpath, private)
+                        if not any(p == s or p.startswith(s.rstrip("/") + "/") for s in self.shared)]
+        for p in self.private:
+            if not os.path.isdir(p):
+                raise ValueError(f"Bed: private: {p} is not a directory (each host mounts its own tmpfs on it)")
         self.timeout = timeout
         self.index: int | None = None
         self._lock_fd: int | None = None
@@ -328,14 +333,16 @@ class Bed:
     # ---- life cycle
 
     def __enter__(self) -> "Bed":
-        return self.up()
+        return self if self._lock_fd is not None else self.up()
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def up(self) -> "Bed":
+        if self._lock_fd is not None:
+            return self
         if self.index is not None:
-            raise BedError(f"bed {self.index} is already up (a Bed is brought up once)")
+            raise BedError(f"bed {self.index} was closed; a Bed is brought up once (make a new one)")
         ok, reason = available()
         if not ok:
             raise BedUnavailable(reason)
@@ -390,9 +397,10 @@ class Bed:
                 _clean_index(self.index, {"pids": []})
             finally:
                 _LIVE.discard(self)
-                os.close(self._lock_fd)
-                self._lock_fd = None
-                _log.info("bed %d closed", self.index)
+                if self._lock_fd is not None:     # None: a SIGTERM handler closed it meanwhile
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+                    _log.info("bed %d closed", self.index)
 
     def _port_lines(self, h: _Host) -> list[str]:
         return [f"link add name {h.port} type veth peer name eth0 netns {h.netns}",
