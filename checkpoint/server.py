@@ -163,12 +163,12 @@ class CheckpointServer:
             t.start()
         if self._register:
             meta = {"transport": self.replicator.name, "mooncake": self.mooncake.name if self.mooncake else None}
-            segments.register(self.runtime, self.node, {
-                "addr": self.addr, "pid": os.getpid(), "host": os.uname().nodename, **meta})
-            if self.bootstrap:
+            if self.bootstrap:        # peers first, so the first save already has its neighbour
                 self._reader = registry.RegistryReader(self.bootstrap).start()
                 self._writer = registry.RegistryWriter(self.bootstrap, registry.registration(
                     ServiceKind.CKPT_DAEMON, self.node, addr=self.advertise, port=self.port, meta=meta)).start()
+            segments.register(self.runtime, self.node, {        # then this host's ranks may find it
+                "addr": self.addr, "pid": os.getpid(), "host": os.uname().nodename, **meta})
         log.info("TCE daemon of %s at %s (runtime %s, disk %s, replication %s, peers from %s)", self.node, self.addr,
                  self.runtime, self.disk_dir, self.replicator.name,
                  f"the registry on {self.bootstrap} (cluster {registry.cluster_name()})" if self._reader

