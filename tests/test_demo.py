@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 
 import psutil
 import pytest
@@ -16,11 +17,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 def test_demo_recovers_from_xid79_and_completes(tmp_path):
     run_dir = tmp_path / "demo"
-    before = {p.pid for p in psutil.process_iter()}
+    cluster = f"demo-test-{uuid.uuid4().hex[:8]}"       # every process the demo starts inherits it
     proc = subprocess.run(
         [sys.executable, "-m", "transom.cli", "demo", "--steps", "160", "--ckpt-every", "20", "--fault-at", "70",
          "--run-dir", str(run_dir), "--timeout", "400"],
-        capture_output=True, text=True, timeout=480, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        capture_output=True, text=True, timeout=480,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_CLUSTER": cluster})
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     # the live progress and the story of the recovery
@@ -46,9 +48,7 @@ def test_demo_recovers_from_xid79_and_completes(tmp_path):
     (rank_log,) = [p.read_text() for p in run_dir.glob("*/**/demo/gen-1/rank-0.log")]
     assert re.search(r"resumed from step [1-9]\d* gen 1", rank_log)
     # nothing the demo started is left running
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-                 and any("transom" in part for part in (p.info["cmdline"] or []))]
-    assert leftovers == []
+    assert _started_by(cluster) == []
     bed = re.search(r"bed tb(\d+)\)", out)
     if bed:                                     # it ran on the test bed: no namespace of it is left
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -57,3 +57,15 @@ def test_demo_recovers_from_xid79_and_completes(tmp_path):
         from transom import testbed
         assert not testbed.available()[0], "the demo ran on one host although the test bed is available"
         assert "the test bed is unavailable" in out
+
+
+def _started_by(cluster: str) -> list[str]:
+    """Processes still running with the demo's TRANSOM_CLUSTER (in any PID namespace of this machine)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.environ().get("TRANSOM_CLUSTER") == cluster:
+                found.append(" ".join(p.info["cmdline"] or [])[:200])
+        except psutil.Error:
+            continue
+    return found

@@ -159,3 +159,46 @@ def test_warm_argv_finds_python_on_path(tmp_path, monkeypatch):
     assert warm_argv([sys.executable, "x.py", "--a"]) == ["x.py", "--a"]
     assert warm_argv([sys.executable, "-u", "x.py"]) is None
     assert warm_argv(["no-such-python-here", "-m", "json.tool"]) is None
+
+
+def test_a_partitioned_host_counts_as_lost_and_its_ranks_are_stopped_when_its_link_returns(bed, tmp_path):
+    """On the test bed: two launcher hosts; node1 cut off the network counts as lost (its rank -9 for the
+    controller) while its rank still runs there; the stop the controller could not deliver reaches it
+    once the link is back, so the old rank cannot outlive its generation."""
+    from transom.controller.hosts import KILLED, HostsBackend
+    from transom.controller.launcher import DEFAULT_PORT
+
+    b = bed(["node0", "node1"], share=[tmp_path])
+    key = "p" * 32
+    for node in b.hosts:
+        with open(tmp_path / f"launcher-{node}.log", "ab") as out:
+            b.python(node, ["-m", "transom.cli", "launcher", "--node", node, "--listen",
+                            f"{b.addr(node)}:{DEFAULT_PORT}", "--advertise", b.addr(node), "--run-dir",
+                            str(tmp_path / node), "--no-warm-ranks"],
+                     {**os.environ, "TRANSOM_CLUSTER_KEY": key}, stdout=out, stderr=out)
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\n"
+                      "beat = os.path.join(os.environ['BEAT_DIR'], 'rank-' + os.environ['RANK'])\n"
+                      "while True:\n    open(beat, 'a').write('x')\n    time.sleep(0.1)\n")
+    backend = HostsBackend(tmp_path / "ctl", {n: f"{b.addr(n)}:{DEFAULT_PORT}" for n in b.hosts}, key=key.encode(),
+                           env={"BEAT_DIR": str(tmp_path)}, unreachable_s=3, ping_s=0.3)
+    try:
+        wait_until(lambda: backend.health(b.hosts) == {}, 60, "both launchers to answer")
+        handle = backend.launch("j", 0, ("node0", "node1"), (sys.executable, str(script)), None)
+        assert handle["master"].startswith(b.addr("node0") + ":")      # rank 0's host, as the bed routes it
+        wait_until(lambda: all(s.running for s in backend.status("j", 0)), 30, "both ranks running")
+        b.partition("node1")
+        lost = wait_until(lambda: [s for s in backend.status("j", 0) if not s.running], 30, "node1 counted as lost")
+        assert [(s.rank, s.exit_code) for s in lost] == [(1, KILLED)]
+        assert "unreachable" in backend.health(["node1"])["node1"]
+        backend.stop("j", 0, timeout=5)                 # rank 0 stops now; node1 cannot be told yet
+        assert ("j", 0, "node1") in backend._pending_stops
+        beat = tmp_path / "rank-1"
+        size = beat.stat().st_size
+        wait_until(lambda: beat.stat().st_size > size, 10, "the cut-off rank to keep running")
+        b.heal("node1")
+        wait_until(lambda: (tmp_path / "node1" / "j" / "gen-0" / "rank-1.exit").exists(), 30,
+                   "the old rank on node1 to be stopped once its link is back")
+        assert not backend._pending_stops
+    finally:
+        backend.close()
