@@ -170,12 +170,13 @@ def test_a_partitioned_host_counts_as_lost_and_its_ranks_are_stopped_when_its_li
 
     b = bed(["node0", "node1"], share=[tmp_path])
     key = "p" * 32
+    procs = []                                          # kept: a dropped HostProcess takes its relay down
     for node in b.hosts:
         with open(tmp_path / f"launcher-{node}.log", "ab") as out:
-            b.python(node, ["-m", "transom.cli", "launcher", "--node", node, "--listen",
+            procs.append(b.python(node, ["-m", "transom.cli", "launcher", "--node", node, "--listen",
                             f"{b.addr(node)}:{DEFAULT_PORT}", "--advertise", b.addr(node), "--run-dir",
                             str(tmp_path / node), "--no-warm-ranks"],
-                     {**os.environ, "TRANSOM_CLUSTER_KEY": key}, stdout=out, stderr=out)
+                     {**os.environ, "TRANSOM_CLUSTER_KEY": key}, stdout=out, stderr=out))
     script = tmp_path / "job.py"
     script.write_text("import os, time\n"
                       "beat = os.path.join(os.environ['BEAT_DIR'], 'rank-' + os.environ['RANK'])\n"
