@@ -6,8 +6,10 @@ Exception tree::
     LeaseLost(RuntimeError)           another controller holds the lease; this one stops acting
     SlurmError(RuntimeError)          a Slurm command failed (its output is in the message)
 
-Backends register by name (``local``, ``kubernetes``, ``slurm``); the last two are imported on
-demand (``transom.controller.kubernetes`` needs the ``kubernetes`` package).
+Backends register by name (``local``, ``hosts``, ``kubernetes``, ``slurm``); the last three are
+imported on demand (``transom.controller.kubernetes`` needs the ``kubernetes`` package). The hosts
+backend talks to node launchers over :mod:`transom.channel` (its own exception tree:
+``ChannelError`` and ``Unreachable``, ``Refused``, ``RemoteError``).
 """
 
 from .backend import Backend, RankStatus, create_backend, register_backend

@@ -72,8 +72,7 @@ class HostsBackend(Backend):
     def __init__(self, run_dir: str | os.PathLike, launchers: Mapping[str, str] | None = None, *,
                  key: bytes | None = None, ckpt_dir: str | None = None, bootstrap: str | None = None,
                  env: Mapping[str, str] | None = None, unreachable_s: float = 5.0, ping_s: float = 0.5,
-                 discover: Callable[[], Mapping[str, str]] | None = None, launch_timeout: float = 150.0,
-                 **_ignored: Any) -> None:
+                 discover: Callable[[], Mapping[str, str]] | None = None, launch_timeout: float = 150.0) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.key = key or cluster_key()
@@ -214,9 +213,9 @@ class HostsBackend(Backend):
         failed: dict[str, str] = {}
         try:
             master_addr, port = self._master(nodes[0])
-        except ChannelError as exc:            # rank 0's host is gone: every rank fails, the pre-check sorts it
+        except ChannelError as exc:            # rank 0's host is gone: no rank can start; the pre-check sorts it
             master_addr, port = self.launchers[nodes[0]].rpartition(":")[0], 0
-            failed[nodes[0]] = f"no rendezvous port: {exc}"
+            failed = {n: f"no rendezvous port from rank 0's host {nodes[0]}: {exc}" for n in ranks}
 
         def start(node: str) -> Any:
             items = []

@@ -1,11 +1,14 @@
-"""End to end on the test bed: a 4-rank job on four node hosts (ranks started by each host's launcher)
-and a spare host; a whole node host is killed mid-training (its processes, memory and /dev/shm gone)
-and the job resumes on the spare from the newest checkpoint. Skips where namespaces cannot be made."""
+"""End to end on the test bed: `transom run` submits a 4-rank job with a spare; the controller (on the
+control host) finds the node hosts' launchers in the service registry and places one rank on each of
+four node hosts; a whole node host is killed mid-training (its processes, memory and /dev/shm gone)
+and the job resumes on the spare from the newest checkpoint, the lost host's shard restored from a
+neighbour's memory over the bed's network. Skips where namespaces cannot be made."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -42,8 +45,11 @@ def test_a_killed_node_host_is_replaced_by_the_spare_and_the_job_resumes_from_th
     monitor = Monitor(bootstrap, (contracts.LIFECYCLE, contracts.CHECKPOINTS))
     try:
         stack.start_agents()
-        ctl = stack.start_controller("hosts-e2e", train_command(70, CKPT_EVERY), world_size=4,
-                                     extra=["--exit-when-done", "--unreachable", "4"])
+        ctl = stack.start_controller(extra=["--exit-when-done", "--unreachable", "4"])
+        submit = subprocess.run([sys.executable, "-m", "transom.cli", "run", "--bootstrap", bootstrap, "--nodes", "4",
+                                 "--spares", "1", "--job-id", "hosts-e2e", "--", *train_command(70, CKPT_EVERY)],
+                                capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
         events: list = []
         killed_at = None
         deadline = time.monotonic() + 360
@@ -65,6 +71,9 @@ def test_a_killed_node_host_is_replaced_by_the_spare_and_the_job_resumes_from_th
     names = [e.name for e in events]
     print(" ".join(f"{e.name}{'/' + str(e.detail.get('step', '')) if e.name == 'checkpoint' else ''}" for e in events))
     assert names[-1] == "completed", names
+    first = next(e for e in events if e.name == "launched")
+    assert first.detail["nodes"] == ["node0", "node1", "node2", "node3"]             # the registry's launchers
+    assert set(first.detail["hosts"].values()) == {stack.launchers[n] for n in first.detail["nodes"]}
     relaunch = next(e for e in events if e.name == "launched" and e.detail["generation"] >= 1)
     assert "node1" not in relaunch.detail["nodes"] and "node4" in relaunch.detail["nodes"]
     assert relaunch.detail["master"].startswith("198.18.")            # rank 0's host on the bed, not loopback
@@ -80,5 +89,5 @@ def test_a_killed_node_host_is_replaced_by_the_spare_and_the_job_resumes_from_th
     assert restored and int(restored.group(1)) == resumed.detail["resume_step"], log[-2000:]
     print(f"\nrank {rank} on node4 restored step {restored.group(1)} from {restored.group(2)} on {restored.group(3)}")
     assert restored.group(2) == "peer-memory" and restored.group(3) != "node1"   # a neighbour's memory, over the bed
-    first = relaunch.detail["nodes"][0]
-    assert "done: 70 steps" in (stack.run_dir / "hosts" / first / "hosts-e2e" / f"gen-{gen}" / "rank-0.log").read_text()
+    host0 = relaunch.detail["nodes"][0]
+    assert "done: 70 steps" in (stack.run_dir / "hosts" / host0 / "hosts-e2e" / f"gen-{gen}" / "rank-0.log").read_text()

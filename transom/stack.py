@@ -181,7 +181,19 @@ class LocalStack:
                                              "--run-dir", str(self.run_dir / "hosts" / node),
                                              "--bootstrap", self.bootstrap], env, node)
             self.launchers[node] = f"{addr}:{LAUNCHER_PORT}"
+        self._await_launchers()
         return self.agents
+
+    def _await_launchers(self, timeout: float = 180.0) -> None:
+        """Wait until every node's launcher is in the service registry (the controller finds them there)."""
+        from .contracts import ServiceKind
+        from .registry import RegistryReader
+
+        with RegistryReader(self.bootstrap, cluster=self.cluster).start() as reader:
+            if not reader.wait_for(lambda r: set(self.launchers) <= set(r.live(ServiceKind.LAUNCHER)), timeout):
+                missing = sorted(set(self.launchers) - set(reader.live(ServiceKind.LAUNCHER)))
+                raise RuntimeError(f"the launchers of {', '.join(missing)} did not register within {timeout:.0f}s; "
+                                   f"see {self.run_dir / 'logs'}/launcher-*.log")
 
     def inject(self, node: str, fault: str, gpu: int = 0) -> None:
         """Ask ``node``'s agent (simulated GPUs) to inject ``fault`` (xid79, hang, straggler)."""
@@ -213,8 +225,8 @@ class LocalStack:
                          extra: Sequence[str] = (), name: str = "controller") -> _Proc:
         args = ["controller", "--bootstrap", self.bootstrap, "--run-dir", str(self.run_dir / "jobs")]
         if self.bed is not None:
-            args += ["--backend", "hosts"]        # checkpoints in RUN_DIR/JOB/ckpt, shared into every host
-            args += [a for node, addr in self.launchers.items() for a in ("--launcher", f"{node}={addr}")]
+            # launchers found in the service registry; checkpoints in RUN_DIR/JOB/ckpt, shared into every host
+            args += ["--backend", "hosts"]
         else:
             for node, addr in self.agents.items():
                 args += ["--node", f"{node}={addr}"]
