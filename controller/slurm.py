@@ -5,6 +5,10 @@
   :mod:`transom.controller.rankwrap` (which takes the rank from ``SLURM_PROCID`` and records its
   exit code in ``RUN_DIR/JOB/gen-G/rank-R.exit``; RUN_DIR must be on a filesystem every node
   shares). ``launch.json`` there makes a repeated launch adopt the running step.
+- placement: srun orders a step's tasks by its node table, not by ``--nodelist``, so rank r need
+  not run on ``nodes[r]``. ``MASTER_ADDR`` is therefore set by the wrapper in each task, to the
+  node of task 0 (node 0 of ``SLURM_STEP_NODELIST``), and each task records the node it ran on
+  (``rank-R.node``); :meth:`SlurmBackend.placement` reads what srun did.
 - ``stop``: ``scancel --name=transom-JOB-gG``, then waits for ``squeue`` to drop it.
 - ``cordon``: ``scontrol update NodeName=X State=DRAIN Reason="..."``.
 - ``nodes`` / ``health``: ``scontrol show nodes --oneliner``; DRAIN, DOWN, FAIL or
@@ -14,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -115,9 +120,10 @@ class SlurmBackend(Backend):
         port = free_port()
         argv = self._srun(f"transom-precheck-{job}-g{generation}", nodes) + [
             sys.executable, "-c", "import os,sys; from transom.controller.collective import main; "
+            "from transom.controller.rankwrap import slurm_master; "
             "sys.exit(main(['--rank', os.environ['SLURM_PROCID'], '--world', os.environ['SLURM_NTASKS'], "
-            f"'--master', os.environ['MASTER_ADDR'] + ':{port}', '--timeout', '{timeout}']))"]
-        env = {**os.environ, "MASTER_ADDR": nodes[0]}
+            f"'--master', slurm_master(os.environ)[1] + ':{port}', '--timeout', '{timeout}']))"]
+        env = self._env()
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout + 30)
         except subprocess.TimeoutExpired:
@@ -139,7 +145,7 @@ class SlurmBackend(Backend):
         if self._run("squeue", "--noheader", "--format=%i", f"--name={name}").strip():
             self._run("scancel", f"--name={name}")       # a launch interrupted before launch.json was written
         port = free_port()
-        env = {**os.environ, "MASTER_ADDR": nodes[0], "MASTER_PORT": str(port), "TRANSOM_JOB": job,
+        env = {**self._env(), "MASTER_PORT": str(port), "TRANSOM_JOB": job,
                "TRANSOM_GENERATION": str(generation), "PYTHONUNBUFFERED": "1",
                "TRANSOM_CKPT_DIR": self.ckpt_dir or str(self.run_dir / job / "ckpt")}
         env.pop("TRANSOM_RESUME_STEP", None)
@@ -147,8 +153,6 @@ class SlurmBackend(Backend):
             env["TRANSOM_RESUME_STEP"] = str(resume_step)
         if self.bootstrap:
             env["TRANSOM_BOOTSTRAP"] = self.bootstrap
-        if self.agents:
-            env["TRANSOM_AGENTS"] = ",".join(f"{k}={v}" for k, v in self.agents.items())
         argv = self._srun(name, nodes) + [sys.executable, "-m", "transom.controller.rankwrap", "--dir",
                                           str(gen_dir), "--", *command]
         with open(gen_dir / "srun.log", "ab") as out:
@@ -159,6 +163,24 @@ class SlurmBackend(Backend):
         record.write(handle)
         log.info("launched job %s generation %d: srun on %s", job, generation, ",".join(nodes))
         return handle
+
+    def _env(self) -> dict[str, str]:
+        """The environment srun passes on; MASTER_ADDR is left to each task (see the module's doc)."""
+        env = {k: v for k, v in os.environ.items() if k != "MASTER_ADDR"}
+        if self.agents:
+            env["TRANSOM_AGENTS"] = ",".join(f"{k}={v}" for k, v in self.agents.items())
+        return env
+
+    def placement(self, job: str, generation: int) -> dict[int, dict[str, Any]]:
+        """What srun did: rank -> {node, node_id, master_node, master_addr} for the ranks that started."""
+        gen_dir = LaunchRecord(self.run_dir, job, generation).dir
+        out = {}
+        for path in gen_dir.glob("rank-*.node"):
+            try:
+                out[int(path.name[5:-5])] = json.loads(path.read_text())
+            except (ValueError, OSError):
+                continue
+        return out
 
     def status(self, job: str, generation: int) -> list[RankStatus]:
         record = LaunchRecord(self.run_dir, job, generation)

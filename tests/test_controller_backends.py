@@ -85,7 +85,8 @@ class Platform:
         jobs = [j for j in json.loads((self.tmp / "slurm.json").read_text())["jobs"].values()
                 if j["name"] == f"transom-{job}-g{generation}"]
         handle = json.loads((self.tmp / "runs" / job / f"gen-{generation}" / "launch.json").read_text())
-        return len(jobs), jobs[0]["nodes"] if jobs else [], {"TRANSOM_RESUME_STEP": str(handle["resume_step"])}
+        assert not jobs or sorted(jobs[0]["nodes"]) == sorted(handle["nodes"])    # srun orders them its own way
+        return len(jobs), handle["nodes"], {"TRANSOM_RESUME_STEP": str(handle["resume_step"])}
 
 
 @pytest.fixture(params=["kubernetes", "slurm"])

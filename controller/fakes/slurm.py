@@ -11,11 +11,14 @@ Slurm's own syntax and output formats):
 - ``srun --job-name=N --nodes=K --ntasks=K --ntasks-per-node=1 --nodelist=a,b [--exclude=c]
   [--kill-on-bad-exit=1] [--partition=P] [--export=ALL] CMD...``: refuses drained, down, excluded or
   unknown nodes as Slurm does; runs one task per node as a local process with ``SLURM_PROCID``,
-  ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURMD_NODENAME``, ``SLURM_JOB_ID``; exits with the worst
-  task code; with kill-on-bad-exit, a failed task ends the others;
+  ``SLURM_NODEID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURMD_NODENAME``, ``SLURM_JOB_ID``,
+  ``SLURM_STEP_NODELIST``; exits with the worst task code; with kill-on-bad-exit, a failed task
+  ends the others. Tasks are numbered as the real srun numbers them: by the cluster's node table
+  (the order :func:`install` was given, as slurm.conf's), not by the order of ``--nodelist``;
 - ``scancel --name=NAME`` or ``scancel ID``: SIGTERM to the job's srun, state CANCELLED.
 
-Node names stand for hosts: ``MASTER_ADDR`` equal to a node name becomes 127.0.0.1.
+Every task runs on this machine: the controller's agent table (``--node NAME=127.0.0.1:PORT``) is
+what maps node names to addresses, as it does on a real cluster.
 The state file path is in ``FAKE_SLURM_STATE`` (baked into the executables by :func:`install`).
 """
 
@@ -162,17 +165,18 @@ def srun(argv: list[str], path: str) -> int:
             print(f"srun: error: Unable to allocate resources: Requested node configuration is not available "
                   f"({','.join(bad) or 'bad request'})", file=sys.stderr)
             return 1
+        table = list(data["nodes"])
+        step_nodes = sorted(nodelist, key=table.index)       # srun's order: the node table's, not the request's
         jid = str(data["next_id"])
         data["next_id"] += 1
-        data["jobs"][jid] = {"name": name, "nodes": nodelist, "state": "RUNNING", "pid": os.getpid(),
+        data["jobs"][jid] = {"name": name, "nodes": step_nodes, "state": "RUNNING", "pid": os.getpid(),
                              "submitted": time.time()}
     procs = []
-    for rank, node in enumerate(nodelist):
+    for rank, node in enumerate(step_nodes):
         env = dict(os.environ)
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks), SLURM_LOCALID="0", SLURMD_NODENAME=node,
-                   SLURM_JOB_ID=jid, SLURM_JOB_NAME=name, SLURM_NODELIST=",".join(nodelist))
-        if env.get("MASTER_ADDR") in nodelist:
-            env["MASTER_ADDR"] = "127.0.0.1"
+        env.update(SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURM_NTASKS=str(ntasks), SLURM_LOCALID="0",
+                   SLURMD_NODENAME=node, SLURM_JOB_ID=jid, SLURM_JOB_NAME=name, SLURM_NODELIST=",".join(step_nodes),
+                   SLURM_JOB_NODELIST=",".join(step_nodes), SLURM_STEP_NODELIST=",".join(step_nodes))
         procs.append(subprocess.Popen(command, env=env, start_new_session=True))
 
     def forward(signum, _frame):
