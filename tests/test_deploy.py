@@ -24,7 +24,8 @@ DEPLOY = ROOT / "deploy"
 CODE = ("transom", "agents", "streams", "controller", "checkpoint")
 
 #: Set by the controller's backends for the ranks they launch (never by an operator).
-LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR", "TRANSOM_AGENTS"}
+LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR", "TRANSOM_AGENTS",
+                "TRANSOM_HOST_IP"}
 #: Given per node or per pod, not in the shared settings: the node id (a flag or the pod's node name),
 #: the InfluxDB token (a secret).
 PER_NODE = {"TRANSOM_NODE"}
@@ -225,18 +226,76 @@ def test_k8s_agent_daemonset_runs_on_gpu_nodes_without_taking_a_gpu(k8s):
     agent_env = {e["name"]: e.get("value") for e in containers["agent"]["env"]}
     assert agent_env["NVIDIA_VISIBLE_DEVICES"] == "all" and spec["runtimeClassName"] == "nvidia"
     assert containers["agent"]["args"][containers["agent"]["args"].index("--gpu-source") + 1] == "nvml"
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_k8s_rank_pods_reach_their_nodes_agent_daemon_and_checkpoint_volume(k8s):
+    """What the controller's backend puts in rank pods meets what the DaemonSet and the PVC provide."""
+    from transom.controller.kubernetes import KubernetesBackend
+
+    ctl = _containers(_one(k8s, "Deployment", "transom-controller"))[0]["args"]
+    spec = _one(k8s, "DaemonSet", "transom-agent")["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    agent = containers["agent"]
+    assert _arg(agent["args"], "--intake-port") == _arg(ctl, "--k8s-agent-port")
+    host = {e["name"]: e for e in agent["env"]}["TRANSOM_AGENT__INTAKE_HOST"]
+    assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"      # what the rank pods send to
+    runtime = _arg(ctl, "--k8s-ckpt-runtime")
+    assert _one(k8s, "ConfigMap", "transom-env")["data"]["TRANSOM_CKPT_RUNTIME"] == runtime
     volumes = {v["name"]: v for v in spec["volumes"]}
-    shm = [m for m in containers["ckpt-server"]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-    assert shm, "the TCE daemon has no /dev/shm mount"
-    vol = volumes[shm[0]["name"]]["emptyDir"]
-    assert vol["medium"] == "Memory" and vol["sizeLimit"]
+    mount = [m for m in containers["ckpt-server"]["volumeMounts"] if m["mountPath"] == runtime]
+    assert mount and volumes[mount[0]["name"]]["hostPath"]["path"] == runtime   # the rank pods mount that path
+    pvc = _one(k8s, "PersistentVolumeClaim", _arg(ctl, "--k8s-ckpt-pvc"))
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    backend = KubernetesBackend(api_url="http://127.0.0.1:1", gpus=int(_arg(ctl, "--k8s-gpus")),
+                                ckpt_pvc=_arg(ctl, "--k8s-ckpt-pvc"), ckpt_runtime=runtime,
+                                agent_port=int(_arg(ctl, "--k8s-agent-port")))
+    pod = backend.pod_spec("job", 0, 0, ["node0"], ["python", "train.py"], None)
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [pvc["metadata"]["name"]]
+    assert {"name": "TRANSOM_AGENT_ADDR", "value": f"$(TRANSOM_HOST_IP):{_arg(agent['args'], '--intake-port')}"} \
+        in pod["spec"]["containers"][0]["env"]
 
 
-def test_k8s_tee_is_sized_by_partitions_and_one_controller(k8s):
+def _deploy_daemonsets(k8s: list[dict]) -> list[tuple[str, dict]]:
+    """Every DaemonSet Transom ships: the rendered kustomize base and any YAML elsewhere in deploy/."""
+    out = [("deploy/kustomize", d) for d in k8s if d["kind"] == "DaemonSet"]
+    for path in DEPLOY.rglob("*.y*ml"):
+        if "kustomize" not in path.parts:
+            out += [(str(path.relative_to(ROOT)), d) for d in yaml.safe_load_all(path.read_text())
+                    if isinstance(d, dict) and d.get("kind") == "DaemonSet"]
+    return out
+
+
+def test_every_transom_daemonset_tolerates_the_eviction_taint(k8s):
+    from transom.controller.kubernetes import TAINT_KEY
+
+    daemonsets = _deploy_daemonsets(k8s)
+    assert daemonsets
+    for where, ds in daemonsets:
+        tolerations = ds["spec"]["template"]["spec"].get("tolerations", [])
+        assert any(t.get("key") in (TAINT_KEY, None) and t.get("effect") in ("NoExecute", None)
+                   and (t.get("operator") == "Exists" or t.get("key") == TAINT_KEY) for t in tolerations), \
+            f"{where} {ds['metadata']['name']}: cordoning a node ({TAINT_KEY}:NoExecute) would evict it"
+
+
+def test_k8s_objects_validate_against_the_kubernetes_models(k8s):
+    from k8s_models import validate
+
+    for obj in k8s:
+        validate(obj)
+
+
+def test_k8s_tee_is_one_worker_for_the_peers_detector_and_one_controller(k8s):
     partitions = next(t.partitions for t in contracts.TOPICS if t.name == contracts.METRICS)
     tee = _one(k8s, "Deployment", "transom-tee")
-    assert 1 <= tee["spec"]["replicas"] <= partitions, \
-        f"{tee['spec']['replicas']} TEE replicas for {partitions} partitions of {contracts.METRICS}"
+    assert 1 <= tee["spec"]["replicas"] <= partitions
+    # metrics are keyed by node: W workers split a job's nodes W ways, and the peers detector needs 3+
+    # nodes of a job on one worker (docs/tee.md); the base ships one worker
+    assert tee["spec"]["replicas"] == 1, "more TEE workers split jobs below the peers detector's 3 nodes"
     assert _one(k8s, "Deployment", "transom-controller")["spec"]["replicas"] == 1
 
 
@@ -244,6 +303,7 @@ _K8S_CALLS = {   # kubernetes client method -> (resource, verb, namespaced)
     "create_namespaced_pod": ("pods", "create", True), "delete_namespaced_pod": ("pods", "delete", True),
     "list_namespaced_pod": ("pods", "list", True), "read_namespaced_pod": ("pods", "get", True),
     "create_namespaced_service": ("services", "create", True),
+    "read_namespaced_service": ("services", "get", True),
     "delete_namespaced_service": ("services", "delete", True),
     "list_node": ("nodes", "list", False), "read_node": ("nodes", "get", False), "patch_node": ("nodes", "patch", False),
 }
