@@ -5,8 +5,8 @@
 ``D/rank-R.log``, and writes the exit code to ``D/rank-R.exit`` atomically. A controller that
 restarts therefore learns how a rank ended even though the rank is not its child. The command is
 run without a shell. Without ``--rank`` (under ``srun``) the rank, world size and node come from
-``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURMD_NODENAME``, and the node's agent address from
-``TRANSOM_AGENTS`` (``node=host:port,...``).
+``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURMD_NODENAME``, and the node's agent intake from
+``TRANSOM_AGENTS`` (``node=host:port,...``): its port on 127.0.0.1, where the node's agent listens.
 
 Under srun, ``MASTER_ADDR`` is set here from what srun did, not by the controller: with one task
 per node and block distribution, task 0 runs on the step's node 0, the first node of
@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 
-__all__ = ["main", "write_atomic", "expand_hostlist", "slurm_master"]
+__all__ = ["main", "write_atomic", "expand_hostlist", "slurm_master", "local_agent"]
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -48,6 +48,15 @@ def expand_hostlist(text: str) -> list[str]:
 def agent_table(env: dict[str, str] | os._Environ) -> dict[str, str]:
     """``TRANSOM_AGENTS`` (``node=host:port,...``) as a dict."""
     return dict(item.split("=", 1) for item in env.get("TRANSOM_AGENTS", "").split(",") if "=" in item)
+
+
+def local_agent(addr: str) -> str:
+    """The intake of this node's agent as a rank under srun reaches it: its port on the loopback.
+
+    srun runs the task on the node whose agent the table names, and the agent's intake listens on
+    127.0.0.1 (never exposed to the cluster network); the table's host is the node's address for
+    others (``MASTER_ADDR``)."""
+    return f"127.0.0.1:{addr.rsplit(':', 1)[1]}"
 
 
 def slurm_master(env: dict[str, str] | os._Environ) -> tuple[str, str]:
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRANSOM_NODE", os.environ.get("SLURMD_NODENAME", ""))
         table = agent_table(os.environ)                  # node=host:port,... (set by the slurm backend)
         if table.get(os.environ["TRANSOM_NODE"]):
-            os.environ["TRANSOM_AGENT_ADDR"] = table[os.environ["TRANSOM_NODE"]]
+            os.environ["TRANSOM_AGENT_ADDR"] = local_agent(table[os.environ["TRANSOM_NODE"]])
         master_node, os.environ["MASTER_ADDR"] = slurm_master(os.environ)
         write_atomic(os.path.join(args.dir, f"rank-{args.rank}.node"), json.dumps(
             {"node": os.environ.get("SLURMD_NODENAME", ""), "node_id": os.environ.get("SLURM_NODEID"),

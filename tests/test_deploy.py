@@ -274,7 +274,8 @@ def test_every_transom_daemonset_tolerates_the_eviction_taint(k8s):
     from transom.controller.kubernetes import TAINT_KEY
 
     daemonsets = _deploy_daemonsets(k8s)
-    assert daemonsets
+    assert [(w, d["metadata"]["name"]) for w, d in daemonsets] == [("deploy/kustomize", "transom-agent")], \
+        "one agent DaemonSet (the agent with its checkpoint daemon) is shipped"
     for where, ds in daemonsets:
         tolerations = ds["spec"]["template"]["spec"].get("tolerations", [])
         assert any(t.get("key") in (TAINT_KEY, None) and t.get("effect") in ("NoExecute", None)
@@ -351,3 +352,92 @@ def test_k8s_config_sets_every_variable_the_code_reads(k8s):
     assert {"name": "transom-influx"} in [e.get("secretRef") for e in sink["envFrom"]]
     assert re.fullmatch(r"[\w.-]+:\d+(,[\w.-]+:\d+)*", cm["TRANSOM_BOOTSTRAP"])
     assert re.fullmatch(r"https?://[\w.-]+:8086", cm["TRANSOM_INFLUX_URL"])
+
+
+# --------------------------------------------------------------------------- systemd, examples, references
+
+def _units() -> dict[str, dict[str, list[str]]]:
+    """deploy/systemd/*.service -> [Service] key -> values (repeated keys kept in order)."""
+    out = {}
+    for path in sorted((DEPLOY / "systemd").glob("*.service")):
+        entries: dict[str, list[str]] = {}
+        section = None
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if line.startswith("["):
+                section = line
+            elif section == "[Service]" and "=" in line and not line.startswith("#"):
+                key, value = line.split("=", 1)
+                entries.setdefault(key, []).append(value.strip())
+        out[path.name] = entries
+    return out
+
+
+def _exec_args(unit: dict[str, list[str]]) -> list[str]:
+    argv = unit["ExecStart"][-1].split()
+    assert argv[0].endswith("/bin/transom"), argv
+    env = dict(e.split("=", 1) for e in unit.get("Environment", []))
+    # systemd specifiers and variables: %H the host name, $VAR from the environment files (none here)
+    return [a.replace("%H", "node0") for a in argv[1:] if not a.startswith("$") or a[1:] in env]
+
+
+def test_systemd_has_a_unit_for_every_long_running_service(compose):
+    parser = build_parser()
+    long_running = {s["command"][0] for s in _transom_services(compose).values()}
+    units = _units()
+    commands = {}
+    for name, unit in units.items():
+        args = _exec_args(unit)
+        try:
+            parser.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"deploy/systemd/{name}: `transom {' '.join(args)}` does not parse")
+        commands[args[0]] = name
+        assert unit["User"][-1] not in ("root", "0") and unit["NoNewPrivileges"][-1] == "yes", name
+        assert unit["Restart"][-1] == "on-failure" and unit["KillSignal"][-1] == "SIGTERM", name
+        assert "-/etc/transom/transom.env" in unit["EnvironmentFile"], f"{name} misses the shared settings"
+    assert set(commands) == long_running, \
+        f"systemd units for {sorted(commands)}, long-running services (compose) {sorted(long_running)}"
+    ckpt = _exec_args(units[commands["ckpt-server"]])
+    runtime = (DEPLOY / "kustomize/config.env").read_text().split("TRANSOM_CKPT_RUNTIME=")[1].split()[0]
+    assert _arg(ckpt, "--runtime") == runtime
+
+
+def test_the_slurm_example_reaches_the_agents_and_rank_zero():
+    """docs/controller.md's Slurm command: node addresses others can reach, the agents' intake port."""
+    from transom.agents.config import AgentSettings
+    from transom.controller.rankwrap import local_agent
+
+    text = (ROOT / "docs/controller.md").read_text()
+    example = text[text.index("transom controller --backend slurm"):]
+    example = example[:example.index("```")]
+    nodes = dict(n.split("=", 1) for n in re.findall(r"--node (\S+)", example))
+    assert len(nodes) >= 2
+    agent = _units()["transom-agent.service"]
+    env = dict(e.split("=", 1) for e in agent["Environment"])
+    port = env["TRANSOM_AGENT__INTAKE_PORT"]
+    assert tomllib.loads((DEPLOY / "systemd/agent.toml").read_text())["agent"]["intake_port"] == int(port)
+    intake_host = env.get("TRANSOM_AGENT__INTAKE_HOST", AgentSettings().intake_host)
+    for node, addr in nodes.items():
+        host, _, p = addr.rpartition(":")
+        assert host not in ("127.0.0.1", "localhost", "0.0.0.0"), f"{node}: MASTER_ADDR would be {host}"
+        assert p == port, f"{node}: intake port {p}, the agent unit listens on {port}"
+        assert local_agent(addr) == f"{intake_host}:{port}"     # where a rank on that node sends its reports
+
+
+def test_deploy_and_docs_name_only_files_that_exist():
+    texts = [p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix not in (".json",)]
+    texts += [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    missing = []
+    for path in texts:
+        text = path.read_text(errors="replace")
+        for ref in re.findall(r"(?<![\w/.-])((?:deploy|docs)/[\w./-]*\w)", text):
+            if not (ROOT / ref).exists():
+                missing.append(f"{path.relative_to(ROOT)} names {ref}")
+        if re.search(r"\bhelm\b", text, re.I) and not list(DEPLOY.rglob("Chart.yaml")):
+            missing.append(f"{path.relative_to(ROOT)} mentions a Helm chart; deploy/ has none")
+        if path.parent == DEPLOY / "systemd":
+            for ref in re.findall(r"install -m \d+ (\S+) /etc/", text):
+                if not (path.parent / ref).exists():
+                    missing.append(f"{path.relative_to(ROOT)} installs {ref}, which is not in deploy/systemd")
+    assert not missing, "\n".join(missing)

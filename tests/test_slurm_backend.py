@@ -54,7 +54,8 @@ def test_rank_zero_runs_on_the_master_addr_node_when_srun_reorders_the_nodes(slu
     assert on == {0: "node1", 1: "node2", 2: "node3", 3: "node4"}        # srun's order, not the one asked
     master = {e["MASTER_ADDR"] for e in envs.values()}
     assert master == {AGENTS[on[0]].split(":")[0]}                         # every rank meets rank 0's node
-    assert all(e["TRANSOM_NODE"] == e["SLURMD_NODENAME"] and e["TRANSOM_AGENT_ADDR"] == AGENTS[e["TRANSOM_NODE"]]
+    assert all(e["TRANSOM_NODE"] == e["SLURMD_NODENAME"]                   # its own node's agent, on loopback
+               and e["TRANSOM_AGENT_ADDR"] == "127.0.0.1:" + AGENTS[e["TRANSOM_NODE"]].split(":")[1]
                for e in envs.values())
     placed = slurm.placement("job", 1)
     assert {r: p["node"] for r, p in placed.items()} == on
