@@ -164,3 +164,28 @@ def influxdb(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------- test bed
+
+@pytest.fixture()
+def bed():
+    """Factory of test beds (transom/testbed.py): ``bed(hosts=2, share=[...]) -> Bed``, up, closed
+    after the test. Skips the test, with the one-line reason, where namespaces cannot be made."""
+    from transom import testbed
+
+    ok, reason = testbed.available()
+    if not ok:
+        pytest.skip(f"test bed unavailable: {reason}")
+    made = []
+
+    def make(hosts=2, **kw) -> "testbed.Bed":
+        b = testbed.Bed(hosts, **kw).up()
+        made.append(b)
+        return b
+
+    try:
+        yield make
+    finally:
+        for b in made:
+            b.close()

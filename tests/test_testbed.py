@@ -1,0 +1,217 @@
+"""The test bed (transom/testbed.py): hosts as real namespaces on a private bridge.
+
+Every test here needs root and namespaces; the ``bed`` fixture skips with the reason elsewhere
+(except the CLI check, which runs everywhere).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.util import wait_until
+from transom import testbed
+
+# A TCP echo server and a client, run on bed hosts with the project's interpreter.
+SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(8)
+    print("listening", flush=True)
+    while True:
+        c, _ = s.accept()
+        c.sendall(c.recv(100)); c.close()
+""")
+CLIENT = textwrap.dedent("""
+    import errno, socket, sys
+    try:
+        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+        c.sendall(b"ping"); print(c.recv(100).decode())
+    except socket.timeout:
+        print("timeout")
+    except OSError as e:
+        print(errno.errorcode.get(e.errno, e.errno))
+""")
+
+
+def serve(b, host, port=7000):
+    proc = b.python(host, ["-c", SERVER, b.addr(host), str(port)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "listening"
+    return proc
+
+
+def connect(b, host, addr, port=7000, timeout=5.0) -> str:
+    r = b.python(host, ["-c", CLIENT, addr, str(port), str(timeout)], stdout=subprocess.PIPE, text=True)
+    out, _ = r.communicate(timeout=60)
+    return out.strip()
+
+
+def leftovers(index: int) -> list[str]:
+    left = [ns for ns in os.listdir("/run/netns") if ns.startswith(f"tb{index}-")] \
+        if os.path.isdir("/run/netns") else []
+    if os.path.exists(f"/sys/class/net/tb{index}"):
+        left.append(f"link tb{index}")
+    return left
+
+
+def test_hosts_have_their_own_name_memory_and_pids(bed):
+    b = bed(["alpha", "beta"])
+    assert b.sh("alpha", "hostname").stdout.strip() == "alpha"
+    assert b.sh("beta", "hostname").stdout.strip() == "beta"
+    assert b.sh("beta", "getent hosts alpha").stdout.split()[0] == b.addr("alpha")
+    # /dev/shm and /tmp are the host's own
+    b.sh("alpha", "echo x > /dev/shm/transom-bed-shm && echo y > /tmp/transom-bed-tmp", check=True)
+    assert b.sh("alpha", "cat /dev/shm/transom-bed-shm").stdout == "x\n"
+    assert b.sh("beta", "ls /dev/shm /tmp").stdout.split() == ["/dev/shm:", "/tmp:"]
+    assert not os.path.exists("/dev/shm/transom-bed-shm") and not os.path.exists("/tmp/transom-bed-tmp")
+    # PIDs: a process sees itself as a low PID of its host; another host cannot see it
+    sleeper = b.run("alpha", ["sleep", "300"])
+    try:
+        assert 1 < sleeper.host_pid < 100 and sleeper.root_pid != sleeper.host_pid
+        assert b.sh("alpha", "cat /proc/*/cmdline | tr '\\0' ' '").stdout.count("sleep 300") == 1
+        assert "sleep 300" not in b.sh("beta", "cat /proc/*/cmdline | tr '\\0' ' '").stdout
+        assert b.sh("beta", "echo $$").stdout.strip() in {str(n) for n in range(2, 100)}
+    finally:
+        sleeper.terminate()
+    assert sleeper.wait(30) == -signal.SIGTERM        # the relay passed SIGTERM on and died of it
+
+
+def test_tcp_between_hosts_and_no_route_elsewhere(bed):
+    b = bed(2)
+    server = serve(b, "node0")
+    try:
+        assert connect(b, "node1", b.addr("node0")) == "ping"
+        import socket
+        with socket.create_connection((b.addr("node0"), 7000), timeout=10) as c:   # from the root side
+            c.sendall(b"root")
+            assert c.recv(100) == b"root"
+        # nothing leaves the bridge: no route to any other address (refused at once, nothing sent)
+        assert b.sh("node1", "ip route").stdout.split("\n")[0].startswith(
+            f"198.18.{b.index}.0/24 dev eth0") and "default" not in b.sh("node1", "ip route").stdout
+        for addr in ("198.19.255.1", "10.255.255.1", "192.0.2.1"):
+            assert connect(b, "node1", addr, 9) == "ENETUNREACH", addr
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
+    b = bed(2)
+    b.sh("node0", "head -c 1048576 /dev/zero > /dev/shm/weights && touch /tmp/scratch", check=True)
+    sleeper = b.run("node0", ["sleep", "300"])
+    server = serve(b, "node0")
+    b.kill("node0")
+    assert sleeper.wait(30) == -signal.SIGKILL and server.wait(30) == -signal.SIGKILL
+    assert testbed._netns_pids(b.netns("node0")) == []
+    assert not b.is_up("node0")
+    with pytest.raises(testbed.BedError, match="node0 is down"):
+        b.sh("node0", "true")
+    assert connect(b, "node1", b.addr("node0"), timeout=1) in {"timeout", "EHOSTUNREACH"}
+    b.restart("node0")
+    assert b.sh("node0", "ls -A /dev/shm /tmp; hostname").stdout.split() == ["/dev/shm:", "/tmp:", "node0"]
+    server = serve(b, "node0")
+    try:
+        assert wait_until(lambda: connect(b, "node1", b.addr("node0")) == "ping", 30, "the restarted host")
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_partition_and_heal(bed):
+    b = bed(2)
+    server = serve(b, "node0")
+    try:
+        assert connect(b, "node1", b.addr("node0")) == "ping"
+        b.partition("node0")
+        assert connect(b, "node1", b.addr("node0"), timeout=1) in {"timeout", "EHOSTUNREACH"}
+        assert server.poll() is None                       # a partitioned host keeps running
+        b.heal("node0")
+        wait_until(lambda: connect(b, "node1", b.addr("node0"), timeout=2) == "ping", 30, "the healed link")
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_slow_is_rate_limiting_and_delay_needs_netem(bed):
+    b = bed(1)
+    b.slow("node0", "20mbit")
+    assert "tbf" in testbed._run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    b.unslow("node0")
+    assert "tbf" not in testbed._run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    if not testbed.netem_available():
+        with pytest.raises(testbed.BedError, match="no netem"):
+            b.slow("node0", delay="10ms")
+
+
+def test_beds_at_once_get_their_own_numbers_and_cannot_reach_each_other(bed):
+    a, c = bed(1), bed(1)
+    assert a.index != c.index and a.addr("node0") != c.addr("node0")
+    assert connect(a, "node0", c.addr("node0"), 9) == "ENETUNREACH"
+
+
+def test_python_service_from_a_private_shared_dir(bed, tmp_path):
+    shared = tmp_path / "private"
+    shared.mkdir(mode=0o700)
+    (shared / "svc.py").write_text("import socket, transom.testbed; print(socket.gethostname())\n")
+    b = bed(1, share=[shared])
+    out = b.python("node0", [str(shared / "svc.py")], stdout=subprocess.PIPE, text=True, cwd=str(shared))
+    assert out.communicate(timeout=60)[0].strip() == "node0" and out.returncode == 0
+    # the shared directory is the same files, everything else of /tmp is not there
+    b.sh("node0", f"echo from-host > {shared}/note", check=True)
+    assert (shared / "note").read_text() == "from-host\n"
+    assert b.sh("node0", "ls -A /tmp").stdout.split() == [shared.relative_to("/tmp").parts[0]]
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from transom.testbed import Bed
+    bed = Bed(2).up()
+    bed.run("node0", ["sleep", "300"])
+    print(bed.index, bed.init_pid("node0"), bed.init_pid("node1"), flush=True)
+    time.sleep(300)
+""")
+
+
+def _owner():
+    ok, reason = testbed.available()
+    if not ok:
+        pytest.skip(f"test bed unavailable: {reason}")
+    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    index, *pids = map(int, proc.stdout.readline().split())
+    assert leftovers(index)
+    return proc, index, pids
+
+
+def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
+    live = bed(1)
+    proc, index, pids = _owner()
+    proc.kill()
+    proc.wait()
+    assert leftovers(index)                                  # a SIGKILLed owner cleans nothing
+    cleaned = testbed.clean_stale()
+    assert index in cleaned and live.index not in cleaned
+    assert leftovers(index) == []
+    assert all(not os.path.exists(f"/proc/{p}") for p in pids)
+    assert live.sh("node0", "hostname").stdout.strip() == "node0"
+
+
+def test_sigterm_of_the_owner_cleans_its_bed():
+    proc, index, pids = _owner()
+    proc.terminate()
+    assert proc.wait(60) == -signal.SIGTERM
+    assert leftovers(index) == []
+    assert all(not os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def test_cli_check_says_ok_or_why_not():
+    r = subprocess.run([sys.executable, "-m", "transom.cli", "testbed", "check"], capture_output=True, text=True,
+                       timeout=60)
+    ok, reason = testbed.available()
+    assert r.returncode == (0 if ok else 1)
+    assert r.stdout.strip() == (reason if ok else f"unavailable: {reason}")
+    assert len(r.stdout.strip().splitlines()) == 1
