@@ -31,7 +31,7 @@ LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRA
 PER_NODE = {"TRANSOM_NODE"}
 SECRET = {"TRANSOM_INFLUX_TOKEN"}
 #: Read only by benchmarks and the corpus generator, never by a deployed service.
-BENCH_ONLY = {"TRANSOM_FAULT_TRACE"}
+BENCH_ONLY = {"TRANSOM_FAULT_TRACE", "TRANSOM_TESTBED_DIR"}     # and the test bed's state directory
 
 
 def code_env() -> dict[str, set[str]]:
