@@ -9,10 +9,10 @@ Debian's ``slurm-wlm`` and ``munge`` (the Makefile installs them), on the hosts 
             slurm.sh("sinfo")            # run a Slurm command on the control host
             slurm.node_state("node1")    # ("IDLE", "") or ("IDLE+DRAIN", "the reason")
 
-- munge: one key (``mungekey``) and one ``munged`` in the caller's namespaces; its socket lies
-  in ``work`` (a directory every host shares), so every daemon and command of every host
-  authenticates with it (a Unix socket path is not bound to a network namespace). It runs as
-  root (``--force``): the bed's shared directory is root's.
+- munge: one key (``mungekey``) and one ``munged`` on the control host; its socket lies in
+  ``work`` (a directory every host shares), so every daemon and command of every host, and the
+  caller, authenticates with it (a Unix socket path is not bound to a network namespace). It runs
+  as root (``--force``): the bed's shared directory is root's.
 - slurm.conf: ``SlurmctldHost`` the control host and its bed address, ``NodeName`` the node
   hosts' UTS hostnames with their addresses, one CPU each (one task per node); process tracking
   and tasks without systemd or cgroup delegation (``proctrack/linuxproc``, ``task/none``), no
@@ -130,11 +130,12 @@ class SlurmBed:
         key = d / "munge.key"
         if not key.exists():
             subprocess.run([_which("mungekey"), "-c", "-k", str(key)], check=True, capture_output=True, timeout=30)
-        self.munged = subprocess.Popen(
+        # on the control host, so it dies with the bed even when its owner is SIGKILLed
+        self.munged = self.bed.run(
+            self.control,
             [_which("munged"), "-F", "--force", f"--key-file={key}", f"--socket={self.socket}",
              f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}", f"--seed-file={d / 'munged.seed'}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(d / "munged.out", "ab"),
-            start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=open(d / "munged.out", "ab"))
         deadline = time.monotonic() + self.timeout
         while not self.socket.exists():
             if self.munged.poll() is not None or time.monotonic() > deadline:
