@@ -97,7 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k8s-agent-port", type=int, default=7100, metavar="PORT",
                    help="kubernetes: UDP intake port of the node agents; rank pods reach them at their node's "
                         "status.hostIP (default 7100; --node NAME=ADDR overrides per node)")
-    p.add_argument("--slurm-partition", default=None, help="slurm: partition for srun")
+    p.add_argument("--slurm-partition", default=None, help="slurm: partition of the batch jobs (sbatch) and the pre-check (srun)")
     p.add_argument("--exit-when-done", action="store_true", help="exit once the submitted job (without --job-id: every job) has completed or failed; "
                         "exit status 0 completed, 1 failed, 3 lease lost")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command of the submitted job")

@@ -2,7 +2,8 @@
 
 - ``launch``: ``sbatch --parsable --job-name=transom-JOB-gG --nodes=N --ntasks=N
   --ntasks-per-node=1 --nodelist=... --exclude=<drained> --export=ALL --output=RUN_DIR/JOB/gen-G/sbatch.log
-  --wrap "srun --kill-on-bad-exit=1 --export=ALL python -m transom.controller.rankwrap ..."``: a real
+  RUN_DIR/JOB/gen-G/batch.py``, a batch script in Python that execs ``srun --kill-on-bad-exit=1
+  --export=ALL python -m transom.controller.rankwrap ...`` as an argv list (no shell): a real
   allocation whose one step runs each task under :mod:`transom.controller.rankwrap` (which takes
   the rank from ``SLURM_PROCID`` and records its exit code in ``RUN_DIR/JOB/gen-G/rank-R.exit``;
   RUN_DIR must be on a filesystem every node shares). The allocation lives in slurmctld, not in a
@@ -26,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -164,8 +164,11 @@ class SlurmBackend(Backend):
             env["TRANSOM_BOOTSTRAP"] = self.bootstrap
         step = ["srun", "--kill-on-bad-exit=1", "--export=ALL", sys.executable, "-m", "transom.controller.rankwrap",
                 "--dir", str(gen_dir), "--", *command]
+        script = gen_dir / "batch.py"            # no shell anywhere: Python execs srun with the argv list
+        script.write_text(f"#!{sys.executable}\nimport os\nargv = {json.dumps(step)}\nos.execvp(argv[0], argv)\n")
+        script.chmod(0o755)
         argv = ["sbatch", "--parsable", *self._allocation(name, nodes), f"--output={gen_dir / 'sbatch.log'}",
-                f"--chdir={gen_dir}", f"--wrap={shlex.join(step)}"]
+                f"--chdir={gen_dir}", str(script)]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
         if proc.returncode != 0:
             raise SlurmError(f"sbatch exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")

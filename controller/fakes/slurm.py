@@ -16,9 +16,10 @@ Slurm's own syntax and output formats):
   ends the others. Tasks are numbered as the real srun numbers them: by the cluster's node table
   (the order :func:`install` was given, as slurm.conf's), not by the order of ``--nodelist``;
 - ``sbatch --parsable --job-name=N --nodes=K --ntasks=K --ntasks-per-node=1 --nodelist=a,b [--exclude=c]
-  [--output=F] [--chdir=D] --wrap=CMD``: the same checks as srun; prints the job id at once and
-  runs CMD with ``sh -c`` in a detached batch process (``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``); an
-  ``srun`` without ``--nodelist`` inside it runs one step on the allocation's nodes;
+  [--output=F] [--chdir=D] SCRIPT``: the same checks as srun; prints the job id at once and runs
+  the executable SCRIPT (its shebang) in a detached batch process (``SLURM_JOB_ID``,
+  ``SLURM_JOB_NODELIST``); an ``srun`` without ``--nodelist`` inside it runs one step on the
+  allocation's nodes;
 - ``scancel --name=NAME`` or ``scancel ID``: SIGTERM to the job's srun or batch process, state CANCELLED.
 
 Every task runs on this machine: the controller's agent table (``--node NAME=127.0.0.1:PORT``) is
@@ -189,9 +190,9 @@ def _finish(path: str, jid: str, codes: list[int]) -> int:
 
 
 def sbatch(argv: list[str], path: str) -> int:
-    opts, _ = _opts(argv)
-    if not opts.get("wrap"):
-        print("sbatch: error: this fake runs --wrap=CMD only", file=sys.stderr)
+    opts, rest = _opts(argv)
+    if not rest:
+        print("sbatch: error: this fake runs an executable batch script only (no --wrap)", file=sys.stderr)
         return 1
     got = _allocate(opts, path)
     if got is None:
@@ -202,7 +203,7 @@ def sbatch(argv: list[str], path: str) -> int:
            "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NNODES": str(len(nodes)), "SLURM_NTASKS": str(len(nodes)),
            "FAKE_SLURM_ALLOCATION": jid}
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from transom.controller.fakes.slurm import batch; "
-                             "sys.exit(batch(sys.argv[1], sys.argv[2]))", jid, opts["wrap"]],
+                             "sys.exit(batch(sys.argv[1], sys.argv[2:]))", jid, *rest],
                             env=env, cwd=opts.get("chdir") or None, stdout=out, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     with _state(path) as data:
@@ -211,19 +212,19 @@ def sbatch(argv: list[str], path: str) -> int:
     return 0
 
 
-def batch(jid: str, script: str) -> int:
-    """The batch process of job ``jid``: ``sh -c script``; SIGTERM (scancel) goes to the script's group."""
+def batch(jid: str, script: list[str]) -> int:
+    """The batch process of job ``jid``: runs ``script`` (an argv); SIGTERM (scancel) goes to its group."""
     path = os.environ["FAKE_SLURM_STATE"]
-    sh = subprocess.Popen(["/bin/sh", "-c", script], start_new_session=True)
+    child = subprocess.Popen(script, start_new_session=True)
 
     def forward(signum, _frame):
         try:
-            os.killpg(sh.pid, signum)
+            os.killpg(child.pid, signum)
         except ProcessLookupError:
             pass
 
     signal.signal(signal.SIGTERM, forward)
-    return _finish(path, jid, [sh.wait()])
+    return _finish(path, jid, [child.wait()])
 
 
 def srun(argv: list[str], path: str) -> int:
