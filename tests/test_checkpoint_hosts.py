@@ -106,6 +106,31 @@ def test_restore_from_the_neighbours_memory_when_the_writers_host_is_gone(hosts,
     assert (eng.last_restore["tier_name"], eng.last_restore["node"]) == ("peer-memory", "hostB")
 
 
+def _lose(daemon: CheckpointServer) -> None:
+    """The daemon's host dies: no tombstone, its registry entry stays live until its TTL."""
+    daemon._writer.stop(clean=False)
+    daemon._writer = None
+    daemon.close()
+
+
+def test_a_replica_goes_round_the_ring_when_the_neighbour_is_gone(hosts, tmp_path):
+    a, b, c = hosts("hostA", "127.0.0.2"), hosts("hostB", "127.0.0.3"), hosts("hostC", "127.0.0.4")
+    _wait_ring([a, b, c])
+    _lose(b)                                                   # A's neighbour, still "live" in the registry
+    assert [p["node"] for p in a.ring()] == ["hostB", "hostC"]
+    ckpt = tmp_path / "ckpt"
+    eng = hosts.engine(ckpt, "job-h4", "hostA")
+    eng.save(1, {"w": torch.ones(256)})
+    eng.wait()
+    assert {c["node"] for c in eng.last_result["copies"] if c["tier"] == "memory"} == {"hostA", "hostC"}
+    _lose(c)                                                   # no peer answers now: commit without one
+    eng.save(2, {"w": torch.ones(256)})
+    eng.wait()
+    assert eng.last_result["committed"] and complete_steps(ckpt) == [1, 2]
+    from transom.checkpoint.layout import read_manifest, step_dir
+    assert not read_manifest(step_dir(ckpt, 2)).replicated
+
+
 def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
     a, b, c = hosts("hostA", "127.0.0.2"), hosts("hostB", "127.0.0.3"), hosts("hostC", "127.0.0.4")
     _wait_ring([a, b, c])
