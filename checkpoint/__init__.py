@@ -34,6 +34,7 @@ Exception tree::
      +-- CorruptCheckpoint           a committed shard is missing, truncated, has the wrong
      |                               sha256, or cannot be read; names the file and the problem
      +-- NoCheckpoint                the step does not exist or was never committed
+     +-- StaleGeneration             a write of a replaced launch (older generation) was refused
      +-- DaemonError                 a TCE daemon refused a request or cannot be reached
      +-- CapacityError               this node's /dev/shm or RAM cannot hold the checkpoints
 """
@@ -43,7 +44,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
+from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .layout import StepInfo, complete_steps, list_steps, prune, step_dir
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointEngine", "SavePolicy", "SnapshotMode", "TIERS", "CheckpointServer", "CheckpointError", "CorruptCheckpoint",
-    "NoCheckpoint", "DaemonError", "CapacityError", "StepInfo", "list_steps", "complete_steps", "prune",
+    "NoCheckpoint", "StaleGeneration", "DaemonError", "CapacityError", "StepInfo", "list_steps", "complete_steps", "prune",
     "step_dir", "persist_shard", "uncommit_older", "try_commit", "read_shard", "verify_shard",
 ]
 

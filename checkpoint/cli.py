@@ -60,7 +60,12 @@ def register(sub) -> None:
                                                      "(env TRANSOM_CKPT_RUNTIME; default /dev/shm/transom-ckpt-UID)")
     srv.add_argument("--disk-dir", default=None, help="local disk dir for persisted shards "
                                                       "(env TRANSOM_CKPT_LOCAL_DIR; default /tmp/transom-ckpt-local-UID)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--host", "--bind", dest="host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    srv.add_argument("--advertise", default=os.environ.get("TRANSOM_ADVERTISE_ADDR") or None, metavar="ADDR",
+                     help="address peers on other hosts connect to, published in the service registry (env "
+                          "TRANSOM_ADVERTISE_ADDR; default: the bind address if it is a specific one, else the "
+                          "address of the interface that routes to the broker; never 0.0.0.0)")
     srv.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     srv.add_argument("--transport", default=os.environ.get("TRANSOM_CKPT_TRANSPORT", "auto"),
                      choices=("auto", "mooncake", "tcp"),
@@ -72,7 +77,9 @@ def register(sub) -> None:
     srv.add_argument("--max-bytes", type=int, default=_env_bytes(), help="shared-memory budget in bytes "
                                                                         "(env TRANSOM_CKPT_SHM_BYTES; default: no budget)")
     srv.add_argument("--bootstrap", default=os.environ.get("TRANSOM_BOOTSTRAP") or None,
-                     help="Kafka bootstrap for checkpoint-ready events when the rank gives none")
+                     help="Kafka bootstrap (env TRANSOM_BOOTSTRAP): the service registry where daemons find "
+                          "their ring neighbour, and checkpoint-ready events when the rank gives none; "
+                          "without one, daemons of one host find each other in the runtime dir")
     srv.set_defaults(func=_serve)
 
 

@@ -43,7 +43,7 @@ from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
 from . import layout, segments, shardfmt, snapshot, store
-from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
+from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .segments import Segment
 from .snapshot import SnapshotMode
 from .wire import Conn, DaemonError, encode_msg, recv_exact_into, recv_msg, send_msg
@@ -103,6 +103,10 @@ class CheckpointEngine:
         self._closed = False
         self._embedded = None
         self.directory.mkdir(parents=True, exist_ok=True)
+        try:       # from now on a launch older than this one cannot commit here (see store.claim_generation)
+            store.claim_generation(self.directory, job, generation, f"the start of rank {rank}")
+        except StaleGeneration as exc:
+            log.error("rank %d: %s", rank, exc)       # its saves will be refused; loading is harmless
         self.daemon_addr = self._find_daemon()
         self._conn = Conn(self.daemon_addr)
         host, port = self.daemon_addr.rsplit(":", 1)
@@ -162,7 +166,8 @@ class CheckpointEngine:
         t0 = time.perf_counter()
         plan = shardfmt.plan(state)                                      # stage 1: snapshot
         seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
-                                             "size": plan.size, "ckpt_dir": str(self.directory)})["path"])
+                                             "size": plan.size, "ckpt_dir": str(self.directory),
+                                             "generation": self.generation})["path"])
         msg = {"op": "staged", "path": str(seg.path), "job": self.job, "rank": self.rank, "step": step,
                "size": plan.size, "world_size": self.world_size, "generation": self.generation,
                "ckpt_dir": str(self.directory), "bootstrap": self.bootstrap, "keep": self.keep,
@@ -373,6 +378,24 @@ class CheckpointEngine:
         raise CorruptCheckpoint(str(layout.step_dir(self.directory, step) / shard.name),
                                 "no copy verifies: " + ("; ".join(problems) or "no copy is reachable"))
 
+    def _resolve(self, node: str, copy: contracts.Copy) -> str | None:
+        """Where ``node``'s daemon is reached now, asked of this host's daemon (it reads the service
+        registry; a daemon without one, its runtime dir); None when the registry says it is gone
+        (its host was lost: no connection attempt). The address recorded in the copy is the last resort."""
+        try:
+            got = self._conn.call({"op": "resolve", "node": node})
+        except DaemonError as exc:                 # an older daemon without the request
+            log.info("rank %d: cannot resolve %s through the local daemon (%s): using the recorded address",
+                     self.rank, node, exc)
+            return _locator_addr(copy.location)
+        if got.get("addr"):
+            return got["addr"]
+        if got.get("source") == "registry":
+            log.info("rank %d: the daemon of %s is not live in the service registry (its host is gone?): "
+                     "its memory copy is skipped", self.rank, node)
+            return None
+        return _locator_addr(copy.location)
+
     def _fetch(self, tier: int, node: str, copy: contracts.Copy | None, step: int,
                shard: contracts.Shard):
         if tier == 0:
@@ -390,10 +413,15 @@ class CheckpointEngine:
             finally:
                 seg.close()
         if tier == 1:
-            info = segments.registered(self.runtime).get(node)
-            addr = info["addr"] if info else copy.location.split("#", 1)[0]
+            addr = self._resolve(node, copy)
+            if addr is None:
+                return None
             return _read_peer(addr, self.job, shard.rank, step, shard, node)
         return store.read_verified(Path(copy.location), shard)
+
+
+def _locator_addr(location: str) -> str:
+    return location.split("#", 1)[0]
 
 
 def _check(digest: str, size: int, shard: contracts.Shard, where: str) -> None:

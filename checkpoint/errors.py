@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CorruptCheckpoint", "NoCheckpoint"]
+__all__ = ["CheckpointError", "CorruptCheckpoint", "NoCheckpoint", "StaleGeneration"]
 
 
 class CheckpointError(RuntimeError):
@@ -23,3 +23,15 @@ class CorruptCheckpoint(CheckpointError):
 
 class NoCheckpoint(CheckpointError):
     """The requested step does not exist, or exists but was never committed (no manifest.json)."""
+
+
+class StaleGeneration(CheckpointError):
+    """A write stamped with a launch generation older than the newest one seen for the job: the
+    writer belongs to a launch the controller replaced (e.g. a host that was cut off and came
+    back). Refused so it cannot overwrite or commit over the new generation's checkpoints."""
+
+    def __init__(self, job: str, generation: int, newest: int, what: str) -> None:
+        super().__init__(f"stale generation: {what} of job {job} is stamped generation {generation}, but "
+                         f"generation {newest} of the job exists; refused (the writer belongs to a replaced "
+                         f"launch and must stop)")
+        self.job, self.generation, self.newest = job, generation, newest

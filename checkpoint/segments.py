@@ -1,12 +1,15 @@
-"""Shared-memory segments and the runtime directory where TCE daemons meet their ranks and peers.
+"""Shared-memory segments and the runtime directory where a TCE daemon meets the ranks of its host.
 
 Runtime directory (``TRANSOM_CKPT_RUNTIME``, default ``/dev/shm/transom-ckpt-<uid>``)::
 
     RUNTIME/daemons/NODE.json      {"node", "addr", "pid", "transport", "mooncake"}: one per daemon
     RUNTIME/NODE/seg-*             segments of that node's daemon (files on tmpfs = host memory)
 
-A rank finds its node's daemon at ``RUNTIME/daemons/$TRANSOM_NODE.json``; a daemon's ring
-neighbour is the next registered node in name order (cyclic), never itself. The daemon creates,
+A rank finds its node's daemon at ``RUNTIME/daemons/$TRANSOM_NODE.json`` (same host: it maps the
+daemon's segments from the same /dev/shm). Daemons on other hosts are found through the service
+registry on the broker (:mod:`transom.registry`); only a daemon without a broker (one host, no
+Kafka) falls back to the other daemons of this runtime dir. Either way a daemon's ring neighbour
+is the next live node in name order (cyclic), never itself (:func:`ring`). The daemon creates,
 sizes and deletes segments; ranks only map them. A segment is pre-faulted for writing in every
 process that maps it to write (``MADV_POPULATE_WRITE``, else one write per page), so a save
 copies into warm memory without a page fault.
@@ -26,7 +29,7 @@ from typing import Any
 from .wire import pid_alive
 
 __all__ = ["alloc_buffer", "default_runtime", "runtime_dir", "registry_path", "register", "unregister", "registered",
-           "neighbour", "Segment", "safe_name"]
+           "neighbour", "ring", "Segment", "safe_name"]
 
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
@@ -125,14 +128,19 @@ def registered(runtime: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def neighbour(runtime: Path, node: str) -> dict[str, Any] | None:
-    """The ring neighbour of ``node``: the next registered node after it in name order."""
-    peers = registered(runtime)
+def ring(peers: dict[str, Any], node: str) -> list[Any]:
+    """The peers of ``node`` in ring order: the next node after it in name order first, then on
+    round the ring (cyclic), never ``node`` itself. The first is its neighbour; the rest are where a
+    replica goes when the neighbour cannot be reached."""
     names = sorted(set(peers) | {node})
-    if len(names) < 2:
-        return None
-    nxt = names[(names.index(node) + 1) % len(names)]
-    return peers[nxt] if nxt != node else None
+    i = names.index(node)
+    return [peers[n] for n in names[i + 1:] + names[:i]]
+
+
+def neighbour(runtime: Path, node: str) -> dict[str, Any] | None:
+    """The ring neighbour of ``node`` among the daemons of ``runtime`` (one-host mode)."""
+    order = ring(registered(runtime), node)
+    return order[0] if order else None
 
 
 class Segment:

@@ -25,8 +25,20 @@ Segments are reused: a rank's segment returns to its free pool once a newer step
 committed and ``--mem-keep`` newer copies exist; a segment being written (``staging``) is never
 handed to anyone, so a rank killed mid-save leaves the previous step's copy whole.
 
+Finding peers: with a broker (``--bootstrap`` / ``TRANSOM_BOOTSTRAP``) the daemon registers in the
+service registry (:mod:`transom.registry`, kind ``ckpt-daemon``) under the address a peer routes to
+(``--advertise`` / ``TRANSOM_ADVERTISE_ADDR``; default: its bind address when that is a specific
+one, else the interface that routes to the broker; never 0.0.0.0), and takes its ring neighbour
+from the registry's live entries. Without a broker (one host) the daemons of one runtime dir find
+each other there. Ranks always find their own host's daemon in the runtime dir.
+
+Generations: the daemon remembers the newest launch generation it has seen per job (from saves,
+replicas and the job directory's ``.generation``, :func:`.store.claim_generation`) and refuses a
+save, a replica or a commit stamped with an older one (:class:`.errors.StaleGeneration`, logged):
+the ranks and daemon of a host that was cut off and came back cannot touch the new generation.
+
 Requests (JSON messages, :mod:`.wire`): reserve, forget, acquire, staged, abort, wait, lookup, read, replica_put,
-replica_alloc, replica_done, replica_abort, capacity, stats.
+replica_alloc, replica_done, replica_abort, capacity, stats, resolve.
 """
 
 from __future__ import annotations
@@ -47,14 +59,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transom import contracts
+from transom import contracts, registry
+from transom.contracts import ServiceKind
 from transom.log import get
 
 from . import layout, segments, store
+from .errors import StaleGeneration
 from .layout import sha256_of
 from .segments import Segment, safe_name
 from .transport import Replicator, make_replicator
-from .wire import recv_exact_into, recv_msg, send_file, send_msg
+from .wire import DaemonError, recv_exact_into, recv_msg, send_file, send_msg
 
 __all__ = ["CheckpointServer", "Slot", "main"]
 
@@ -104,7 +118,7 @@ class CheckpointServer:
     def __init__(self, node: str, runtime: str | os.PathLike | None = None, *, disk_dir: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, transport: str = "auto", protocol: str = "auto",
                  mem_keep: int = 1, disk_keep: int = 3, max_bytes: int | None = None,
-                 bootstrap: str | None = None, register: bool = True) -> None:
+                 bootstrap: str | None = None, register: bool = True, advertise: str | None = None) -> None:
         self.node = node
         self.runtime = segments.runtime_dir(runtime)
         self.seg_dir = self.runtime / safe_name(node)
@@ -119,8 +133,12 @@ class CheckpointServer:
         self.queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._producer = None
+        self.advertise = registry.advertise_address(bootstrap, bind=host, explicit=advertise)
+        self.generations: dict[str, int] = {}      # job -> newest launch generation seen
+        self._writer: registry.RegistryWriter | None = None
+        self._reader: registry.RegistryReader | None = None
         self.replicator: Replicator
-        self.replicator, self.mooncake = make_replicator(transport, host, protocol)
+        self.replicator, self.mooncake = make_replicator(transport, self.advertise, protocol)
         self.seg_dir.mkdir(parents=True, exist_ok=True)
         self.disk_dir.mkdir(parents=True, exist_ok=True)
         self._sweep()
@@ -133,7 +151,8 @@ class CheckpointServer:
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self.tcp = socketserver.ThreadingTCPServer((host, port), Handler, bind_and_activate=True)
         self.tcp.daemon_threads = True
-        self.addr = f"{host}:{self.tcp.server_address[1]}"
+        self.port = self.tcp.server_address[1]
+        self.addr = f"[{self.advertise}]:{self.port}" if ":" in self.advertise else f"{self.advertise}:{self.port}"
         self._register = register
         self._threads = [threading.Thread(target=self.tcp.serve_forever, name="ckpt-serve", daemon=True),
                          threading.Thread(target=self._pipeline, name="ckpt-pipeline", daemon=True)]
@@ -143,16 +162,26 @@ class CheckpointServer:
         for t in self._threads:
             t.start()
         if self._register:
-            segments.register(self.runtime, self.node, {
-                "addr": self.addr, "pid": os.getpid(), "host": os.uname().nodename,
-                "transport": self.replicator.name, "mooncake": self.mooncake.name if self.mooncake else None})
-        log.info("TCE daemon of %s at %s (runtime %s, disk %s, replication %s)", self.node, self.addr,
-                 self.runtime, self.disk_dir, self.replicator.name)
+            meta = {"transport": self.replicator.name, "mooncake": self.mooncake.name if self.mooncake else None}
+            if self.bootstrap:        # peers first, so the first save already has its neighbour
+                self._reader = registry.RegistryReader(self.bootstrap).start()
+                self._writer = registry.RegistryWriter(self.bootstrap, registry.registration(
+                    ServiceKind.CKPT_DAEMON, self.node, addr=self.advertise, port=self.port, meta=meta)).start()
+            segments.register(self.runtime, self.node, {        # then this host's ranks may find it
+                "addr": self.addr, "pid": os.getpid(), "host": os.uname().nodename, **meta})
+        log.info("TCE daemon of %s at %s (runtime %s, disk %s, replication %s, peers from %s)", self.node, self.addr,
+                 self.runtime, self.disk_dir, self.replicator.name,
+                 f"the registry on {self.bootstrap} (cluster {registry.cluster_name()})" if self._reader
+                 else f"the runtime dir {self.runtime} (one host)")
         return self
 
     def close(self) -> None:
         if self._register:
             segments.unregister(self.runtime, self.node, os.getpid())
+        if self._writer is not None:
+            self._writer.stop()          # tombstone: peers stop replicating here at once
+        if self._reader is not None:
+            self._reader.close()
         self.queue.put(None)
         self.tcp.shutdown()
         self.tcp.server_close()
@@ -222,6 +251,55 @@ class CheckpointServer:
                  and s.step == step and (sha256 is None or s.sha256 == sha256)]
         return max(cands, key=lambda s: s.kind == "own", default=None)
 
+    # ------------------------------------------------------------------ peers, generations
+    def peers(self) -> dict[str, dict[str, Any]]:
+        """The other live daemons by node, as the replicators take them (``node``, ``addr``, ``mooncake``)."""
+        if self._reader is None:
+            return {n: d for n, d in segments.registered(self.runtime).items() if n != self.node}
+        return {n: {"node": n, "addr": r.endpoint, "host": r.host, **r.meta}
+                for n, r in self._reader.live(ServiceKind.CKPT_DAEMON).items() if n != self.node}
+
+    def ring(self) -> list[dict[str, Any]]:
+        """Peers in ring order from this node: the neighbour first (:func:`.segments.ring`)."""
+        return segments.ring(self.peers(), self.node)
+
+    def _check_generation(self, job: str, generation: int | None, what: str) -> None:
+        """Remember the newest generation of ``job``; raise :class:`StaleGeneration` for an older one."""
+        if generation is None:
+            return
+        with self.lock:
+            newest = self.generations.get(job, generation)
+            if generation >= newest:
+                self.generations[job] = generation
+                return
+        err = StaleGeneration(job, generation, newest, what)
+        log.error("%s: %s", self.node, err)
+        raise err
+
+    def _claim(self, ckpt_dir: str, job: str, generation: int, what: str) -> None:
+        """Check ``generation`` against the job directory's record (:func:`.store.claim_generation`)
+        and learn the newest from it; raise :class:`StaleGeneration` when it is older."""
+        try:
+            newest = store.claim_generation(ckpt_dir, job, generation, what)
+        except StaleGeneration as exc:
+            log.error("%s: %s", self.node, exc)
+            with self.lock:
+                self.generations[job] = max(self.generations.get(job, -1), exc.newest)
+            raise
+        with self.lock:
+            self.generations[job] = max(self.generations.get(job, -1), newest)
+
+    def _op_resolve(self, _sock, msg) -> dict:
+        """Where the daemon of ``node`` is reached now: from the registry, else this runtime dir."""
+        node = msg["node"]
+        if node == self.node:
+            return {"addr": self.addr, "source": "self"}
+        if self._reader is not None:
+            reg = self._reader.get(ServiceKind.CKPT_DAEMON, node)
+            return {"addr": reg.endpoint if reg else None, "source": "registry", "live": reg is not None}
+        info = segments.registered(self.runtime).get(node)
+        return {"addr": info["addr"] if info else None, "source": "runtime", "live": info is not None}
+
     # ------------------------------------------------------------------ requests
     def _handle(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -264,6 +342,7 @@ class CheckpointServer:
                                "origin": s.origin} for s in self.slots.values()], "used": self._used()}
 
     def _op_acquire(self, _sock, msg) -> dict:
+        self._check_generation(msg["job"], msg.get("generation"), f"the save of step {msg['step']} of rank {msg['rank']}")
         with self.lock:
             self._release_old("own", msg["job"], msg["rank"], msg.get("ckpt_dir"))
             for s in self.slots.values():
@@ -301,6 +380,12 @@ class CheckpointServer:
         return {"ok": True}
 
     def _op_staged(self, _sock, msg) -> dict:
+        try:
+            self._check_generation(msg["job"], msg.get("generation"),
+                                   f"the save of step {msg['step']} of rank {msg['rank']}")
+        except StaleGeneration:
+            self._op_abort(_sock, msg)
+            raise
         with self.lock:
             slot = self.slots.get(msg["path"])
             if slot is None or slot.state != "staging":
@@ -344,6 +429,8 @@ class CheckpointServer:
         return None
 
     def _replica_slot(self, msg) -> Slot:
+        self._check_generation(msg["job"], msg.get("generation"),
+                               f"the replica of step {msg['step']} of rank {msg['rank']} from {msg.get('origin')}")
         with self.lock:
             self._release_old("replica", msg["job"], msg["rank"], msg.get("ckpt_dir"))
             slot = self._take("replica", msg["job"], msg["rank"], msg["size"], msg["origin"])
@@ -366,7 +453,11 @@ class CheckpointServer:
         return {"path": str(slot.seg.path), "node": self.node}
 
     def _op_replica_put(self, sock, msg) -> dict:
-        slot = self._replica_slot(msg)
+        try:
+            slot = self._replica_slot(msg)
+        except StaleGeneration:
+            _drain(sock, msg["size"])         # the bytes follow the request: read them, then refuse
+            raise
         t0 = time.perf_counter()
         try:
             recv_exact_into(sock, slot.seg.view(slot.size))
@@ -414,6 +505,8 @@ class CheckpointServer:
         size, t = msg["size"], {}
         data = slot.seg.view(size)
         t0 = time.perf_counter()
+        if msg.get("ckpt_dir"):       # a replaced launch's save goes nowhere, not even to the neighbour
+            self._claim(msg["ckpt_dir"], job, gen, f"the save of step {step} of rank {rank}")
         sha = sha256_of(data)                                           # 1. hash
         with self.lock:
             slot.sha256, slot.state, slot.generation, slot.origin = sha, "held", gen, self.node
@@ -421,13 +514,9 @@ class CheckpointServer:
         copies = [contracts.Copy(rank, self.node, contracts.Tier.MEMORY, f"{self.addr}#{slot.seg.path}")]
         meta = {"job": job, "rank": rank, "step": step, "size": size, "sha256": sha, "origin": self.node,
                 "generation": gen, "ckpt_dir": msg.get("ckpt_dir")}
-        peer = segments.neighbour(self.runtime, self.node)              # 2. replicate
-        if peer is None:
-            log.warning("%s: no other TCE daemon is registered in %s: step %d of rank %d has no peer "
-                        "replica", self.node, self.runtime, step, rank)
-        else:
-            t1 = time.perf_counter()
-            where, t["transfer_s"] = self.replicator.replicate(peer, slot.seg, meta)
+        t1 = time.perf_counter()                                        # 2. replicate
+        peer, where, t["transfer_s"] = self._replicate(slot, meta)
+        if peer is not None:
             t["replicate_s"] = time.perf_counter() - t1
             copies.append(contracts.Copy(rank, peer["node"], contracts.Tier.MEMORY, f"{peer['addr']}#{where}"))
         t2 = time.perf_counter()                                        # 3. persist
@@ -444,6 +533,7 @@ class CheckpointServer:
         t["persist_s"] = time.perf_counter() - t2
         ready = None
         if msg.get("ckpt_dir"):                                         # 4. commit
+            self._claim(msg["ckpt_dir"], job, gen, f"the commit of step {step} of rank {rank}")
             sdir = layout.step_dir(msg["ckpt_dir"], step)
             replaced = store.uncommit_older(sdir) if msg.get("first_of_step", True) else None
             if replaced is not None:
@@ -478,6 +568,34 @@ class CheckpointServer:
         t["total_s"] = time.perf_counter() - t0
         return {"sha256": sha, "committed": ready is not None, "unpersisted": unpersisted,
                 "copies": [c.__dict__ | {"tier": c.tier.value} for c in copies], **t}
+
+    def _replicate(self, slot: Slot, meta: dict) -> tuple[dict | None, str, float]:
+        """Copy the shard to the first reachable peer in ring order; (peer, location, transfer s),
+        or (None, "", 0) when no peer is live or none took it (logged; the step commits with
+        ``replicated: false``, like a failed disk write). A peer that cannot be reached (its host is
+        gone but its registry entry not yet stale) is skipped for the next one; a stale-generation
+        refusal ends the save."""
+        order = self.ring()
+        if not order:
+            log.warning("%s: no other TCE daemon is live (%s): step %d of rank %d has no peer replica", self.node,
+                        "registry" if self._reader else f"runtime dir {self.runtime}", meta["step"], meta["rank"])
+            return None, "", 0.0
+        problems = []
+        for peer in order:
+            try:
+                where, dt = self.replicator.replicate(peer, slot.seg, meta)
+                return peer, where, dt
+            except (OSError, DaemonError) as exc:
+                if "stale generation" in str(exc):
+                    log.error("%s: %s refused the replica of step %d of rank %d: %s", self.node, peer["node"],
+                              meta["step"], meta["rank"], exc)
+                    raise
+                log.warning("%s: replica of step %d of rank %d to %s (%s) failed: %s; trying the next daemon "
+                            "of the ring", self.node, meta["step"], meta["rank"], peer["node"], peer["addr"], exc)
+                problems.append(f"{peer['node']}: {exc}")
+        log.error("%s: no peer daemon took the replica of step %d of rank %d (%s): the step commits without a "
+                  "peer copy (replicated=false)", self.node, meta["step"], meta["rank"], "; ".join(problems))
+        return None, "", 0.0
 
     def _persist_failed(self, job: str, rank: int, step: int, where: Path, exc: OSError) -> str:
         """Log a failed disk or shared write once, clearly; the step goes on with its other copies."""
@@ -521,8 +639,20 @@ class CheckpointServer:
         self.close()
 
 
+def _drain(sock: socket.socket, size: int) -> None:
+    """Read and drop ``size`` bytes (a refused replica's payload), so the refusal reaches the sender."""
+    buf = bytearray(min(size, 8 << 20) or 1)
+    left = size
+    while left > 0:
+        k = sock.recv_into(memoryview(buf)[:min(left, len(buf))])
+        if k == 0:
+            return
+        left -= k
+
+
 def main(args: argparse.Namespace) -> int:
     CheckpointServer(args.node, args.runtime, disk_dir=args.disk_dir, host=args.host, port=args.port,
                      transport=args.transport, protocol=args.protocol, mem_keep=args.mem_keep,
-                     disk_keep=args.disk_keep, max_bytes=args.max_bytes, bootstrap=args.bootstrap).serve()
+                     disk_keep=args.disk_keep, max_bytes=args.max_bytes, bootstrap=args.bootstrap,
+                     advertise=args.advertise).serve()
     return 0

@@ -10,6 +10,9 @@
   leaves that step uncommitted for this generation (the next saved step commits as usual).
   The manifest's ``copies`` are the union of the ranks' copies; ``replicated`` means every rank's
   shard is in memory on two nodes, ``persisted`` that every rank has a disk or shared copy.
+- :func:`claim_generation`: ``DIR/.generation`` holds the newest launch generation that wrote to
+  the job's directory; a write of an older one is refused (:class:`StaleGeneration`), so ranks
+  and daemons of a replaced launch (a host cut off, then back) cannot commit over the new one.
 - :func:`verify_shard` / :func:`read_shard`: refuse a missing, truncated or altered shard with
   :class:`CorruptCheckpoint` naming the file and what is wrong.
 """
@@ -24,10 +27,48 @@ from typing import Any
 from transom import contracts
 
 from . import layout
-from .errors import CorruptCheckpoint
+from .errors import CorruptCheckpoint, StaleGeneration
 
-__all__ = ["persist_shard", "write_bytes", "uncommit_older", "try_commit", "verify_shard", "read_verified",
+__all__ = ["claim_generation", "newest_generation", "GENERATION_FILE", "persist_shard", "write_bytes", "uncommit_older", "try_commit", "verify_shard", "read_verified",
            "read_shard"]
+
+
+GENERATION_FILE = ".generation"
+
+
+def claim_generation(directory: str | os.PathLike, job: str, generation: int, what: str = "a write") -> int:
+    """Record ``generation`` as the newest of ``directory`` unless a newer one is recorded there;
+    return the newest. Raise :class:`StaleGeneration` when ``generation`` is older than it.
+
+    Read-modify-write under an ``flock`` of the file, so two launches racing both see the larger.
+    """
+    import fcntl
+
+    path = Path(directory) / GENERATION_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        raw = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        newest = int(raw) if raw.lstrip("-").isdigit() else -1
+        if generation < newest:
+            raise StaleGeneration(job, generation, newest, what)
+        if generation > newest:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{generation}\n".encode(), 0)
+            newest = generation
+        return newest
+    finally:
+        os.close(fd)
+
+
+def newest_generation(directory: str | os.PathLike) -> int:
+    """The generation :func:`claim_generation` recorded in ``directory``, -1 when none."""
+    try:
+        raw = (Path(directory) / GENERATION_FILE).read_text().strip()
+    except OSError:
+        return -1
+    return int(raw) if raw.lstrip("-").isdigit() else -1
 
 
 def persist_shard(sdir: Path, *, job: str, step: int, rank: int, world_size: int, node: str,

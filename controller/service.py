@@ -279,6 +279,11 @@ class Controller:
         if topic == contracts.FAULTS:
             self._on_fault(msg, value)
         elif topic == contracts.CHECKPOINTS and value.job in self.jobs:
+            job = self.jobs[value.job]
+            if value.generation < job.launched_generation:
+                log.warning("job %s: checkpoint step %d of generation %d ignored: generation %d replaced that "
+                            "launch (a stale writer, e.g. a host that was cut off and came back)",
+                            value.job, value.step, value.generation, job.launched_generation)
             self.apply(value.job, CheckpointSeen(value))
 
     def _on_fault(self, msg, fault: contracts.FaultEvent) -> None:

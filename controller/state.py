@@ -463,6 +463,9 @@ def decide(job: Job, event: Event) -> Decision:
         ready = event.ready
         if ready.job != job.job or any(int(r["step"]) == ready.step for r in job.checkpoints):
             return Decision(job)
+        if ready.generation < job.launched_generation:
+            # written by a launch that was replaced (a host cut off, then back): not a resume point
+            return Decision(job, (), "", {}, {"stale_generation": ready.generation, "step": ready.step})
         from transom.contracts import _plain  # the contract's own dict form
         kept = sorted(job.checkpoints + (_plain(ready),), key=lambda r: int(r["step"]))[-KEEP_CHECKPOINTS:]
         new = dataclasses.replace(job, checkpoints=tuple(kept))

@@ -608,7 +608,8 @@ time.sleep(600)
 
 def test_rank_killed_while_its_fork_snapshot_runs_cannot_corrupt_later_saves(tmp_path, cluster):
     """The child of a dead rank still holds its segment: a relaunched rank's saves never reuse it,
-    and the child, when it finishes, commits its step whole."""
+    and the child, when it finishes, is refused: its generation was replaced (stale-generation
+    writes never reach the new generation's checkpoints)."""
     job = f"job-{uuid.uuid4().hex[:8]}"
     proc = subprocess.Popen([sys.executable, "-c", _FORK_PARENT, str(tmp_path), job, str(cluster.runtime)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cluster.env)
@@ -624,10 +625,14 @@ def test_rank_killed_while_its_fork_snapshot_runs_cannot_corrupt_later_saves(tmp
         eng.save(30, {"w": torch.full((1 << 20,), 30.0)})
         eng.wait()
         assert "still being written by a live process" in cluster.log("node0")
-        os.kill(child, signal.SIGCONT)                  # the child finishes the save of step 20
-        wait_until(lambda: 20 in complete_steps(tmp_path) or None, 30, "step 20 committed by the child")
-        w20 = eng.load(20)[1]["w"]
-        assert w20.numel() == 1 << 25 and w20.eq(20.0).all() and eng.load(30)[1]["w"].eq(30.0).all()
+        os.kill(child, signal.SIGCONT)                  # the child finishes the save of step 20 of generation 0
+        wait_until(lambda: "save of step 20 of rank 0 of job" in cluster.log("node0") or None, 30,
+                   "the child's save of step 20 refused as a stale generation")
+        assert "stale generation" in cluster.log("node0")
+        assert 20 not in complete_steps(tmp_path) and eng.load(30)[1]["w"].eq(30.0).all()
+        eng.save(40, {"w": torch.full((1 << 20,), 40.0)})                    # the segment is reusable again
+        eng.wait()
+        assert eng.load(40)[1]["w"].eq(40.0).all()
     finally:
         if child is not None:
             try:

@@ -1,5 +1,6 @@
 """The job state machine, driven directly: no Kafka, no processes."""
 
+import dataclasses
 import time
 
 import pytest
@@ -229,3 +230,14 @@ def test_resume_point_is_the_newest_checkpoint_that_survives_the_eviction():
     job = decide(job, CheckpointSeen(ready(30, tier=c.Tier.MEMORY))).job
     assert decide(job, FaultSeen(fault())).job.resume_step == 10           # node1 held 20's and 30's rank 1
     assert decide(job, FaultSeen(fault(kind=c.FaultKind.HANG))).job.resume_step == 30    # nothing evicted
+
+
+def test_a_checkpoint_of_a_replaced_generation_is_ignored():
+    job = running_job()
+    seen, job = recover(job, FaultSeen(fault()))            # generation 1 launched
+    assert job.launched_generation == 1
+    stale = dataclasses.replace(ready(90), generation=0)     # the old host's daemon, back after a partition
+    d = decide(job, CheckpointSeen(stale))
+    assert d.name == "" and d.job.checkpoints == job.checkpoints and d.detail["stale_generation"] == 0
+    d = decide(job, CheckpointSeen(dataclasses.replace(ready(90), generation=1)))
+    assert d.name == "checkpoint" and int(d.job.checkpoints[-1]["step"]) == 90

@@ -27,11 +27,11 @@ CODE = ("transom", "agents", "streams", "controller", "checkpoint")
 LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR", "TRANSOM_AGENTS",
                 "TRANSOM_HOST_IP"}
 #: Given per node or per pod, not in the shared settings: the node id (a flag or the pod's node name),
-#: the InfluxDB token (a secret).
-PER_NODE = {"TRANSOM_NODE"}
+#: the address a node's services advertise (the pod's IP, from the downward API), the InfluxDB token (a secret).
+PER_NODE = {"TRANSOM_NODE", "TRANSOM_ADVERTISE_ADDR"}
 SECRET = {"TRANSOM_INFLUX_TOKEN"}
-#: Read only by benchmarks and the corpus generator, never by a deployed service.
-BENCH_ONLY = {"TRANSOM_FAULT_TRACE", "TRANSOM_TESTBED_DIR"}     # and the test bed's state directory
+#: Read only by benchmarks, the corpus generator and the test bed, never by a deployed service.
+BENCH_ONLY = {"TRANSOM_FAULT_TRACE", "TRANSOM_TESTBED_DIR"}
 
 
 def code_env() -> dict[str, set[str]]:

@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 
 import pytest
 
@@ -40,13 +42,15 @@ CLIENT = textwrap.dedent("""
 
 
 def serve(b, host, port=7000):
-    proc = b.python(host, ["-c", SERVER, b.addr(host), str(port)], stdout=subprocess.PIPE, text=True)
+    proc = b.run(host, [sys.executable, "-I", "-S", "-c", SERVER, b.addr(host), str(port)], stdout=subprocess.PIPE,
+                 text=True)
     assert proc.stdout.readline().strip() == "listening"
     return proc
 
 
 def connect(b, host, addr, port=7000, timeout=5.0) -> str:
-    r = b.python(host, ["-c", CLIENT, addr, str(port), str(timeout)], stdout=subprocess.PIPE, text=True)
+    r = b.run(host, [sys.executable, "-I", "-S", "-c", CLIENT, addr, str(port), str(timeout)], stdout=subprocess.PIPE,
+              text=True)
     out, _ = r.communicate(timeout=60)
     return out.strip()
 
@@ -59,7 +63,7 @@ def leftovers(index: int) -> list[str]:
     return left
 
 
-def test_hosts_have_their_own_name_memory_and_pids(bed):
+def test_hosts_have_their_own_name_memory_and_pids(bed, tmp_path):
     b = bed(["alpha", "beta"])
     assert b.sh("alpha", "hostname").stdout.strip() == "alpha"
     assert b.sh("beta", "hostname").stdout.strip() == "beta"
@@ -67,14 +71,23 @@ def test_hosts_have_their_own_name_memory_and_pids(bed):
     # /dev/shm and /tmp are the host's own
     b.sh("alpha", "echo x > /dev/shm/transom-bed-shm && echo y > /tmp/transom-bed-tmp", check=True)
     assert b.sh("alpha", "cat /dev/shm/transom-bed-shm").stdout == "x\n"
-    assert b.sh("beta", "ls /dev/shm /tmp").stdout.split() == ["/dev/shm:", "/tmp:"]
+    assert b.sh("beta", "ls -A /dev/shm").stdout == ""
+    assert b.sh("beta", "ls /tmp/transom-bed-tmp").returncode != 0
     assert not os.path.exists("/dev/shm/transom-bed-shm") and not os.path.exists("/tmp/transom-bed-tmp")
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as mine, tempfile.NamedTemporaryFile(dir="/tmp") as mine2:
+        assert b.sh("alpha", f"ls {mine.name} {mine2.name}").returncode != 0   # nor this machine's
     # PIDs: a process sees itself as a low PID of its host; another host cannot see it
     sleeper = b.run("alpha", ["sleep", "300"])
     try:
         assert 1 < sleeper.host_pid < 100 and sleeper.root_pid != sleeper.host_pid
         assert b.sh("alpha", "cat /proc/*/cmdline | tr '\\0' ' '").stdout.count("sleep 300") == 1
         assert "sleep 300" not in b.sh("beta", "cat /proc/*/cmdline | tr '\\0' ' '").stdout
+        assert [(p["pid"], p["host_pid"]) for p in b.processes("alpha") if p["cmdline"] == ["sleep", "300"]] \
+            == [(sleeper.root_pid, sleeper.host_pid)]
+        sleeper.signal(signal.SIGSTOP)            # the real process stops, not its relay
+        wait_until(lambda: testbed._state(sleeper.root_pid) == "T", 30, "the sleeper stopped")
+        assert testbed._state(sleeper.pid) != "T"
+        sleeper.signal(signal.SIGCONT)
         assert b.sh("beta", "echo $$").stdout.strip() in {str(n) for n in range(2, 100)}
     finally:
         sleeper.terminate()
@@ -95,6 +108,9 @@ def test_tcp_between_hosts_and_no_route_elsewhere(bed):
             f"198.18.{b.index}.0/24 dev eth0") and "default" not in b.sh("node1", "ip route").stdout
         for addr in ("198.19.255.1", "10.255.255.1", "192.0.2.1"):
             assert connect(b, "node1", addr, 9) == "ENETUNREACH", addr
+        # and this namespace gains nothing beyond the bed's own /24
+        routes = testbed._run(["ip", "-4", "route", "show", "dev", b.link]).stdout.strip().splitlines()
+        assert [r.split()[0] for r in routes] == [f"198.18.{b.index}.0/24"]
     finally:
         server.kill()
         server.wait()
@@ -113,7 +129,7 @@ def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
         b.sh("node0", "true")
     assert connect(b, "node1", b.addr("node0"), timeout=1) in {"timeout", "EHOSTUNREACH"}
     b.restart("node0")
-    assert b.sh("node0", "ls -A /dev/shm /tmp; hostname").stdout.split() == ["/dev/shm:", "/tmp:", "node0"]
+    assert b.sh("node0", "ls -A /dev/shm; ls /tmp/scratch; hostname").stdout.split() == ["node0"]
     server = serve(b, "node0")
     try:
         assert wait_until(lambda: connect(b, "node1", b.addr("node0")) == "ping", 30, "the restarted host")
@@ -164,7 +180,16 @@ def test_python_service_from_a_private_shared_dir(bed, tmp_path):
     # the shared directory is the same files, everything else of /tmp is not there
     b.sh("node0", f"echo from-host > {shared}/note", check=True)
     assert (shared / "note").read_text() == "from-host\n"
-    assert b.sh("node0", "ls -A /tmp").stdout.split() == [shared.relative_to("/tmp").parts[0]]
+    with tempfile.NamedTemporaryFile(dir=tmp_path) as not_shared:
+        assert b.sh("node0", f"ls {not_shared.name}").returncode != 0
+
+
+def test_a_bed_made_in_a_thread_outlives_the_thread(bed):
+    made = []
+    t = threading.Thread(target=lambda: made.append(bed(1)))
+    t.start()
+    t.join()
+    assert made[0].sh("node0", "hostname", timeout=60).stdout.strip() == "node0"
 
 
 OWNER = textwrap.dedent("""
@@ -196,7 +221,7 @@ def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
     cleaned = testbed.clean_stale()
     assert index in cleaned and live.index not in cleaned
     assert leftovers(index) == []
-    assert all(not os.path.exists(f"/proc/{p}") for p in pids)
+    assert not any(testbed._alive(p) for p in pids)
     assert live.sh("node0", "hostname").stdout.strip() == "node0"
 
 
@@ -205,7 +230,7 @@ def test_sigterm_of_the_owner_cleans_its_bed():
     proc.terminate()
     assert proc.wait(60) == -signal.SIGTERM
     assert leftovers(index) == []
-    assert all(not os.path.exists(f"/proc/{p}") for p in pids)
+    assert not any(testbed._alive(p) for p in pids)
 
 
 def test_cli_check_says_ok_or_why_not():

@@ -12,7 +12,7 @@ project on ``sys.path`` nor the venv's site-packages:
     reaps orphans until it is SIGKILLed, which kills every process of the host and frees its
     memory.
 
-``enter INIT_PID PIDFD CWD -- ARGV...``
+``enter INIT_PID:START_TIME PIDFD CWD -- ARGV...``
     Joins the namespaces of a host's init (net, uts, ipc, pid, mnt), forks ARGV inside the host,
     writes the child's PID (as the bed's own namespace sees it) on fd PIDFD, forwards signals to
     it and exits as it did (same exit code, or killed by the same signal). The child dies with
@@ -29,6 +29,7 @@ import sys
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+_MNT_DETACH = 2
 _PR_SET_PDEATHSIG = 1
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2, signal.SIGALRM, signal.SIGWINCH, signal.SIGCONT)
@@ -64,11 +65,24 @@ def _root_pid() -> int:
     return os.getpid()
 
 
+def _drop_netns_mounts() -> None:
+    """Unmount this mount namespace's copies of /run/netns/*: each would keep a network namespace of
+    this or another bed alive after ``ip netns del`` until this host dies."""
+    try:
+        names = os.listdir("/run/netns")
+    except OSError:
+        return
+    for name in names:
+        _libc.umount2(f"/run/netns/{name}".encode(), _MNT_DETACH)
+    _libc.umount2(b"/run/netns", _MNT_DETACH)
+
+
 def init(spec: dict) -> None:
     out = sys.stdout
-    try:
+    try:                                  # any error, as one JSON line: the bed hides this stderr
         pid = _root_pid()                       # read before /proc is replaced by this host's own
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+        _drop_netns_mounts()
         _mount("proc", "/proc", "proc", 0)
         socket.sethostname(spec["hostname"])
         cgroup = os.open("/sys/fs/cgroup", os.O_PATH) if os.path.isdir("/sys/fs/cgroup") else None
@@ -92,7 +106,7 @@ def init(spec: dict) -> None:
             _mount(spec["hosts_file"], "/etc/hosts", None, _MS_BIND)
         out.write(json.dumps({"pid": pid, "fds": fds}) + "\n")
         out.flush()
-    except Exception as exc:  # reported to the bed, which raises it with the host's name
+    except BaseException as exc:  # reported to the bed, which raises it with the host's name
         out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         out.flush()
         sys.exit(1)
@@ -111,9 +125,21 @@ def init(spec: dict) -> None:
                 break
 
 
-def enter(init_pid: int, pidfd: int, cwd: str, argv: list) -> None:
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def enter(init: str, pidfd: int, cwd: str, argv: list) -> None:
     here = os.getcwd()
-    fds = [os.open(f"/proc/{init_pid}/ns/{ns}", os.O_RDONLY) for ns in ("ipc", "uts", "net", "pid", "mnt")]
+    init_pid, start = map(int, init.split(":"))
+    try:
+        fds = [os.open(f"/proc/{init_pid}/ns/{ns}", os.O_RDONLY) for ns in ("ipc", "uts", "net", "pid", "mnt")]
+        if _start_time(init_pid) != start:        # the PID was reused: the host is gone
+            raise FileNotFoundError
+    except FileNotFoundError:
+        sys.stderr.write(f"testbed: cannot run {argv[0]}: the host is gone (its init {init_pid} died)\n")
+        sys.exit(137)
     for fd in fds:
         _check(_libc.setns(fd, 0), "setns")
         os.close(fd)
@@ -163,11 +189,11 @@ def main(args: list) -> None:
     if args[0] == "init":
         init(json.loads(args[1]))
     elif args[0] == "enter":
-        init_pid, pidfd, cwd, sep, *argv = args[1:]
-        assert sep == "--" and argv, "usage: enter INIT_PID PIDFD CWD -- ARGV..."
-        enter(int(init_pid), int(pidfd), cwd, argv)
+        host_init, pidfd, cwd, sep, *argv = args[1:]
+        assert sep == "--" and argv, "usage: enter INIT_PID:START_TIME PIDFD CWD -- ARGV..."
+        enter(host_init, int(pidfd), cwd, argv)
     else:
-        sys.exit(f"usage: {sys.argv[0]} init SPEC | enter INIT_PID PIDFD CWD -- ARGV...")
+        sys.exit(f"usage: {sys.argv[0]} init SPEC | enter INIT_PID:START_TIME PIDFD CWD -- ARGV...")
 
 
 if __name__ == "__main__":

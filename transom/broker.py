@@ -21,19 +21,20 @@ __all__ = ["EmbeddedBroker", "free_port", "bootstrap_or_embedded"]
 log = get("broker")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class EmbeddedBroker:
-    """A Tansu broker process on 127.0.0.1 (or ``host``). Use as a context manager, or ``start()``/``stop()``."""
+    """A Tansu broker process on 127.0.0.1 (or ``host``: an address of this machine that other hosts,
+    e.g. the test bed's, reach). Use as a context manager, or ``start()``/``stop()``."""
 
     def __init__(self, port: int | None = None, *, create_topics: bool = True, log_path: str | None = None,
                  host: str = "127.0.0.1") -> None:
         self.host = host
-        self.port = port or free_port()
+        self.port = port or free_port(host)
         self.create_topics = create_topics
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None

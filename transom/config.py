@@ -35,6 +35,10 @@ ENV: Mapping[str, str] = {
     "TRANSOM_CKPT_SNAPSHOT": "how save() snapshots a rank's tensors: copy (default; blocks for a memcpy) or fork "
                              "(copy-on-write child; blocks for the fork, later writes pay page faults)",
     "TRANSOM_CKPT_TRANSPORT": "replication transport of the checkpoint daemons: auto (default), mooncake or tcp",
+    "TRANSOM_CLUSTER": "name of this cluster in the service registry (default 'default'); services see only their own",
+    "TRANSOM_REGISTRY_TTL": "seconds a service registry entry stays live without a heartbeat (default 10)",
+    "TRANSOM_ADVERTISE_ADDR": "address this host's services advertise to peers (default: the interface that routes "
+                              "to the broker; never 0.0.0.0)",
     "TRANSOM_CKPT_SHM_BYTES": "shared-memory budget of a node's checkpoint daemon, in bytes",
     "TRANSOM_AGENT_CONFIG": "the agent's TOML configuration file",
     "TRANSOM_AGENT__<KEY>": "sets key <KEY> of the agent's [agent] table (environment wins over the file)",

@@ -18,6 +18,8 @@ transom.faults         job id      :class:`FaultEvent`
 transom.checkpoints    job id      :class:`CheckpointReady`
 transom.lifecycle      job id      :class:`LifecycleEvent` (compacted; carries a job snapshot)
 transom.deadletter     orig. key   :class:`DeadLetter`
+transom.registry       CL/KIND/NODE :class:`Registration` (compacted; a null value, the tombstone,
+                                   says the service left cleanly; see :mod:`transom.registry`)
 =====================  ==========  ================================================
 """
 
@@ -40,6 +42,7 @@ __all__ = [
     "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER",
     "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
     "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
+    "REGISTRY", "ServiceKind", "Registration", "UNROUTABLE", "registry_key",
     "decode", "encode", "stable_id", "DCGM",
 ]
 
@@ -50,6 +53,7 @@ FAULTS = "transom.faults"
 CHECKPOINTS = "transom.checkpoints"
 LIFECYCLE = "transom.lifecycle"
 DEADLETTER = "transom.deadletter"
+REGISTRY = "transom.registry"
 
 
 class ContractError(ValueError):
@@ -73,6 +77,7 @@ TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec(CHECKPOINTS, 2),
     TopicSpec(LIFECYCLE, 1, {"cleanup.policy": "compact"}),
     TopicSpec(DEADLETTER, 1),
+    TopicSpec(REGISTRY, 1, {"cleanup.policy": "compact"}),
 )
 
 
@@ -459,6 +464,105 @@ class LifecycleEvent:
         )
 
 
+# --------------------------------------------------------------------------- service registry
+
+class ServiceKind(str, enum.Enum):
+    """What a :class:`Registration` advertises (one entry per kind and node)."""
+
+    CKPT_DAEMON = "ckpt-daemon"     # a node's TCE daemon: replication, restore reads (wire of checkpoint/wire.py)
+    AGENT = "agent"                 # a node agent's training intake
+    LAUNCHER = "launcher"           # a node-side launcher that starts and stops ranks on its host
+    CONTROLLER = "controller"
+
+
+#: Addresses a peer on another host can never reach: refused as an advertised address.
+UNROUTABLE = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One running service, where peers on other hosts reach it, and when it last said so.
+
+    ``addr`` is the address a peer routes to (never a wildcard); ``instance`` is a uuid drawn
+    when the process started and ``boot_id`` the host's boot id: together they tell a restarted
+    service from the old one without a PID (which means nothing in another PID namespace).
+    ``heartbeat_ts`` is refreshed every ``ttl_s / 3`` s by the writer; a reader treats the entry as
+    stale once ``heartbeat_ts + ttl_s`` is past (clocks of the hosts are assumed NTP-synced).
+    ``cluster`` scopes entries: services of one cluster only see each other, so several clusters
+    (or test runs) can share one broker.
+    """
+
+    kind: ServiceKind
+    node: str
+    host: str
+    addr: str
+    port: int
+    instance: str
+    started_ts: float
+    heartbeat_ts: float
+    ttl_s: float = 10.0
+    boot_id: str = ""
+    cluster: str = "default"
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    v: int = SCHEMA_VERSION
+
+    @property
+    def key(self) -> str:
+        """The compaction key: one live entry per cluster, kind and node."""
+        return registry_key(self.cluster, self.kind, self.node)
+
+    @property
+    def endpoint(self) -> str:
+        """``addr:port`` (``[addr]:port`` for IPv6), what a client connects to."""
+        return f"[{self.addr}]:{self.port}" if ":" in self.addr else f"{self.addr}:{self.port}"
+
+    def stale(self, now: float | None = None, ttl: float | None = None) -> bool:
+        """Whether the last heartbeat is older than ``ttl`` (default: the entry's own ``ttl_s``)."""
+        return (time.time() if now is None else now) > self.heartbeat_ts + (self.ttl_s if ttl is None else ttl)
+
+    def __post_init__(self) -> None:
+        what = "registration"
+        for name in ("node", "host", "instance", "cluster"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ContractError(f"{what}: field '{name}' must be a non-empty string")
+        if not isinstance(self.kind, ServiceKind):
+            object.__setattr__(self, "kind", _enum(ServiceKind, {"kind": self.kind}, "kind", what=what))
+        if not isinstance(self.addr, str) or self.addr.strip("[]") in UNROUTABLE:
+            raise ContractError(f"{what}: field 'addr' is {self.addr!r}, not an address a peer can route to "
+                                f"(advertise the host's own address: --advertise / TRANSOM_ADVERTISE_ADDR)")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ContractError(f"{what}: field 'port' must be an integer in 1..65535, got {self.port!r}")
+        if not isinstance(self.ttl_s, _NUM) or not self.ttl_s > 0:
+            raise ContractError(f"{what}: field 'ttl_s' must be a positive number of seconds, got {self.ttl_s!r}")
+        for name in ("started_ts", "heartbeat_ts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, _NUM) or not math.isfinite(value) or value <= 0:
+                raise ContractError(f"{what}: field '{name}' must be a positive epoch time, got {value!r}")
+        if "/" in self.cluster or "/" in self.node:
+            raise ContractError(f"{what}: fields 'cluster' and 'node' may not contain '/' (it separates the key)")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Registration":
+        what = "registration"
+        _check_version(d, what)
+        return cls(
+            kind=_enum(ServiceKind, d, "kind", what=what), node=_get(d, "node", str, what=what),
+            host=_get(d, "host", str, what=what), addr=_get(d, "addr", str, what=what),
+            port=_get(d, "port", int, what=what), instance=_get(d, "instance", str, what=what),
+            started_ts=float(_get(d, "started_ts", _NUM, what=what)),
+            heartbeat_ts=float(_get(d, "heartbeat_ts", _NUM, what=what)),
+            ttl_s=float(_get(d, "ttl_s", _NUM, what=what, optional=True, default=10.0)),
+            boot_id=_get(d, "boot_id", str, what=what, optional=True, default=""),
+            cluster=_get(d, "cluster", str, what=what, optional=True, default="default"),
+            meta=dict(_get(d, "meta", Mapping, what=what, optional=True, default={})),
+        )
+
+
+def registry_key(cluster: str, kind: ServiceKind | str, node: str) -> str:
+    """The key of a registration on ``transom.registry``: ``CLUSTER/KIND/NODE``."""
+    return f"{cluster}/{ServiceKind(kind).value}/{node}"
+
+
 # --------------------------------------------------------------------------- dead letters
 
 @dataclass(frozen=True)
@@ -502,7 +606,7 @@ class DeadLetter:
 
 _BY_TOPIC: dict[str, type] = {
     METRICS: MetricBatch, FAULTS: FaultEvent, CHECKPOINTS: CheckpointReady,
-    LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter,
+    LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter, REGISTRY: Registration,
 }
 
 

@@ -74,6 +74,9 @@ class LocalStack:
         logfile = self.run_dir / "logs" / f"{name}.log"
         full_env = {**os.environ, "TRANSOM_BOOTSTRAP": self.bootstrap or "", "PYTHONUNBUFFERED": "1",
                     "TRANSOM_CKPT_RUNTIME": str(self.ckpt_runtime),
+                    # this stack's services see only each other in the service registry, even on a
+                    # broker that other stacks (tests, benches) share
+                    "TRANSOM_CLUSTER": os.environ.get("TRANSOM_CLUSTER") or f"stack-{self.ckpt_runtime.name}",
                     "TRANSOM_CKPT_LOCAL_DIR": str(self.run_dir / "ckpt-local"), **(env or {})}
         popen = subprocess.Popen([sys.executable, "-m", "transom.cli", *args], env=full_env,
                                  stdout=open(logfile, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

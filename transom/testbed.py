@@ -45,6 +45,7 @@ import atexit
 import fcntl
 import json
 import os
+import queue
 import re
 import select
 import shutil
@@ -58,6 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from . import log
+
 __all__ = ["Bed", "BedError", "BedUnavailable", "HostProcess", "available", "clean_stale",
            "netem_available", "register"]
 
@@ -66,6 +69,7 @@ _BEDPROC = Path(__file__).resolve().with_name("_bedproc.py")
 _MAX_INDEX = 254
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 _PRIVATE = ("/tmp", "/dev/shm")
+_log = log.get("testbed")
 
 
 class BedError(RuntimeError):
@@ -204,6 +208,7 @@ class _Host:
     port: str                                  # the bridge-side end of its link, in the switch
     init: subprocess.Popen | None = None       # the unshare process whose child is the host's init
     pid: int | None = None                     # the init's PID in the bed's own namespace
+    start: int | None = None                   # and its start time (/proc/PID/stat), against PID reuse
     up: bool = False
     partitioned: bool = False
     slowed: bool = False
@@ -234,7 +239,12 @@ class Bed:
         self.hosts: list[str] = names
         always = [ROOT, sys.prefix, sys.base_prefix, Path(os.path.realpath(sys.executable)).parent]
         self.shared = sorted({os.path.realpath(p) for p in [*always, *share]}, key=len)
-        self.private = [os.path.realpath(p) for p in private]
+        # a private directory that is itself shared (or lies in a shared one) stays the machine's
+        self.private = [p for p in map(os.path.realpath, private)
+                        if not any(p == s or p.startswith(s.rstrip("/") + "/") for s in self.shared)]
+        for p in self.private:
+            if not os.path.isdir(p):
+                raise ValueError(f"Bed: private: {p} is not a directory (each host mounts its own tmpfs on it)")
         self.timeout = timeout
         self.index: int | None = None
         self._lock_fd: int | None = None
@@ -281,6 +291,33 @@ class Bed:
         h = self._host(host, need_up=True)
         return h.pid
 
+    def addresses(self) -> dict[str, str]:
+        """``{host: address}`` for every host of the bed."""
+        return {h: self.addr(h) for h in self.hosts}
+
+    def processes(self, host: str) -> list[dict]:
+        """The processes running in ``host`` (its init left out): ``{"pid": PID seen from here,
+        "host_pid": PID inside the host, "cmdline": [...]}``, e.g. to SIGSTOP a rank the host's own
+        launcher started."""
+        h = self._host(host, need_up=True)
+        try:
+            want = os.stat(f"/proc/{h.pid}/ns/pid")
+        except OSError:
+            return []
+        out = []
+        for pid in _netns_pids(h.netns):
+            try:
+                if pid == h.pid or os.stat(f"/proc/{pid}/ns/pid").st_ino != want.st_ino:
+                    continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+                with open(f"/proc/{pid}/status") as f:
+                    nspid = next(int(line.split()[-1]) for line in f if line.startswith("NSpid:"))
+            except (OSError, StopIteration):
+                continue                          # exited meanwhile
+            out.append({"pid": pid, "host_pid": nspid, "cmdline": cmdline})
+        return out
+
     def is_up(self, host: str) -> bool:
         return self._host(host).up
 
@@ -296,15 +333,20 @@ class Bed:
     # ---- life cycle
 
     def __enter__(self) -> "Bed":
-        return self.up()
+        return self if self._lock_fd is not None else self.up()
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def up(self) -> "Bed":
+        if self._lock_fd is not None:
+            return self
+        if self.index is not None:
+            raise BedError(f"bed {self.index} was closed; a Bed is brought up once (make a new one)")
         ok, reason = available()
         if not ok:
             raise BedUnavailable(reason)
+        started = time.monotonic()
         self._lock_fd, self.index = _allocate()
         _LIVE.add(self)
         _install_handlers()
@@ -333,7 +375,13 @@ class Bed:
         except BaseException:
             self.close()
             raise
+        _log.info("bed %d up in %.1fs: %s", self.index, time.monotonic() - started,
+                  " ".join(f"{h}={self.addr(h)}" for h in self.hosts))
         return self
+
+    def __repr__(self) -> str:
+        where = f"bed {self.index} ({self.subnet})" if self.index is not None else "bed (down)"
+        return f"<{where}: {', '.join(self.hosts)}>"
 
     def close(self) -> None:
         """Kill every process of the bed, delete its namespaces and links, free its number."""
@@ -349,8 +397,10 @@ class Bed:
                 _clean_index(self.index, {"pids": []})
             finally:
                 _LIVE.discard(self)
-                os.close(self._lock_fd)
-                self._lock_fd = None
+                if self._lock_fd is not None:     # None: a SIGTERM handler closed it meanwhile
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+                    _log.info("bed %d closed", self.index)
 
     def _port_lines(self, h: _Host) -> list[str]:
         return [f"link add name {h.port} type veth peer name eth0 netns {h.netns}",
@@ -369,14 +419,13 @@ class Bed:
         argv = ["nsenter", f"--net=/run/netns/{h.netns}", "--", "unshare", "--mount", "--pid", "--uts",
                 "--ipc", "--fork", "--kill-child", sys.executable, "-I", "-S", str(_BEDPROC), "init",
                 json.dumps(spec)]
-        if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
-            # the hosts die with the bed's owner even when it is SIGKILLed (its namespaces and links
-            # stay until clean_stale); only from the main thread: the signal follows the thread
+        if shutil.which("setpriv"):
+            # the hosts die with the bed's owner even when it is SIGKILLed (its namespaces and link
+            # stay until clean_stale)
             argv = ["setpriv", "--pdeathsig", "KILL", *argv]
         # stderr: unshare 2.38 prints a spurious "sigprocmask unblock failed" when its child is killed;
         # the init reports its own errors on stdout
-        h.init = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL)
+        h.init = _spawn_kept(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     def _await_init(self, h: _Host) -> None:
         ready, _, _ = select.select([h.init.stdout], [], [], self.timeout)
@@ -390,6 +439,7 @@ class Bed:
             raise BedError(f"host {h.name}: its init did not start: "
                            f"{msg.get('error') or 'no answer within %.0fs' % self.timeout}")
         h.pid, h.fds, h.up = msg["pid"], msg["fds"], True
+        h.start = _start_time(h.pid)
 
     def _reap_init(self, h: _Host) -> None:
         if h.init is not None:
@@ -403,7 +453,7 @@ class Bed:
     def _save(self) -> None:
         state = {"index": self.index, "owner": os.getpid(), "link": self.link,
                  "netns": [self.switch, *(h.netns for h in self._hosts.values())],
-                 "pids": [[h.pid, _start_time(h.pid)] for h in self._hosts.values() if h.pid]}
+                 "pids": [[h.pid, h.start] for h in self._hosts.values() if h.pid]}
         path = state_dir() / f"{self.index}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
@@ -423,7 +473,7 @@ class Bed:
             r, w = os.pipe()
             try:
                 proc = HostProcess(
-                    [sys.executable, "-I", "-S", str(_BEDPROC), "enter", str(h.pid), str(w), cwd or "", "--",
+                    [sys.executable, "-I", "-S", str(_BEDPROC), "enter", f"{h.pid}:{h.start}", str(w), cwd or "", "--",
                      *map(str, argv)],
                     env=env, stdin=stdin, stdout=stdout, stderr=stderr,
                     pass_fds=(w, *popen.pop("pass_fds", ())), **popen)
@@ -471,9 +521,11 @@ class Bed:
             if h.pid is not None:
                 _kill_pid(h.pid)
             self._reap_init(h)
-            for pid in _netns_pids(h.netns):
+            rest = _netns_pids(h.netns)          # relays, and whatever entered the netns alone
+            for pid in rest:
                 _kill_pid(pid)
-            h.up, h.pid, h.fds = False, None, {}
+            _wait_dead(rest)
+            h.up, h.pid, h.start, h.fds = False, None, None, {}
             self._save()
 
     def restart(self, host: str) -> None:
@@ -598,13 +650,12 @@ def clean_stale() -> list[int]:
 
 def _clean_index(n: int, state: dict) -> None:
     """With bed ``n``'s lock held: kill its processes, delete its namespaces, link and files."""
-    for pid, start in state.get("pids", []):
-        if pid and _start_time(pid) == start:
-            _kill_pid(pid)
+    killed = [pid for pid, start in state.get("pids", []) if pid and _start_time(pid) == start]
     names = [ns for ns in _netns_names() if ns.startswith(f"tb{n}-")]
-    for ns in names:
-        for pid in _netns_pids(ns):
-            _kill_pid(pid)
+    killed += [pid for ns in names for pid in _netns_pids(ns)]
+    for pid in killed:
+        _kill_pid(pid)
+    _wait_dead(killed)
     for ns in names:
         _run(["ip", "netns", "del", ns], check=False)
     if f"tb{n}" in _root_links():
@@ -653,6 +704,44 @@ def _install_handlers() -> None:
 
 # --------------------------------------------------------------------------- small helpers
 
+_keeper_queue: "queue.Queue | None" = None
+_keeper_lock = threading.Lock()
+
+
+def _spawn_kept(argv: list[str], **popen) -> subprocess.Popen:
+    """``Popen`` from a thread that lives as long as this process.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so a host's init started
+    from a short-lived thread would die with that thread: such calls are handed to one keeper
+    thread (the main thread starts its own).
+    """
+    global _keeper_queue
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(argv, **popen)
+    with _keeper_lock:
+        if _keeper_queue is None:
+            _keeper_queue = queue.Queue()
+            threading.Thread(target=_keeper, args=(_keeper_queue,), name="testbed-keeper", daemon=True).start()
+    box: list = []
+    done = threading.Event()
+    _keeper_queue.put((argv, popen, box, done))
+    done.wait()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _keeper(q: "queue.Queue") -> None:
+    while True:
+        argv, popen, box, done = q.get()
+        try:
+            box.append((True, subprocess.Popen(argv, **popen)))
+        except BaseException as exc:  # handed back to the caller's thread
+            box.append((False, exc))
+        done.set()
+
+
 def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
     r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=60)
     if check and r.returncode != 0:
@@ -700,6 +789,30 @@ def _start_time(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter of ``pid`` (R, S, D, T, Z...), None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    return _state(pid) not in (None, "Z", "X")
+
+
+def _wait_dead(pids: list[int], timeout: float = 30.0) -> None:
+    """Wait until none of ``pids`` (SIGKILLed) runs; a process in uninterruptible sleep may take a while."""
+    started = {p: _start_time(p) for p in pids}          # against a PID reused meanwhile
+    deadline = time.monotonic() + timeout
+    while left := [p for p, t in started.items() if t is not None and _alive(p) and _start_time(p) == t]:
+        if time.monotonic() > deadline:
+            raise BedError(f"processes {left} did not die within {timeout:.0f}s of SIGKILL")
+        time.sleep(0.02)
 
 
 def _kill_pid(pid: int) -> None:
