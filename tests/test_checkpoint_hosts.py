@@ -219,6 +219,20 @@ eng.close()
 """
 
 
+_STALE = """
+import json, sys, torch
+from transom.checkpoint import CheckpointEngine, CheckpointError
+ckpt, job, node = sys.argv[1:4]
+eng = CheckpointEngine(ckpt, job, 0, 1, node, 0, shared=False)     # generation 0: the replaced launch
+try:
+    eng.save(6, {"w": torch.zeros(1 << 16)})
+    eng.wait()
+    print(json.dumps({"refused": None}), flush=True)
+except CheckpointError as exc:
+    print(json.dumps({"refused": str(exc)}), flush=True)
+"""
+
+
 def _run_py(bed, host, code, *args, timeout=120):
     import json
     import subprocess
@@ -238,7 +252,8 @@ def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(
     """Three hosts (own network, PID space, /tmp and /dev/shm), a TCE daemon on each bound to 0.0.0.0
     and finding the others through the registry on a broker only the bed's network reaches. Host
     node0 saves; node0 is killed (processes, memory, disk gone); a rank on node2 restores node0's
-    shard from node1's memory over the bed's network."""
+    shard from node1's memory over the bed's network (generation 1). Then node1 is partitioned and
+    healed, and a rank of generation 0 on it saves: refused as a stale generation."""
     import subprocess
 
     from transom.broker import EmbeddedBroker
@@ -271,6 +286,13 @@ def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(
             got = _run_py(b, "node2", _LOAD, ckpt, "job-bed", "node2")
             assert got["ok"] and got["step"] == 5
             assert (got["tier_name"], got["node"]) == ("peer-memory", "node1")
+            # node1 was cut off while generation 1 started; when its link returns, a rank of generation 0
+            # on it saves: refused, nothing of it reaches the job's checkpoints
+            b.partition("node1")
+            b.heal("node1")
+            stale = _run_py(b, "node1", _STALE, ckpt, "job-bed", "node1")
+            assert stale["refused"] and "stale generation" in stale["refused"]
+            assert complete_steps(ckpt) == [5] and store.newest_generation(ckpt) == 1
         finally:
             for h, p in daemons.items():
                 if h != "node0" and p.poll() is None:
