@@ -138,7 +138,7 @@ def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
     new = hosts.engine(ckpt, job, "hostB", generation=2)        # the relaunched generation, on host B
     new.save(10, {"w": torch.ones(64)})                         # (replicated to C)
     new.wait()
-    assert store.newest_generation(ckpt) == 2
+    assert store.newest_generation(ckpt, job) == 2
     # host A was cut off during the relaunch: its daemon never saw generation 2, its rank still runs
     assert "job-h3" not in a.generations
     old = hosts.engine(ckpt, job, "hostA", generation=1)
@@ -166,6 +166,7 @@ def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
     with pytest.raises(StaleGeneration, match="generation 1, but generation 2"):
         store.claim_generation(ckpt, job, 1)
     assert store.claim_generation(ckpt, job, 3) == 3
+    assert store.claim_generation(ckpt, "another-job", 0) == 0       # another job may reuse the directory
 
 
 def test_one_host_mode_needs_no_broker(tmp_path, monkeypatch):
@@ -292,7 +293,7 @@ def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(
             b.heal("node1")
             stale = _run_py(b, "node1", _STALE, ckpt, "job-bed", "node1")
             assert stale["refused"] and "stale generation" in stale["refused"]
-            assert complete_steps(ckpt) == [5] and store.newest_generation(ckpt) == 1
+            assert complete_steps(ckpt) == [5] and store.newest_generation(ckpt, "job-bed") == 1
         finally:
             for h, p in daemons.items():
                 if h != "node0" and p.poll() is None:
