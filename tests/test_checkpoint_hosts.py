@@ -147,6 +147,7 @@ def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
         old.wait()
     assert a.generations[job] == 2
     assert not [s for s in b._op_stats(None, {})["slots"] if s["step"] == 11]      # never replicated
+    assert not [s for s in a._op_stats(None, {})["slots"] if s["step"] == 11 and s["state"] != "free"]
     assert complete_steps(ckpt) == [10]
     assert not (ckpt / "step-00000011").exists() or not any((ckpt / "step-00000011").glob("rank-*.json"))
     # A's daemon has learnt generation 2 now: the stale rank's next save is refused at once
