@@ -506,7 +506,12 @@ class CheckpointServer:
         data = slot.seg.view(size)
         t0 = time.perf_counter()
         if msg.get("ckpt_dir"):       # a replaced launch's save goes nowhere, not even to the neighbour
-            self._claim(msg["ckpt_dir"], job, gen, f"the save of step {step} of rank {rank}")
+            try:
+                self._claim(msg["ckpt_dir"], job, gen, f"the save of step {step} of rank {rank}")
+            except StaleGeneration:
+                with self.lock:
+                    slot.state = "free"          # not a copy of anything: the segment is reused
+                raise
         sha = sha256_of(data)                                           # 1. hash
         with self.lock:
             slot.sha256, slot.state, slot.generation, slot.origin = sha, "held", gen, self.node
