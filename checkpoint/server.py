@@ -506,7 +506,12 @@ class CheckpointServer:
         data = slot.seg.view(size)
         t0 = time.perf_counter()
         if msg.get("ckpt_dir"):       # a replaced launch's save goes nowhere, not even to the neighbour
-            self._claim(msg["ckpt_dir"], job, gen, f"the save of step {step} of rank {rank}")
+            try:
+                self._claim(msg["ckpt_dir"], job, gen, f"the save of step {step} of rank {rank}")
+            except StaleGeneration:
+                with self.lock:
+                    slot.state = "free"          # not a copy of anything: the segment is reused
+                raise
         sha = sha256_of(data)                                           # 1. hash
         with self.lock:
             slot.sha256, slot.state, slot.generation, slot.origin = sha, "held", gen, self.node
@@ -571,9 +576,10 @@ class CheckpointServer:
 
     def _replicate(self, slot: Slot, meta: dict) -> tuple[dict | None, str, float]:
         """Copy the shard to the first reachable peer in ring order; (peer, location, transfer s),
-        or (None, "", 0) when no peer is live. A peer that cannot be reached (its host is gone but
-        its registry entry not yet stale) is skipped for the next one; a stale-generation refusal
-        ends the save."""
+        or (None, "", 0) when no peer is live or none took it (logged; the step commits with
+        ``replicated: false``, like a failed disk write). A peer that cannot be reached (its host is
+        gone but its registry entry not yet stale) is skipped for the next one; a stale-generation
+        refusal ends the save."""
         order = self.ring()
         if not order:
             log.warning("%s: no other TCE daemon is live (%s): step %d of rank %d has no peer replica", self.node,
@@ -592,8 +598,9 @@ class CheckpointServer:
                 log.warning("%s: replica of step %d of rank %d to %s (%s) failed: %s; trying the next daemon "
                             "of the ring", self.node, meta["step"], meta["rank"], peer["node"], peer["addr"], exc)
                 problems.append(f"{peer['node']}: {exc}")
-        raise DaemonError(f"no peer daemon took the replica of step {meta['step']} of rank {meta['rank']}: "
-                          + "; ".join(problems))
+        log.error("%s: no peer daemon took the replica of step %d of rank %d (%s): the step commits without a "
+                  "peer copy (replicated=false)", self.node, meta["step"], meta["rank"], "; ".join(problems))
+        return None, "", 0.0
 
     def _persist_failed(self, job: str, rank: int, step: int, where: Path, exc: OSError) -> str:
         """Log a failed disk or shared write once, clearly; the step goes on with its other copies."""

@@ -10,8 +10,8 @@
   leaves that step uncommitted for this generation (the next saved step commits as usual).
   The manifest's ``copies`` are the union of the ranks' copies; ``replicated`` means every rank's
   shard is in memory on two nodes, ``persisted`` that every rank has a disk or shared copy.
-- :func:`claim_generation`: ``DIR/.generation`` holds the newest launch generation that wrote to
-  the job's directory; a write of an older one is refused (:class:`StaleGeneration`), so ranks
+- :func:`claim_generation`: ``DIR/.generation`` holds, per job, the newest launch generation that
+  wrote to the directory; a write of an older one is refused (:class:`StaleGeneration`), so ranks
   and daemons of a replaced launch (a host cut off, then back) cannot commit over the new one.
 - :func:`verify_shard` / :func:`read_shard`: refuse a missing, truncated or altered shard with
   :class:`CorruptCheckpoint` naming the file and what is wrong.
@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -37,10 +38,12 @@ GENERATION_FILE = ".generation"
 
 
 def claim_generation(directory: str | os.PathLike, job: str, generation: int, what: str = "a write") -> int:
-    """Record ``generation`` as the newest of ``directory`` unless a newer one is recorded there;
-    return the newest. Raise :class:`StaleGeneration` when ``generation`` is older than it.
+    """Record ``generation`` as the newest of ``job`` in ``directory`` unless a newer one is recorded
+    there; return the newest. Raise :class:`StaleGeneration` when ``generation`` is older than it.
 
-    Read-modify-write under an ``flock`` of the file, so two launches racing both see the larger.
+    ``DIR/.generation`` is a JSON object, job -> newest generation (a directory reused by another
+    job is not refused). Read-modify-write under an ``flock`` of the file, so two launches racing
+    both end with the larger.
     """
     import fcntl
 
@@ -49,26 +52,36 @@ def claim_generation(directory: str | os.PathLike, job: str, generation: int, wh
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        raw = os.pread(fd, 64, 0).decode(errors="replace").strip()
-        newest = int(raw) if raw.lstrip("-").isdigit() else -1
+        with os.fdopen(os.dup(fd), "rb") as f:
+            table = _generations(f.read())
+        newest = table.get(job, -1)
         if generation < newest:
             raise StaleGeneration(job, generation, newest, what)
         if generation > newest:
+            table[job] = newest = generation
+            raw = json.dumps(table, sort_keys=True).encode() + b"\n"
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{generation}\n".encode(), 0)
-            newest = generation
+            os.pwrite(fd, raw, 0)
+            os.fsync(fd)
         return newest
     finally:
         os.close(fd)
 
 
-def newest_generation(directory: str | os.PathLike) -> int:
-    """The generation :func:`claim_generation` recorded in ``directory``, -1 when none."""
+def _generations(raw: bytes) -> dict[str, int]:
     try:
-        raw = (Path(directory) / GENERATION_FILE).read_text().strip()
+        table = json.loads(raw or b"{}")
+    except ValueError:
+        return {}
+    return {str(k): v for k, v in table.items() if isinstance(v, int)} if isinstance(table, dict) else {}
+
+
+def newest_generation(directory: str | os.PathLike, job: str) -> int:
+    """The generation :func:`claim_generation` recorded for ``job`` in ``directory``, -1 when none."""
+    try:
+        return _generations((Path(directory) / GENERATION_FILE).read_bytes()).get(job, -1)
     except OSError:
         return -1
-    return int(raw) if raw.lstrip("-").isdigit() else -1
 
 
 def persist_shard(sdir: Path, *, job: str, step: int, rank: int, world_size: int, node: str,

@@ -106,6 +106,31 @@ def test_restore_from_the_neighbours_memory_when_the_writers_host_is_gone(hosts,
     assert (eng.last_restore["tier_name"], eng.last_restore["node"]) == ("peer-memory", "hostB")
 
 
+def _lose(daemon: CheckpointServer) -> None:
+    """The daemon's host dies: no tombstone, its registry entry stays live until its TTL."""
+    daemon._writer.stop(clean=False)
+    daemon._writer = None
+    daemon.close()
+
+
+def test_a_replica_goes_round_the_ring_when_the_neighbour_is_gone(hosts, tmp_path):
+    a, b, c = hosts("hostA", "127.0.0.2"), hosts("hostB", "127.0.0.3"), hosts("hostC", "127.0.0.4")
+    _wait_ring([a, b, c])
+    _lose(b)                                                   # A's neighbour, still "live" in the registry
+    assert [p["node"] for p in a.ring()] == ["hostB", "hostC"]
+    ckpt = tmp_path / "ckpt"
+    eng = hosts.engine(ckpt, "job-h4", "hostA")
+    eng.save(1, {"w": torch.ones(256)})
+    eng.wait()
+    assert {c["node"] for c in eng.last_result["copies"] if c["tier"] == "memory"} == {"hostA", "hostC"}
+    _lose(c)                                                   # no peer answers now: commit without one
+    eng.save(2, {"w": torch.ones(256)})
+    eng.wait()
+    assert eng.last_result["committed"] and complete_steps(ckpt) == [1, 2]
+    from transom.checkpoint.layout import read_manifest, step_dir
+    assert not read_manifest(step_dir(ckpt, 2)).replicated
+
+
 def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
     a, b, c = hosts("hostA", "127.0.0.2"), hosts("hostB", "127.0.0.3"), hosts("hostC", "127.0.0.4")
     _wait_ring([a, b, c])
@@ -113,7 +138,7 @@ def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
     new = hosts.engine(ckpt, job, "hostB", generation=2)        # the relaunched generation, on host B
     new.save(10, {"w": torch.ones(64)})                         # (replicated to C)
     new.wait()
-    assert store.newest_generation(ckpt) == 2
+    assert store.newest_generation(ckpt, job) == 2
     # host A was cut off during the relaunch: its daemon never saw generation 2, its rank still runs
     assert "job-h3" not in a.generations
     old = hosts.engine(ckpt, job, "hostA", generation=1)
@@ -122,6 +147,7 @@ def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
         old.wait()
     assert a.generations[job] == 2
     assert not [s for s in b._op_stats(None, {})["slots"] if s["step"] == 11]      # never replicated
+    assert not [s for s in a._op_stats(None, {})["slots"] if s["step"] == 11 and s["state"] != "free"]
     assert complete_steps(ckpt) == [10]
     assert not (ckpt / "step-00000011").exists() or not any((ckpt / "step-00000011").glob("rank-*.json"))
     # A's daemon has learnt generation 2 now: the stale rank's next save is refused at once
@@ -141,6 +167,7 @@ def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
     with pytest.raises(StaleGeneration, match="generation 1, but generation 2"):
         store.claim_generation(ckpt, job, 1)
     assert store.claim_generation(ckpt, job, 3) == 3
+    assert store.claim_generation(ckpt, "another-job", 0) == 0       # another job may reuse the directory
 
 
 def test_one_host_mode_needs_no_broker(tmp_path, monkeypatch):
@@ -194,6 +221,20 @@ eng.close()
 """
 
 
+_STALE = """
+import json, sys, torch
+from transom.checkpoint import CheckpointEngine, CheckpointError
+ckpt, job, node = sys.argv[1:4]
+eng = CheckpointEngine(ckpt, job, 0, 1, node, 0, shared=False)     # generation 0: the replaced launch
+try:
+    eng.save(6, {"w": torch.zeros(1 << 16)})
+    eng.wait()
+    print(json.dumps({"refused": None}), flush=True)
+except CheckpointError as exc:
+    print(json.dumps({"refused": str(exc)}), flush=True)
+"""
+
+
 def _run_py(bed, host, code, *args, timeout=120):
     import json
     import subprocess
@@ -213,7 +254,8 @@ def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(
     """Three hosts (own network, PID space, /tmp and /dev/shm), a TCE daemon on each bound to 0.0.0.0
     and finding the others through the registry on a broker only the bed's network reaches. Host
     node0 saves; node0 is killed (processes, memory, disk gone); a rank on node2 restores node0's
-    shard from node1's memory over the bed's network."""
+    shard from node1's memory over the bed's network (generation 1). Then node1 is partitioned and
+    healed, and a rank of generation 0 on it saves: refused as a stale generation."""
     import subprocess
 
     from transom.broker import EmbeddedBroker
@@ -246,6 +288,13 @@ def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(
             got = _run_py(b, "node2", _LOAD, ckpt, "job-bed", "node2")
             assert got["ok"] and got["step"] == 5
             assert (got["tier_name"], got["node"]) == ("peer-memory", "node1")
+            # node1 was cut off while generation 1 started; when its link returns, a rank of generation 0
+            # on it saves: refused, nothing of it reaches the job's checkpoints
+            b.partition("node1")
+            b.heal("node1")
+            stale = _run_py(b, "node1", _STALE, ckpt, "job-bed", "node1")
+            assert stale["refused"] and "stale generation" in stale["refused"]
+            assert complete_steps(ckpt) == [5] and store.newest_generation(ckpt, "job-bed") == 1
         finally:
             for h, p in daemons.items():
                 if h != "node0" and p.poll() is None:

@@ -52,7 +52,7 @@ import uuid
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 
 from . import contracts
 from .config import ConfigError
@@ -288,11 +288,15 @@ class RegistryReader:
         c = self._consumer
         try:
             md = c.list_topics(contracts.REGISTRY, timeout=10)
-            parts = list(md.topics[contracts.REGISTRY].partitions) if contracts.REGISTRY in md.topics else [0]
+            t = md.topics.get(contracts.REGISTRY)
+            parts = sorted(t.partitions) if t is not None and t.partitions else [0]   # not created yet: wait for it
             pending = set()
             ends = {}
             for p in parts:
-                low, high = c.get_watermark_offsets(TopicPartition(contracts.REGISTRY, p), timeout=10)
+                try:
+                    low, high = c.get_watermark_offsets(TopicPartition(contracts.REGISTRY, p), timeout=10)
+                except KafkaException:       # no such topic yet: nothing to catch up with
+                    low = high = 0
                 if high > low:
                     pending.add(p)
                     ends[p] = high
