@@ -160,6 +160,7 @@ class HostProcess(subprocess.Popen):
     host: str
     _pid_pipe: int | None = None
     _root_pid: int | None = None
+    _root_start: int | None = None
 
     @property
     def root_pid(self) -> int | None:
@@ -170,6 +171,7 @@ class HostProcess(subprocess.Popen):
             self._pid_pipe = None
             if data.strip():
                 self._root_pid = int(data)
+                self._root_start = _start_time(self._root_pid)
         return self._root_pid
 
     @property
@@ -183,6 +185,20 @@ class HostProcess(subprocess.Popen):
         except (OSError, TypeError):
             pass
         return None
+
+    def send_signal(self, sig: int) -> None:
+        """Signals go to the relay, which passes them on; SIGKILL goes to the real process first
+        (the relay then dies of it too): a relay killed first would leave the process to be
+        reaped by this machine's PID 1, and its host could not be torn down until then."""
+        if sig == signal.SIGKILL and self.poll() is None:
+            pid = self.root_pid
+            if pid is not None and _start_time(pid) == self._root_start:
+                try:
+                    os.kill(pid, sig)
+                    return
+                except ProcessLookupError:
+                    pass
+        super().send_signal(sig)
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the real process itself (SIGSTOP stops it, not the relay)."""
