@@ -7,6 +7,7 @@ Every test here needs root and namespaces; the ``bed`` fixture skips with the re
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,3 +242,12 @@ def test_cli_check_says_ok_or_why_not(capsys):
     ok, reason = testbed.available()
     assert rc == (0 if ok else 1)
     assert out == (reason if ok else f"unavailable: {reason}") + "\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to take CAP_SYS_ADMIN away")
+def test_check_without_cap_sys_admin_says_why_in_one_line():
+    r = subprocess.run(["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c",
+                        "import sys; from transom import testbed; sys.exit(testbed._cmd_check(None))"],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, "unavailable: the test bed needs CAP_SYS_ADMIN (namespaces and mounts)\n")

@@ -103,15 +103,18 @@ def _probe() -> tuple[bool, str]:
         return False, f"the test bed needs Linux namespaces (this is {sys.platform})"
     if os.geteuid() != 0:
         return False, "the test bed needs root (namespaces, veth links, mounts); run as root"
-    missing = [t for t in ("ip", "unshare", "nsenter", "tc") if shutil.which(t) is None]
+    missing = [t for t in ("ip", "unshare", "nsenter") if shutil.which(t) is None]
     if missing:
         return False, f"the test bed needs {', '.join(missing)} (iproute2, util-linux)"
     if not _cap_sys_admin():
         return False, "the test bed needs CAP_SYS_ADMIN (namespaces and mounts)"
-    probe = subprocess.run(
-        ["unshare", "--net", "--mount", "--pid", "--uts", "--ipc", "--fork", "--kill-child", "sh", "-c",
-         "ip link add name a type veth peer name b && ip link add name br type bridge && mount -t tmpfs t /tmp"],
-        capture_output=True, text=True, timeout=30)
+    try:
+        probe = subprocess.run(
+            ["unshare", "--net", "--mount", "--pid", "--uts", "--ipc", "--fork", "--kill-child", "sh", "-c",
+             "ip link add name a type veth peer name b && ip link add name br type bridge && mount -t tmpfs t /tmp"],
+            capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return False, "making a throwaway namespace took over 60 s"
     if probe.returncode != 0:
         err = (probe.stderr.strip().splitlines() or ["exit %d" % probe.returncode])[-1]
         return False, f"cannot make namespaces, veth or bridge links here: {err}"
@@ -262,6 +265,7 @@ class Bed:
             if not os.path.isdir(p):
                 raise ValueError(f"Bed: private: {p} is not a directory (each host mounts its own tmpfs on it)")
         self.timeout = timeout
+        self._owner = os.getpid()
         self.index: int | None = None
         self._lock_fd: int | None = None
         self._hosts: dict[str, _Host] = {}
@@ -363,6 +367,7 @@ class Bed:
         if not ok:
             raise BedUnavailable(reason)
         started = time.monotonic()
+        self._owner = os.getpid()
         self._lock_fd, self.index = _allocate()
         _LIVE.add(self)
         _install_handlers()
@@ -586,6 +591,8 @@ class Bed:
                 qdisc = f"netem delay {delay} rate {rate}"
             else:
                 qdisc = f"tbf rate {rate} burst {burst} latency {latency}"
+            if shutil.which("tc") is None:
+                raise BedError("slow(): needs tc (iproute2), which is not installed")
             for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
                 _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc.split()])
             h.slowed = True
@@ -684,7 +691,10 @@ def _clean_index(n: int, state: dict) -> None:
 
 
 def _close_all() -> None:
+    """Close this process's beds (a forked child inherits the list, not the beds)."""
     for bed in list(_LIVE):
+        if bed._owner != os.getpid():
+            continue
         try:
             bed.close()
         except Exception:  # cleanup at exit: the rest must still be tried
@@ -705,17 +715,17 @@ _prev_sigterm = None
 
 
 def _install_handlers() -> None:
-    """Close every bed at exit and on SIGTERM (when the bed's owner may set signal handlers)."""
+    """Close every bed at exit and on SIGTERM. The SIGTERM handler is (re)installed at each
+    ``up()`` from the main thread, over whatever handler is there, which it calls afterwards."""
     global _handlers_installed, _prev_sigterm
-    if _handlers_installed:
-        return
-    atexit.register(_close_all)
+    if not _handlers_installed:
+        atexit.register(_close_all)
+        _handlers_installed = True
     if threading.current_thread() is threading.main_thread():
         prev = signal.getsignal(signal.SIGTERM)
-        if prev is not signal.SIG_IGN:
+        if prev is not signal.SIG_IGN and prev is not _on_sigterm:
             _prev_sigterm = prev
             signal.signal(signal.SIGTERM, _on_sigterm)
-    _handlers_installed = True
 
 
 # --------------------------------------------------------------------------- small helpers
