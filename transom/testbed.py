@@ -190,10 +190,11 @@ class HostProcess(subprocess.Popen):
         return None
 
     def send_signal(self, sig: int) -> None:
-        """Signals go to the relay, which passes them on; SIGKILL goes to the real process first
-        (the relay then dies of it too): a relay killed first would leave the process to be
-        reaped by this machine's PID 1, and its host could not be torn down until then."""
-        if sig == signal.SIGKILL and self.poll() is None:
+        """Signals go to the relay, which passes them on. SIGKILL and SIGSTOP, which a relay cannot
+        catch, go to the real process (a dying relay takes a SIGKILLed process with it; one killed
+        first would leave its process to this machine's PID 1 to reap, and hold up the host's
+        teardown until then)."""
+        if sig in (signal.SIGKILL, signal.SIGSTOP) and self.poll() is None:
             pid = self.root_pid
             if pid is not None and _start_time(pid) == self._root_start:
                 try:
@@ -413,6 +414,8 @@ class Bed:
                 for h in self._hosts.values():
                     if h.pid is not None:
                         _kill_pid(h.pid)
+                    elif h.init is not None:      # started, not yet answered: --kill-child takes it along
+                        h.init.kill()
                 for h in self._hosts.values():
                     self._reap_init(h)
                 _clean_index(self.index, {"pids": []})
@@ -455,10 +458,11 @@ class Bed:
         try:
             msg = json.loads(line or b"{}")
         except ValueError:
-            msg = {}
+            msg = {"error": line.decode(errors="replace").strip()[-300:]}
         if "pid" not in msg:
-            raise BedError(f"host {h.name}: its init did not start: "
-                           f"{msg.get('error') or 'no answer within %.0fs' % self.timeout}")
+            why = msg.get("error") or (f"it exited ({h.init.wait(10)})" if ready else
+                                       f"no answer within {self.timeout:.0f}s")
+            raise BedError(f"host {h.name}: its init did not start: {why}")
         h.pid, h.fds, h.up = msg["pid"], msg["fds"], True
         h.start = _start_time(h.pid)
 
