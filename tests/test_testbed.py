@@ -69,6 +69,7 @@ def test_hosts_have_their_own_name_memory_and_pids(bed, tmp_path):
     assert b.sh("alpha", "hostname").stdout.strip() == "alpha"
     assert b.sh("beta", "hostname").stdout.strip() == "beta"
     assert b.sh("beta", "getent hosts alpha").stdout.split()[0] == b.addr("alpha")
+    assert b.sh("beta", "ls /sys/class/net").stdout.split() == ["eth0", "lo"]      # its own /sys
     # /dev/shm and /tmp are the host's own
     b.sh("alpha", "echo x > /dev/shm/transom-bed-shm && echo y > /tmp/transom-bed-tmp", check=True)
     assert b.sh("alpha", "cat /dev/shm/transom-bed-shm").stdout == "x\n"
@@ -218,7 +219,8 @@ def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
     proc, index, pids = _owner()
     proc.kill()
     proc.wait()
-    assert leftovers(index)                                  # a SIGKILLed owner cleans nothing
+    assert leftovers(index)                                  # a SIGKILLed owner cleans nothing...
+    wait_until(lambda: not any(testbed._alive(p) for p in pids), 30, "the hosts' inits to die with their owner")
     cleaned = testbed.clean_stale()
     assert index in cleaned and live.index not in cleaned
     assert leftovers(index) == []
