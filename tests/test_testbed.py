@@ -30,6 +30,15 @@ SERVER = textwrap.dedent("""
         c, _ = s.accept()
         c.sendall(c.recv(100)); c.close()
 """)
+SINK = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
+    print("listening", flush=True)
+    c, _ = s.accept(); n = 0
+    while data := c.recv(65536):
+        n += len(data)
+    print(n, flush=True)
+""")
 CLIENT = textwrap.dedent("""
     import errno, socket, sys
     try:
@@ -156,9 +165,22 @@ def test_partition_and_heal(bed):
 
 
 def test_slow_is_rate_limiting_and_delay_needs_netem(bed):
-    b = bed(1)
-    b.slow("node0", "20mbit")
-    assert "tbf" in testbed._run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    b = bed(2)
+    b.slow("node0", "200mbit")
+    sink = b.run("node1", [sys.executable, "-I", "-S", "-c", SINK, b.addr("node1"), "7001"], stdout=subprocess.PIPE,
+                 text=True)
+    try:
+        assert sink.stdout.readline().strip() == "listening"
+        b.sh("node0", f"head -c 300000 /dev/zero | {sys.executable} -I -S -c 'import socket, sys; "
+                      f"socket.create_connection((\"{b.addr('node1')}\", 7001)).sendall(sys.stdin.buffer.read())'",
+             check=True)
+        assert sink.stdout.readline().strip() == "300000"
+    finally:
+        sink.kill()
+    shown = testbed._run(["tc", "-s", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    assert "tbf" in shown and int(shown.split("Sent ")[1].split()[0]) >= 300000     # the data went through it
+    with pytest.raises(ValueError, match="rate: '10 furlongs'"):
+        b.slow("node0", "10 furlongs")
     b.unslow("node0")
     assert "tbf" not in testbed._run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
     if not testbed.netem_available():

@@ -582,10 +582,13 @@ class Bed:
             _ip_batch(self.switch, [f"link set {h.port} up"])
             h.partitioned = False
 
-    def slow(self, host: str, rate: str = "10mbit", *, delay: str | None = None, burst: str = "64kb",
+    def slow(self, host: str, rate: str = "10mbit", *, delay: str | None = None, burst: str | None = None,
              latency: str = "500ms") -> None:
-        """Limit ``host``'s link to ``rate`` both ways (tc tbf). ``delay`` (e.g. ``"50ms"``) needs
-        the netem qdisc, which this kernel may not have: then :class:`BedError` says so."""
+        """Limit ``host``'s link to ``rate`` (tc units: ``"10mbit"``, ``"1gbit"``, ``"500kbps"``) both
+        ways with tc tbf; ``burst`` defaults to 10 ms of ``rate`` (at least 32 KiB), so high rates
+        are reached. ``delay`` (e.g. ``"50ms"``) needs the netem qdisc, which this kernel may not
+        have: then :class:`BedError` says so."""
+        per_second = _rate_bytes(rate)
         with self._mutex:
             h = self._host(host, need_up=True)
             if delay is not None:
@@ -594,7 +597,7 @@ class Bed:
                                    "only rate limiting (tbf) is available")
                 qdisc = f"netem delay {delay} rate {rate}"
             else:
-                qdisc = f"tbf rate {rate} burst {burst} latency {latency}"
+                qdisc = f"tbf rate {rate} burst {burst or max(32768, per_second // 100)} latency {latency}"
             if shutil.which("tc") is None:
                 raise BedError("slow(): needs tc (iproute2), which is not installed")
             for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
@@ -607,6 +610,19 @@ class Bed:
             for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
                 _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
             h.slowed = False
+
+
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+               "bps": 1, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12, "": 1 / 8}
+
+
+def _rate_bytes(rate: str) -> int:
+    """Bytes per second of a tc rate (``"10mbit"``; a bare number is bits per second, as in tc)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(rate))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _RATE_UNITS:
+        raise ValueError(f"slow: rate: {rate!r} is not a tc rate (expected e.g. '10mbit', '1gbit', '500kbps')")
+    return int(float(m.group(1)) * _RATE_UNITS[unit])
 
 
 def python_env(env: dict | None = None) -> dict:
