@@ -243,6 +243,7 @@ def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
     proc.wait()
     assert leftovers(index)                                  # a SIGKILLed owner cleans nothing...
     wait_until(lambda: not any(testbed._alive(p) for p in pids), 30, "the hosts' inits to die with their owner")
+    assert live.index in testbed.beds_in_use() and index not in testbed.beds_in_use()
     cleaned = testbed.clean_stale()
     assert index in cleaned and live.index not in cleaned
     assert leftovers(index) == []

@@ -61,7 +61,7 @@ from typing import Iterable, Sequence
 
 from . import log
 
-__all__ = ["Bed", "BedError", "BedUnavailable", "HostProcess", "available", "clean_stale",
+__all__ = ["Bed", "BedError", "BedUnavailable", "HostProcess", "available", "beds_in_use", "clean_stale",
            "netem_available", "register"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -691,6 +691,26 @@ def clean_stale() -> list[int]:
     return cleaned
 
 
+def beds_in_use() -> dict[int, dict]:
+    """``{N: state}`` of every bed whose owner lives (its lock is held), as recorded in ``N.json``."""
+    out = {}
+    for path in sorted(state_dir().glob("*.json")):
+        if not path.stem.isdigit():
+            continue
+        n = int(path.stem)
+        try:
+            fd = os.open(state_dir() / f"{n}.lock", os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            out[n] = _read_state(n)
+        finally:
+            os.close(fd)
+    return out
+
+
 def _clean_index(n: int, state: dict) -> None:
     """With bed ``n``'s lock held: kill its processes, delete its namespaces, link and files."""
     killed = [pid for pid, start in state.get("pids", []) if pid and _start_time(pid) == start]
@@ -907,6 +927,9 @@ def _cmd_clean(args) -> int:
         return 1
     cleaned = clean_stale()
     print(f"cleaned {len(cleaned)} stale bed(s){': ' + ', '.join(map(str, cleaned)) if cleaned else ''}")
+    for n, state in beds_in_use().items():
+        print(f"in use: bed {n} (198.18.{n}.0/24) of pid {state.get('owner', '?')}: "
+              f"{' '.join(ns.split('-', 1)[1] for ns in state.get('netns', [])[1:])}")
     return 0
 
 
