@@ -639,10 +639,18 @@ _handlers_installed = False
 
 
 def _allocate() -> tuple[int, int]:
-    """Lock the first free bed number; clean what a dead owner of it left; ``(lock_fd, N)``."""
+    """Lock a free bed number; clean what a dead owner of it left; ``(lock_fd, N)``.
+
+    Numbers go round (the search starts after the last number handed out, kept in ``next``) and
+    ones a dead owner left something under are taken only when no clean one is free, so a number
+    just freed, or left for ``transom testbed clean``, is not at once somebody else's.
+    """
     d = state_dir()
     d.mkdir(parents=True, exist_ok=True)
-    for n in range(1, _MAX_INDEX + 1):
+    start = _next_number(d)
+    order = [(start - 1 + i) % _MAX_INDEX + 1 for i in range(_MAX_INDEX)]
+    dirty = _dirty_numbers()
+    for n in [x for x in order if x not in dirty] + [x for x in order if x in dirty]:
         fd = os.open(d / f"{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -651,11 +659,36 @@ def _allocate() -> tuple[int, int]:
             continue
         try:
             _clean_index(n, _read_state(n))
+            _next_number(d, n % _MAX_INDEX + 1)
         except BaseException:
             os.close(fd)
             raise
         return fd, n
     raise BedError(f"all {_MAX_INDEX} bed numbers are in use (see {d}; `transom testbed clean` frees dead ones)")
+
+
+def _next_number(d: Path, value: int | None = None) -> int:
+    """Read (or, given ``value``, write) the number the next search starts at; 1 when unknown."""
+    path = d / "next"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if value is not None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(value).encode(), 0)
+            return value
+        text = os.pread(fd, 16, 0).decode().strip()
+        return int(text) if text.isdigit() and 1 <= int(text) <= _MAX_INDEX else 1
+    finally:
+        os.close(fd)
+
+
+def _dirty_numbers() -> set[int]:
+    """Bed numbers with a state file, a namespace or a link (in use, or left by a dead owner)."""
+    found = {int(p.stem) for p in state_dir().glob("*.json") if p.stem.isdigit()}
+    found |= {int(m.group(1)) for ns in _netns_names() if (m := re.match(r"tb(\d+)-", ns))}
+    found |= {int(m.group(1)) for link in _root_links() if (m := re.fullmatch(r"tb(\d+)", link))}
+    return {n for n in found if 1 <= n <= _MAX_INDEX}
 
 
 def _read_state(n: int) -> dict:
@@ -673,11 +706,8 @@ def clean_stale() -> list[int]:
     if not available()[0]:
         return []
     d = state_dir()
-    found = {int(p.stem) for p in d.glob("*.json") if p.stem.isdigit()}
-    found |= {int(m.group(1)) for ns in _netns_names() if (m := re.match(r"tb(\d+)-", ns))}
-    found |= {int(m.group(1)) for link in _root_links() if (m := re.fullmatch(r"tb(\d+)", link))}
     cleaned = []
-    for n in sorted(x for x in found if 1 <= x <= _MAX_INDEX):
+    for n in sorted(_dirty_numbers()):
         fd = os.open(d / f"{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
