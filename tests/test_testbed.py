@@ -19,6 +19,7 @@ import pytest
 
 from tests.util import wait_until
 from transom import testbed
+from transom import testbed_machine as machine
 
 # A TCP echo server and a client, run on bed hosts with the project's interpreter.
 SERVER = textwrap.dedent("""
@@ -96,8 +97,8 @@ def test_hosts_have_their_own_name_memory_and_pids(bed, tmp_path):
         assert [(p["pid"], p["host_pid"]) for p in b.processes("alpha") if p["cmdline"] == ["sleep", "300"]] \
             == [(sleeper.root_pid, sleeper.host_pid)]
         sleeper.signal(signal.SIGSTOP)            # the real process stops, not its relay
-        wait_until(lambda: testbed._state(sleeper.root_pid) == "T", 30, "the sleeper stopped")
-        assert testbed._state(sleeper.pid) != "T"
+        wait_until(lambda: machine.proc_state(sleeper.root_pid) == "T", 30, "the sleeper stopped")
+        assert machine.proc_state(sleeper.pid) != "T"
         sleeper.signal(signal.SIGCONT)
         assert b.sh("beta", "echo $$").stdout.strip() in {str(n) for n in range(2, 100)}
     finally:
@@ -120,11 +121,11 @@ def test_tcp_between_hosts_and_no_route_elsewhere(bed):
         for addr in ("198.19.255.1", "10.255.255.1", "192.0.2.1"):
             assert connect(b, "node1", addr, 9) == "ENETUNREACH", addr
         # and this namespace gains nothing beyond the bed's own /24
-        routes = testbed._run(["ip", "-4", "route", "show", "dev", b.link]).stdout.strip().splitlines()
+        routes = machine.run(["ip", "-4", "route", "show", "dev", b.link]).stdout.strip().splitlines()
         assert [r.split()[0] for r in routes] == [f"198.18.{b.index}.0/24"]
     finally:
         server.kill()
-    assert server.wait(30) == -signal.SIGKILL and not testbed._alive(server.root_pid)
+    assert server.wait(30) == -signal.SIGKILL and not machine.alive(server.root_pid)
 
 
 def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
@@ -134,7 +135,7 @@ def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
     server = serve(b, "node0")
     b.kill("node0")
     assert sleeper.wait(30) == -signal.SIGKILL and server.wait(30) == -signal.SIGKILL
-    assert testbed._netns_pids(b.netns("node0")) == []
+    assert machine.netns_pids(b.netns("node0")) == []
     assert not b.is_up("node0")
     with pytest.raises(testbed.BedError, match="node0 is down"):
         b.sh("node0", "true")
@@ -177,12 +178,12 @@ def test_slow_is_rate_limiting_and_delay_needs_netem(bed):
         assert sink.stdout.readline().strip() == "300000"
     finally:
         sink.kill()
-    shown = testbed._run(["tc", "-s", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    shown = machine.run(["tc", "-s", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
     assert "tbf" in shown and int(shown.split("Sent ")[1].split()[0]) >= 300000     # the data went through it
     with pytest.raises(ValueError, match="rate: '10 furlongs'"):
         b.slow("node0", "10 furlongs")
     b.unslow("node0")
-    assert "tbf" not in testbed._run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    assert "tbf" not in machine.run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
     if not testbed.netem_available():
         with pytest.raises(testbed.BedError, match="no netem"):
             b.slow("node0", delay="10ms")
@@ -251,7 +252,7 @@ def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
     proc.kill()
     proc.wait()
     # its hosts die with it; its namespaces and link stay until somebody cleans
-    wait_until(lambda: not any(testbed._alive(p) for p in pids), 30, "the hosts' inits to die with their owner")
+    wait_until(lambda: not any(machine.alive(p) for p in pids), 30, "the hosts' inits to die with their owner")
     assert index not in testbed.beds_in_use()
     cleaned = testbed.clean_stale()        # (another run on this machine may have cleaned it first)
     assert live.index in testbed.beds_in_use() and live.index not in cleaned
@@ -264,7 +265,7 @@ def test_sigterm_of_the_owner_cleans_its_bed():
     proc.terminate()
     assert proc.wait(60) == -signal.SIGTERM
     assert gone(proc, index)
-    assert not any(testbed._alive(p) for p in pids)
+    assert not any(machine.alive(p) for p in pids)
 
 
 def test_cli_check_says_ok_or_why_not(capsys):
@@ -281,6 +282,6 @@ def test_cli_check_says_ok_or_why_not(capsys):
                     reason="needs root and setpriv to take CAP_SYS_ADMIN away")
 def test_check_without_cap_sys_admin_says_why_in_one_line():
     r = subprocess.run(["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c",
-                        "import sys; from transom import testbed; sys.exit(testbed._cmd_check(None))"],
+                        "import sys; from transom import testbed_cli; sys.exit(testbed_cli._cmd_check(None))"],
                        capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout) == (1, "unavailable: the test bed needs CAP_SYS_ADMIN (namespaces and mounts)\n")

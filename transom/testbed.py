@@ -40,12 +40,9 @@ Errors::
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import fcntl
 import json
 import os
-import queue
 import re
 import select
 import shutil
@@ -60,92 +57,18 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import log
+from . import testbed_machine as machine
+from .testbed_machine import (BedError, BedUnavailable, available, beds_in_use, clean_stale, netem_available,
+                              state_dir)
 
 __all__ = ["Bed", "BedError", "BedUnavailable", "HostProcess", "available", "beds_in_use", "clean_stale",
-           "netem_available", "register"]
+           "netem_available", "python_env", "register"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _BEDPROC = Path(__file__).resolve().with_name("_bedproc.py")
-_MAX_INDEX = 254
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 _PRIVATE = ("/tmp", "/dev/shm")
 _log = log.get("testbed")
-
-
-class BedError(RuntimeError):
-    """A test-bed operation failed."""
-
-
-class BedUnavailable(BedError):
-    """This machine cannot make the bed's namespaces (not root, no CAP_SYS_ADMIN, no ``ip``...)."""
-
-
-def state_dir() -> Path:
-    return Path(os.environ.get("TRANSOM_TESTBED_DIR") or "/run/transom-testbed")
-
-
-# --------------------------------------------------------------------------- availability
-
-_available: tuple[bool, str] | None = None
-_netem: bool | None = None
-
-
-def available() -> tuple[bool, str]:
-    """``(True, "ok ...")`` when beds can be made here, else ``(False, one-line reason)``."""
-    global _available
-    if _available is None:
-        _available = _probe()
-    return _available
-
-
-def _probe() -> tuple[bool, str]:
-    if not sys.platform.startswith("linux"):
-        return False, f"the test bed needs Linux namespaces (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return False, "the test bed needs root (namespaces, veth links, mounts); run as root"
-    missing = [t for t in ("ip", "unshare", "nsenter") if shutil.which(t) is None]
-    if missing:
-        return False, f"the test bed needs {', '.join(missing)} (iproute2, util-linux)"
-    if not _cap_sys_admin():
-        return False, "the test bed needs CAP_SYS_ADMIN (namespaces and mounts)"
-    try:
-        probe = subprocess.run(
-            ["unshare", "--net", "--mount", "--pid", "--uts", "--ipc", "--fork", "--kill-child", "sh", "-c",
-             "ip link add name a type veth peer name b && ip link add name br type bridge && mount -t tmpfs t /tmp"],
-            capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return False, "making a throwaway namespace took over 60 s"
-    if probe.returncode != 0:
-        err = (probe.stderr.strip().splitlines() or ["exit %d" % probe.returncode])[-1]
-        return False, f"cannot make namespaces, veth or bridge links here: {err}"
-    try:
-        state_dir().mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return False, f"cannot write the bed's state directory {state_dir()}: {exc.strerror}"
-    return True, f"ok: namespaces, veth and bridge work (state in {state_dir()}; netem: " \
-                 f"{'yes' if netem_available() else 'no, rate limiting only (tbf)'})"
-
-
-def _cap_sys_admin() -> bool:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) & (1 << 21))
-    except OSError:
-        pass
-    return False
-
-
-def netem_available() -> bool:
-    """Whether the kernel has the netem qdisc (delay); tested in a throwaway namespace."""
-    global _netem
-    if _netem is None:
-        r = subprocess.run(["unshare", "--net", "sh", "-c",
-                            "ip link add name d0 type dummy && tc qdisc add dev d0 root netem delay 1ms"],
-                           capture_output=True, timeout=30)
-        _netem = r.returncode == 0
-    return _netem
 
 
 # --------------------------------------------------------------------------- processes
@@ -174,7 +97,7 @@ class HostProcess(subprocess.Popen):
             self._pid_pipe = None
             if data.strip():
                 self._root_pid = int(data)
-                self._root_start = _start_time(self._root_pid)
+                self._root_start = machine.start_time(self._root_pid)
         return self._root_pid
 
     @property
@@ -196,7 +119,7 @@ class HostProcess(subprocess.Popen):
         teardown until then)."""
         if sig in (signal.SIGKILL, signal.SIGSTOP) and self.poll() is None:
             pid = self.root_pid
-            if pid is not None and _start_time(pid) == self._root_start:
+            if pid is not None and machine.start_time(pid) == self._root_start:
                 try:
                     os.kill(pid, sig)
                     return
@@ -254,8 +177,8 @@ class Bed:
                 raise ValueError(f"Bed: hosts: {n!r} is not a host name (expected [a-z][a-z0-9-]*, <= 31 chars)")
         if len(set(names)) != len(names):
             raise ValueError(f"Bed: hosts: duplicate names in {names}")
-        if len(names) > _MAX_INDEX - 1:
-            raise ValueError(f"Bed: hosts: at most {_MAX_INDEX - 1} hosts, got {len(names)}")
+        if len(names) > machine.MAX_INDEX - 1:
+            raise ValueError(f"Bed: hosts: at most {machine.MAX_INDEX - 1} hosts, got {len(names)}")
         self.hosts: list[str] = names
         always = [ROOT, sys.prefix, sys.base_prefix, Path(os.path.realpath(sys.executable)).parent]
         self.shared = sorted({os.path.realpath(p) for p in [*always, *share]}, key=len)
@@ -326,7 +249,7 @@ class Bed:
         except OSError:
             return []
         out = []
-        for pid in _netns_pids(h.netns):
+        for pid in machine.netns_pids(h.netns):
             try:
                 if pid == h.pid or os.stat(f"/proc/{pid}/ns/pid").st_ino != want.st_ino:
                     continue
@@ -369,7 +292,7 @@ class Bed:
             raise BedUnavailable(reason)
         started = time.monotonic()
         self._owner = os.getpid()
-        self._lock_fd, self.index = _allocate()
+        self._lock_fd, self.index = machine.allocate()
         _LIVE.add(self)
         _install_handlers()
         try:
@@ -377,10 +300,10 @@ class Bed:
                 self._hosts[name] = _Host(name, i + 2, f"tb{self.index}-{name}", f"h{i + 2}")
             self._save()
             n, s = self.index, self.switch
-            _ip_batch(None, [f"netns add {s}", *(f"netns add {h.netns}" for h in self._hosts.values()),
+            machine.ip_batch(None, [f"netns add {s}", *(f"netns add {h.netns}" for h in self._hosts.values()),
                              f"link add name {self.link} type veth peer name up0 netns {s}",
                              f"addr add {self.root_addr}/24 dev {self.link}", f"link set {self.link} up"])
-            _ip_batch(s, ["link set lo up", "link add name br0 type bridge", "link set br0 up",
+            machine.ip_batch(s, ["link set lo up", "link add name br0 type bridge", "link set br0 up",
                           "link set up0 master br0 up",
                           *(line for h in self._hosts.values() for line in self._port_lines(h))])
             for h in self._hosts.values():
@@ -413,12 +336,12 @@ class Bed:
             try:
                 for h in self._hosts.values():
                     if h.pid is not None:
-                        _kill_pid(h.pid)
+                        machine.kill_pid(h.pid)
                     elif h.init is not None:      # started, not yet answered: --kill-child takes it along
                         h.init.kill()
                 for h in self._hosts.values():
                     self._reap_init(h)
-                _clean_index(self.index, {"pids": []})
+                machine.clean_number(self.index, {"pids": []})
             finally:
                 _LIVE.discard(self)
                 if self._lock_fd is not None:     # None: a SIGTERM handler closed it meanwhile
@@ -431,7 +354,7 @@ class Bed:
                 f"link set {h.port} master br0 up"]
 
     def _host_net(self, h: _Host) -> None:
-        _ip_batch(h.netns, ["link set lo up", f"addr add 198.18.{self.index}.{h.octet}/24 dev eth0",
+        machine.ip_batch(h.netns, ["link set lo up", f"addr add 198.18.{self.index}.{h.octet}/24 dev eth0",
                             "link set eth0 up"])
 
     def _hosts_file(self) -> Path:
@@ -449,7 +372,7 @@ class Bed:
             argv = ["setpriv", "--pdeathsig", "KILL", *argv]
         # stderr: unshare 2.38 prints a spurious "sigprocmask unblock failed" when its child is killed;
         # the init reports its own errors on stdout
-        h.init = _spawn_kept(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        h.init = machine.spawn_kept(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     def _await_init(self, h: _Host) -> None:
         ready, _, _ = select.select([h.init.stdout], [], [], self.timeout)
@@ -464,7 +387,7 @@ class Bed:
                                        f"no answer within {self.timeout:.0f}s")
             raise BedError(f"host {h.name}: its init did not start: {why}")
         h.pid, h.fds, h.up = msg["pid"], msg["fds"], True
-        h.start = _start_time(h.pid)
+        h.start = machine.start_time(h.pid)
 
     def _reap_init(self, h: _Host) -> None:
         if h.init is not None:
@@ -542,14 +465,14 @@ class Bed:
         ``/tmp`` and ``/dev/shm`` are gone. Returns when nothing of it runs."""
         with self._mutex:
             h = self._host(host)
-            _ip_batch(self.switch, [f"link set {h.port} down"])
+            machine.ip_batch(self.switch, [f"link set {h.port} down"])
             if h.pid is not None:
-                _kill_pid(h.pid)
+                machine.kill_pid(h.pid)
             self._reap_init(h)
-            rest = _netns_pids(h.netns)          # relays, and whatever entered the netns alone
+            rest = machine.netns_pids(h.netns)          # relays, and whatever entered the netns alone
             for pid in rest:
-                _kill_pid(pid)
-            _wait_dead(rest)
+                machine.kill_pid(pid)
+            machine.wait_dead(rest)
             h.up, h.pid, h.start, h.fds = False, None, None, {}
             self._save()
 
@@ -559,9 +482,9 @@ class Bed:
             h = self._host(host)
             if h.up:
                 self.kill(host)
-            _ip_batch(self.switch, [f"link del {h.port}"])
-            _ip_batch(None, [f"netns del {h.netns}", f"netns add {h.netns}"])
-            _ip_batch(self.switch, self._port_lines(h))
+            machine.ip_batch(self.switch, [f"link del {h.port}"])
+            machine.ip_batch(None, [f"netns del {h.netns}", f"netns add {h.netns}"])
+            machine.ip_batch(self.switch, self._port_lines(h))
             self._host_net(h)
             h.partitioned = h.slowed = False
             self._start_init(h)
@@ -573,13 +496,13 @@ class Bed:
         processes keep running. :meth:`heal` brings the link back."""
         with self._mutex:
             h = self._host(host, need_up=True)
-            _ip_batch(self.switch, [f"link set {h.port} down"])
+            machine.ip_batch(self.switch, [f"link set {h.port} down"])
             h.partitioned = True
 
     def heal(self, host: str) -> None:
         with self._mutex:
             h = self._host(host, need_up=True)
-            _ip_batch(self.switch, [f"link set {h.port} up"])
+            machine.ip_batch(self.switch, [f"link set {h.port} up"])
             h.partitioned = False
 
     def slow(self, host: str, rate: str = "10mbit", *, delay: str | None = None, burst: str | None = None,
@@ -601,14 +524,14 @@ class Bed:
             if shutil.which("tc") is None:
                 raise BedError("slow(): needs tc (iproute2), which is not installed")
             for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
-                _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc.split()])
+                machine.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc.split()])
             h.slowed = True
 
     def unslow(self, host: str) -> None:
         with self._mutex:
             h = self._host(host)
             for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
-                _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+                machine.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
             h.slowed = False
 
 
@@ -632,132 +555,10 @@ def python_env(env: dict | None = None) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- allocation, cleanup
+# --------------------------------------------------------------------------- exit and SIGTERM
 
 _LIVE: "weakref.WeakSet[Bed]" = weakref.WeakSet()
 _handlers_installed = False
-
-
-def _allocate() -> tuple[int, int]:
-    """Lock a free bed number; clean what a dead owner of it left; ``(lock_fd, N)``.
-
-    Numbers go round (the search starts after the last number handed out, kept in ``next``) and
-    ones a dead owner left something under are taken only when no clean one is free, so a number
-    just freed, or left for ``transom testbed clean``, is not at once somebody else's.
-    """
-    d = state_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    start = _next_number(d)
-    order = [(start - 1 + i) % _MAX_INDEX + 1 for i in range(_MAX_INDEX)]
-    dirty = _dirty_numbers()
-    for n in [x for x in order if x not in dirty] + [x for x in order if x in dirty]:
-        fd = os.open(d / f"{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        try:
-            _clean_index(n, _read_state(n))
-            _next_number(d, n % _MAX_INDEX + 1)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, n
-    raise BedError(f"all {_MAX_INDEX} bed numbers are in use (see {d}; `transom testbed clean` frees dead ones)")
-
-
-def _next_number(d: Path, value: int | None = None) -> int:
-    """Read (or, given ``value``, write) the number the next search starts at; 1 when unknown."""
-    path = d / "next"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if value is not None:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(value).encode(), 0)
-            return value
-        text = os.pread(fd, 16, 0).decode().strip()
-        return int(text) if text.isdigit() and 1 <= int(text) <= _MAX_INDEX else 1
-    finally:
-        os.close(fd)
-
-
-def _dirty_numbers() -> set[int]:
-    """Bed numbers with a state file, a namespace or a link (in use, or left by a dead owner)."""
-    found = {int(p.stem) for p in state_dir().glob("*.json") if p.stem.isdigit()}
-    found |= {int(m.group(1)) for ns in _netns_names() if (m := re.match(r"tb(\d+)-", ns))}
-    found |= {int(m.group(1)) for link in _root_links() if (m := re.fullmatch(r"tb(\d+)", link))}
-    return {n for n in found if 1 <= n <= _MAX_INDEX}
-
-
-def _read_state(n: int) -> dict:
-    try:
-        return json.loads((state_dir() / f"{n}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def clean_stale() -> list[int]:
-    """Remove every bed whose owner is dead (its lock is free): processes, namespaces, links.
-
-    Returns the bed numbers cleaned. Beds in use by a live process are left alone.
-    """
-    if not available()[0]:
-        return []
-    d = state_dir()
-    cleaned = []
-    for n in sorted(_dirty_numbers()):
-        fd = os.open(d / f"{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue                      # a live owner
-        else:
-            _clean_index(n, _read_state(n))
-            cleaned.append(n)
-        finally:
-            os.close(fd)
-    return cleaned
-
-
-def beds_in_use() -> dict[int, dict]:
-    """``{N: state}`` of every bed whose owner lives (its lock is held), as recorded in ``N.json``."""
-    out = {}
-    for path in sorted(state_dir().glob("*.json")):
-        if not path.stem.isdigit():
-            continue
-        n = int(path.stem)
-        try:
-            fd = os.open(state_dir() / f"{n}.lock", os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            out[n] = _read_state(n)
-        finally:
-            os.close(fd)
-    return out
-
-
-def _clean_index(n: int, state: dict) -> None:
-    """With bed ``n``'s lock held: kill its processes, delete its namespaces, link and files."""
-    killed = [pid for pid, start in state.get("pids", []) if pid and _start_time(pid) == start]
-    names = [ns for ns in _netns_names() if ns.startswith(f"tb{n}-")]
-    killed += [pid for ns in names for pid in _netns_pids(ns)]
-    for pid in killed:
-        _kill_pid(pid)
-    _wait_dead(killed)
-    for ns in names:
-        _run(["ip", "netns", "del", ns], check=False)
-    if f"tb{n}" in _root_links():
-        _run(["ip", "link", "del", f"tb{n}"], check=False)
-    for suffix in (".json", ".hosts", ".tmp"):
-        try:
-            (state_dir() / f"{n}{suffix}").unlink()
-        except FileNotFoundError:
-            pass
 
 
 def _close_all() -> None:
@@ -798,186 +599,8 @@ def _install_handlers() -> None:
             signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-# --------------------------------------------------------------------------- small helpers
+def register(sub) -> None:
+    """The ``transom testbed`` subcommand (transom/testbed_cli.py)."""
+    from .testbed_cli import register as register_cli
 
-_keeper_queue: "queue.Queue | None" = None
-_keeper_lock = threading.Lock()
-
-
-def _spawn_kept(argv: list[str], **popen) -> subprocess.Popen:
-    """``Popen`` from a thread that lives as long as this process.
-
-    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so a host's init started
-    from a short-lived thread would die with that thread: such calls are handed to one keeper
-    thread (the main thread starts its own).
-    """
-    global _keeper_queue
-    if threading.current_thread() is threading.main_thread():
-        return subprocess.Popen(argv, **popen)
-    with _keeper_lock:
-        if _keeper_queue is None:
-            _keeper_queue = queue.Queue()
-            threading.Thread(target=_keeper, args=(_keeper_queue,), name="testbed-keeper", daemon=True).start()
-    box: list = []
-    done = threading.Event()
-    _keeper_queue.put((argv, popen, box, done))
-    done.wait()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
-
-
-def _keeper(q: "queue.Queue") -> None:
-    while True:
-        argv, popen, box, done = q.get()
-        try:
-            box.append((True, subprocess.Popen(argv, **popen)))
-        except BaseException as exc:  # handed back to the caller's thread
-            box.append((False, exc))
-        done.set()
-
-
-def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-    r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=60)
-    if check and r.returncode != 0:
-        raise BedError(f"{' '.join(argv)}: {r.stderr.strip() or 'exit %d' % r.returncode}")
-    return r
-
-
-def _ip_batch(netns: str | None, lines: list[str]) -> None:
-    _run(["ip", *(["-n", netns] if netns else []), "-b", "-"], input="\n".join(lines) + "\n")
-
-
-def _netns_names() -> list[str]:
-    try:
-        return sorted(os.listdir("/run/netns"))
-    except OSError:
-        return []
-
-
-def _root_links() -> set[str]:
-    return set(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else set()
-
-
-def _netns_pids(netns: str) -> list[int]:
-    """Every process whose network namespace is ``netns`` (what ``ip netns pids`` prints)."""
-    try:
-        st = os.stat(f"/run/netns/{netns}")
-    except OSError:
-        return []
-    want = (st.st_dev, st.st_ino)
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                s = os.stat(f"/proc/{entry}/ns/net")
-            except OSError:
-                continue
-            if (s.st_dev, s.st_ino) == want:
-                out.append(int(entry))
-    return out
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _state(pid: int) -> str | None:
-    """The process state letter of ``pid`` (R, S, D, T, Z...), None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    return _state(pid) not in (None, "Z", "X")
-
-
-def _wait_dead(pids: list[int], timeout: float = 30.0) -> None:
-    """Wait until none of ``pids`` (SIGKILLed) runs; a process in uninterruptible sleep may take a while."""
-    started = {p: _start_time(p) for p in pids}          # against a PID reused meanwhile
-    deadline = time.monotonic() + timeout
-    while left := [p for p, t in started.items() if t is not None and _alive(p) and _start_time(p) == t]:
-        if time.monotonic() > deadline:
-            raise BedError(f"processes {left} did not die within {timeout:.0f}s of SIGKILL")
-        time.sleep(0.02)
-
-
-def _kill_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-# --------------------------------------------------------------------------- CLI
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("testbed", help="a bed of namespaced hosts on this machine (check, clean, up)",
-                       description="The test bed: hosts as Linux namespaces on a private bridge "
-                                   "(198.18.N.0/24). See docs/testbed.md.")
-    tsub = p.add_subparsers(dest="action", metavar="ACTION")
-    tsub.required = True
-    c = tsub.add_parser("check", help="say whether beds can be made here (exit 0) or why not (exit 1)",
-                        description="Print 'ok: ...' and exit 0 when this machine can make beds, else "
-                                    "'unavailable: REASON' and exit 1.")
-    c.set_defaults(func=_cmd_check)
-    c = tsub.add_parser("clean", help="remove beds left by dead owners (namespaces, links, processes)",
-                        description="Remove every bed whose owner process is dead; beds in use are kept.")
-    c.set_defaults(func=_cmd_clean)
-    c = tsub.add_parser("up", help="bring up a bed and keep it until SIGINT/SIGTERM",
-                        description="Bring up a bed, print its hosts with their addresses and how to "
-                                    "enter them, and keep it until interrupted.")
-    c.add_argument("hosts", nargs="*", default=None, metavar="HOST",
-                   help="host names (default: node0..node{N-1} from --count)")
-    c.add_argument("--count", "-n", type=int, default=3, help="number of hosts when no names are given (3)")
-    c.add_argument("--share", action="append", default=[], metavar="PATH",
-                   help="a path every host sees even under its private /tmp (repeatable)")
-    c.set_defaults(func=_cmd_up)
-
-
-def _cmd_check(args) -> int:
-    ok, reason = available()
-    print(reason if ok else f"unavailable: {reason}")
-    return 0 if ok else 1
-
-
-def _cmd_clean(args) -> int:
-    ok, reason = available()
-    if not ok:
-        print(f"unavailable: {reason}")
-        return 1
-    cleaned = clean_stale()
-    print(f"cleaned {len(cleaned)} stale bed(s){': ' + ', '.join(map(str, cleaned)) if cleaned else ''}")
-    for n, state in beds_in_use().items():
-        print(f"in use: bed {n} (198.18.{n}.0/24) of pid {state.get('owner', '?')}: "
-              f"{' '.join(ns.split('-', 1)[1] for ns in state.get('netns', [])[1:])}")
-    return 0
-
-
-def _cmd_up(args) -> int:
-    from .cli import wait_for_signal
-
-    if args.count < 1:
-        print("transom testbed up: --count: expected a number >= 1", file=sys.stderr)
-        return 2
-    hosts = args.hosts or args.count
-    try:
-        bed = Bed(hosts, share=args.share).up()
-    except BedError as exc:
-        print(f"transom testbed up: {exc}", file=sys.stderr)
-        return 1
-    with bed:
-        print(f"bed {bed.index}: {bed.subnet}, this namespace is {bed.root_addr} on link {bed.link}", flush=True)
-        for h in bed.hosts:
-            print(f"  {h:<12} {bed.addr(h):<15} enter: nsenter -t {bed.init_pid(h)} -n -m -p -u -i", flush=True)
-        wait_for_signal()
-    return 0
+    register_cli(sub)
