@@ -126,7 +126,8 @@ def test_tcp_between_hosts_and_no_route_elsewhere(bed):
         assert b.sh("node1", "ip route").stdout.split("\n")[0].startswith(
             f"198.18.{b.index}.0/24 dev eth0") and "default" not in b.sh("node1", "ip route").stdout
         assert connect(b, "node1", "198.19.255.1", 9, 5.0, "10.255.255.1:9", "192.0.2.1:9") == ["ENETUNREACH"] * 3
-        # and this namespace gains nothing beyond the bed's own /24
+        # and this namespace gains nothing beyond the bed's own /24, and forwards nothing from it
+        assert open(f"/proc/sys/net/ipv4/conf/{b.link}/forwarding").read().strip() == "0"
         routes = machine.run(["ip", "-4", "route", "show", "dev", b.link]).stdout.strip().splitlines()
         assert [r.split()[0] for r in routes] == [f"198.18.{b.index}.0/24"]
     finally:

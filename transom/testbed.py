@@ -301,8 +301,9 @@ class Bed:
             self._save()
             n, s = self.index, self.switch
             machine.ip_batch(None, [f"netns add {s}", *(f"netns add {h.netns}" for h in self._hosts.values()),
-                             f"link add name {self.link} type veth peer name up0 netns {s}",
-                             f"addr add {self.root_addr}/24 dev {self.link}", f"link set {self.link} up"])
+                             f"link add name {self.link} type veth peer name up0 netns {s}"])
+            _sealed(self.link)
+            machine.ip_batch(None, [f"addr add {self.root_addr}/24 dev {self.link}", f"link set {self.link} up"])
             machine.ip_batch(s, ["link set lo up", "link add name br0 type bridge", "link set br0 up",
                           "link set up0 master br0 up",
                           *(line for h in self._hosts.values() for line in self._port_lines(h))])
@@ -546,6 +547,19 @@ def _rate_bytes(rate: str) -> int:
     if not m or unit not in _RATE_UNITS:
         raise ValueError(f"slow: rate: {rate!r} is not a tc rate (expected e.g. '10mbit', '1gbit', '500kbps')")
     return int(float(m.group(1)) * _RATE_UNITS[unit])
+
+
+def _sealed(link: str) -> None:
+    """This namespace never forwards what arrives on the bed's link, even where IP forwarding is on
+    (a host could add a route through ``198.18.N.1``), and takes no IPv6 (router adverts) from it."""
+    for path, value in ((f"/proc/sys/net/ipv4/conf/{link}/forwarding", "0"),
+                        (f"/proc/sys/net/ipv4/conf/{link}/accept_redirects", "0"),
+                        (f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6", "1")):
+        try:
+            with open(path, "w") as f:
+                f.write(value)
+        except FileNotFoundError:          # no IPv6 in this kernel
+            pass
 
 
 def python_env(env: dict | None = None) -> dict:
