@@ -51,7 +51,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -571,7 +570,7 @@ def python_env(env: dict | None = None) -> dict:
 
 # --------------------------------------------------------------------------- exit and SIGTERM
 
-_LIVE: "weakref.WeakSet[Bed]" = weakref.WeakSet()
+_LIVE: "set[Bed]" = set()      # the beds up in this process; held here, so none is dropped unclosed
 _handlers_installed = False
 
 
