@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,15 @@ def serve(b, host, port=7000):
     return proc
 
 
+def stop(proc) -> int:
+    """Kill a process started on a bed host; its exit status."""
+    proc.kill()
+    code = proc.wait(30)
+    if proc.stdout:
+        proc.stdout.close()
+    return code
+
+
 def connect(b, host, addr, port=7000, timeout=5.0, *more: str) -> str | list[str]:
     """Connect from ``host`` to ``addr:port`` (and each of ``more``, "ADDR:PORT"), send "ping" and
     return what came back or the error's name ("timeout", "ENETUNREACH"...); one process for all."""
@@ -81,7 +91,7 @@ def leftovers(index: int) -> list[str]:
     return left
 
 
-def test_hosts_have_their_own_name_memory_and_pids(bed, tmp_path):
+def test_hosts_have_their_own_name_memory_and_pids(bed):
     b = bed(["alpha", "beta"])
     assert b.sh("alpha", "hostname").stdout.strip() == "alpha"
     assert b.sh("beta", "hostname").stdout.strip() == "beta"
@@ -127,12 +137,12 @@ def test_tcp_between_hosts_and_no_route_elsewhere(bed):
             f"198.18.{b.index}.0/24 dev eth0") and "default" not in b.sh("node1", "ip route").stdout
         assert connect(b, "node1", "198.19.255.1", 9, 5.0, "10.255.255.1:9", "192.0.2.1:9") == ["ENETUNREACH"] * 3
         # and this namespace gains nothing beyond the bed's own /24, and forwards nothing from it
-        assert open(f"/proc/sys/net/ipv4/conf/{b.link}/forwarding").read().strip() == "0"
+        assert Path(f"/proc/sys/net/ipv4/conf/{b.link}/forwarding").read_text().strip() == "0"
         routes = machine.run(["ip", "-4", "route", "show", "dev", b.link]).stdout.strip().splitlines()
         assert [r.split()[0] for r in routes] == [f"198.18.{b.index}.0/24"]
     finally:
-        server.kill()
-    assert server.wait(30) == -signal.SIGKILL and not machine.alive(server.root_pid)
+        code = stop(server)
+    assert code == -signal.SIGKILL and not machine.alive(server.root_pid)
 
 
 def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
@@ -141,7 +151,7 @@ def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
     sleeper = b.run("node0", ["sleep", "300"])
     server = serve(b, "node0")
     b.kill("node0")
-    assert sleeper.wait(30) == -signal.SIGKILL and server.wait(30) == -signal.SIGKILL
+    assert sleeper.wait(30) == -signal.SIGKILL and stop(server) == -signal.SIGKILL
     assert machine.netns_pids(b.netns("node0")) == []
     assert not b.is_up("node0")
     with pytest.raises(testbed.BedError, match="node0 is down"):
@@ -153,8 +163,7 @@ def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
     try:
         assert wait_until(lambda: connect(b, "node1", b.addr("node0")) == "ping", 30, "the restarted host")
     finally:
-        server.kill()
-        server.wait()
+        stop(server)
 
 
 def test_partition_and_heal(bed):
@@ -168,8 +177,7 @@ def test_partition_and_heal(bed):
         b.heal("node0")
         wait_until(lambda: connect(b, "node1", b.addr("node0"), timeout=2) == "ping", 30, "the healed link")
     finally:
-        server.kill()
-        server.wait()
+        stop(server)
 
 
 def test_slow_is_rate_limiting_and_delay_needs_netem(bed):
@@ -184,7 +192,7 @@ def test_slow_is_rate_limiting_and_delay_needs_netem(bed):
              check=True)
         assert sink.stdout.readline().strip() == "300000"
     finally:
-        sink.kill()
+        stop(sink)
     shown = machine.run(["tc", "-s", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
     assert "tbf" in shown and int(shown.split("Sent ")[1].split()[0]) >= 300000     # the data went through it
     with pytest.raises(ValueError, match="rate: '10 furlongs'"):
@@ -209,6 +217,7 @@ def test_python_service_from_a_private_shared_dir(bed, tmp_path):
     b = bed(1, share=[shared])
     out = b.python("node0", [str(shared / "svc.py")], stdout=subprocess.PIPE, text=True, cwd=str(shared))
     assert out.communicate(timeout=60)[0].strip() == "node0" and out.returncode == 0
+    out.stdout.close()
     # the shared directory is the same files, everything else of /tmp is not there
     b.sh("node0", f"echo from-host > {shared}/note", check=True)
     assert (shared / "note").read_text() == "from-host\n"
@@ -239,8 +248,13 @@ def _owner():
     if not ok:
         pytest.skip(f"test bed unavailable: {reason}")
     proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
-    index, *pids = map(int, proc.stdout.readline().split())
-    assert leftovers(index)
+    try:
+        index, *pids = map(int, proc.stdout.readline().split())
+        assert leftovers(index)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     return proc, index, pids
 
 
@@ -258,6 +272,7 @@ def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
     proc, index, pids = _owner()
     proc.kill()
     proc.wait()
+    proc.stdout.close()
     # its hosts die with it; its namespaces and link stay until somebody cleans
     wait_until(lambda: not any(machine.alive(p) for p in pids), 30, "the hosts' inits to die with their owner")
     assert index not in testbed.beds_in_use()
@@ -270,7 +285,11 @@ def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
 def test_sigterm_of_the_owner_cleans_its_bed():
     proc, index, pids = _owner()
     proc.terminate()
-    assert proc.wait(60) == -signal.SIGTERM
+    try:
+        assert proc.wait(60) == -signal.SIGTERM
+    finally:
+        proc.kill()                         # (a no-op when it did exit)
+        proc.stdout.close()
     assert gone(proc, index)
     assert not any(machine.alive(p) for p in pids)
 
