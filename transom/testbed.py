@@ -187,6 +187,10 @@ class Bed:
         for p in self.private:
             if not os.path.isdir(p):
                 raise ValueError(f"Bed: private: {p} is not a directory (each host mounts its own tmpfs on it)")
+        for p in self.shared:
+            if not os.path.exists(p) and any(p.startswith(d.rstrip("/") + "/") for d in self.private):
+                raise ValueError(f"Bed: share: {p} does not exist; create it first (a host binds in what is "
+                                 f"there when it starts)")
         self.timeout = timeout
         self._owner = os.getpid()
         self.index: int | None = None
