@@ -294,6 +294,18 @@ def test_sigterm_of_the_owner_cleans_its_bed():
     assert not any(machine.alive(p) for p in pids)
 
 
+def test_bad_arguments_name_the_key(tmp_path):
+    for kwargs, message in (({"hosts": ["Node0"]}, "hosts: 'Node0' is not a host name"),
+                            ({"hosts": ["a", "a"]}, "hosts: duplicate"),
+                            ({"hosts": 0}, "hosts: expected at least one"),
+                            ({"private": [str(tmp_path / "nope")]}, "private: .* is not a directory"),
+                            ({"share": [str(tmp_path / "later")], "private": [str(tmp_path)]},
+                             "share: .* does not exist")):
+        with pytest.raises(ValueError, match=message):
+            testbed.Bed(**kwargs)
+    assert testbed._rate_bytes("10mbit") == 1_250_000 and testbed._rate_bytes("1gbit") == 125_000_000
+
+
 def test_cli_check_says_ok_or_why_not(capsys):
     from transom.cli import main
 
