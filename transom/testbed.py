@@ -310,8 +310,7 @@ class Bed:
             machine.ip_batch(s, ["link set lo up", "link add name br0 type bridge", "link set br0 up",
                           "link set up0 master br0 up",
                           *(line for h in self._hosts.values() for line in self._port_lines(h))])
-            for h in self._hosts.values():
-                self._host_net(h)
+            machine.ip_batches({h.netns: self._host_net_lines(h) for h in self._hosts.values()})
             self._hosts_file().write_text(
                 "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
                 f"198.18.{n}.1\ttestbed-root\n"
@@ -357,9 +356,8 @@ class Bed:
         return [f"link add name {h.port} type veth peer name eth0 netns {h.netns}",
                 f"link set {h.port} master br0 up"]
 
-    def _host_net(self, h: _Host) -> None:
-        machine.ip_batch(h.netns, ["link set lo up", f"addr add 198.18.{self.index}.{h.octet}/24 dev eth0",
-                            "link set eth0 up"])
+    def _host_net_lines(self, h: _Host) -> list[str]:
+        return ["link set lo up", f"addr add 198.18.{self.index}.{h.octet}/24 dev eth0", "link set eth0 up"]
 
     def _hosts_file(self) -> Path:
         return state_dir() / f"{self.index}.hosts"
@@ -489,7 +487,7 @@ class Bed:
             machine.ip_batch(self.switch, [f"link del {h.port}"])
             machine.ip_batch(None, [f"netns del {h.netns}", f"netns add {h.netns}"])
             machine.ip_batch(self.switch, self._port_lines(h))
-            self._host_net(h)
+            machine.ip_batch(h.netns, self._host_net_lines(h))
             h.partitioned = h.slowed = False
             self._start_init(h)
             self._await_init(h)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 __all__ = ["BedError", "BedUnavailable", "MAX_INDEX", "alive", "allocate", "available", "beds_in_use",
-           "clean_number", "clean_stale", "ip_batch", "kill_pid", "netem_available", "netns_names",
+           "clean_number", "clean_stale", "ip_batch", "ip_batches", "kill_pid", "netem_available", "netns_names",
            "netns_pids", "proc_state", "read_state", "root_links", "run", "spawn_kept", "start_time",
            "state_dir", "wait_dead"]
 
@@ -278,6 +278,19 @@ def run(argv: list[str], check: bool = True, input: str | None = None) -> subpro
 
 def ip_batch(netns: str | None, lines: list[str]) -> None:
     run(["ip", *(["-n", netns] if netns else []), "-b", "-"], input="\n".join(lines) + "\n")
+
+
+def ip_batches(batches: dict[str, list[str]]) -> None:
+    """:func:`ip_batch` for several namespaces at once (``{netns: lines}``), all run side by side."""
+    procs = {ns: subprocess.Popen(["ip", "-n", ns, "-b", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for ns in batches}
+    errors = []
+    for ns, proc in procs.items():
+        _out, err = proc.communicate("\n".join(batches[ns]) + "\n", timeout=60)
+        if proc.returncode != 0:
+            errors.append(f"ip -n {ns} -b -: {err.strip() or 'exit %d' % proc.returncode}")
+    if errors:
+        raise BedError("; ".join(errors))
 
 
 def netns_names() -> list[str]:
