@@ -22,6 +22,8 @@ from tests.util import wait_until
 from transom import testbed
 from transom import testbed_machine as machine
 
+pytestmark = pytest.mark.integration       # real namespaces, links and processes
+
 # A TCP echo server and a client, run on bed hosts with the project's interpreter.
 SERVER = textwrap.dedent("""
     import socket, sys
