@@ -284,9 +284,12 @@ class HostsBackend(Backend):
         if handle is None:
             return
         nodes = [n for n in handle["ranks"] if n in self.launchers]
-        results = self._each(nodes, lambda n: self._call(n, "stop", timeout + 10, job=job, generation=generation,
-                                                         timeout=timeout))
-        for node, res in results.items():
+        # a launcher already counted lost is not waited for: its stop is kept for when it answers again
+        lost = {n: ChannelError(f"no answer for {self._age(n):.0f}s") for n in nodes
+                if (self._age(n) or 0.0) > self.unreachable_s}
+        results = self._each([n for n in nodes if n not in lost], lambda n: self._call(
+            n, "stop", timeout + 10, job=job, generation=generation, timeout=timeout))
+        for node, res in {**results, **lost}.items():
             if isinstance(res, Exception):
                 log.warning("job %s generation %d: cannot reach the launcher of %s (%s): its ranks will be stopped "
                             "when it answers again", job, generation, node, res)

@@ -111,13 +111,18 @@ def _recv(sock: socket.socket) -> dict[str, Any]:
     return frame
 
 
-def call(addr: str, key: bytes, op: str, args: Mapping[str, Any] | None = None, *, timeout: float = 10.0) -> Any:
-    """Send ``op(**args)`` to the server at ``HOST:PORT``; its result, or a :class:`ChannelError`."""
+def call(addr: str, key: bytes, op: str, args: Mapping[str, Any] | None = None, *, timeout: float = 10.0,
+         connect_timeout: float = 3.0) -> Any:
+    """Send ``op(**args)`` to the server at ``HOST:PORT``; its result, or a :class:`ChannelError`.
+
+    ``connect_timeout`` bounds the connection (a host cut off the network fails fast), ``timeout``
+    the wait for the answer (an operation such as a launch may take long).
+    """
     host, _, port = addr.rpartition(":")
     req = {"op": op, "args": dict(args or {}), "ts": time.time(), "nonce": secrets.token_hex(16)}
     req["mac"] = _mac(key, b"req", req)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        with socket.create_connection((host, int(port)), timeout=min(timeout, connect_timeout)) as sock:
             sock.settimeout(timeout)
             _send(sock, req)
             ans = _recv(sock)
