@@ -306,6 +306,8 @@ class HostsBackend(Backend):
                 out[node] = f"cordoned: {cordoned[node]}"
             elif node not in self.launchers:
                 out[node] = "no launcher registered for it (start `transom launcher` there, or give --launcher)"
+            elif (age := self._age(node)) is not None and age > self.unreachable_s:
+                out[node] = f"launcher at {self.launchers[node]} unreachable (last answer {age:.0f}s ago)"
             else:
                 ask.append(node)
         for node, res in self._each(ask, lambda n: self._call(n, "health", 3.0)).items():

@@ -187,7 +187,8 @@ def test_a_partitioned_host_counts_as_lost_and_its_ranks_are_stopped_when_its_li
         wait_until(lambda: backend.health(b.hosts) == {}, 60, "both launchers to answer")
         handle = backend.launch("j", 0, ("node0", "node1"), (sys.executable, str(script)), None)
         assert handle["master"].startswith(b.addr("node0") + ":")      # rank 0's host, as the bed routes it
-        wait_until(lambda: all(s.running for s in backend.status("j", 0)), 30, "both ranks running")
+        wait_until(lambda: all(s.running for s in backend.status("j", 0)) and
+                   all((tmp_path / f"rank-{r}").exists() for r in (0, 1)), 60, "both ranks running")
         b.partition("node1")
         lost = wait_until(lambda: [s for s in backend.status("j", 0) if not s.running], 30, "node1 counted as lost")
         assert [(s.rank, s.exit_code) for s in lost] == [(1, KILLED)]
