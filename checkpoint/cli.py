@@ -7,7 +7,7 @@ when they cannot hold the checkpoints.
 
 ``transom ckpt list --dir D [--verify]`` prints one line per step dir: complete steps (those
 with manifest.json) and incomplete ones, flagged. With ``--verify`` every shard of a complete
-step is checked against its sha256 and size; the exit status is 1 when one fails.
+step is checked against its digest and size; the exit status is 1 when one fails.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--dir", default=os.environ.get("TRANSOM_CKPT_DIR") or None, metavar="DIR",
                    help="checkpoint directory (env TRANSOM_CKPT_DIR)")
     p.add_argument("--verify", action="store_true",
-                   help="check every shard of complete steps against its size and sha256")
+                   help="check every shard of complete steps against its size and digest")
     p.set_defaults(func=_list)
 
     pl = ckpt_sub.add_parser(

@@ -24,7 +24,8 @@ training by itself.
 shard, tries its copies fastest first: memory on this node (tier 0), memory on a peer node (1;
 when this rank now runs on a different node than the one that wrote the shard, the replica
 holder is asked before the writer, which is presumably the evicted node), local disk (2), the
-shared directory (3). Every copy's sha256 is checked; a torn or corrupt one is skipped with a
+shared directory (3). Every copy's digest (:mod:`.digest`, XXH3-128 over 16 MiB chunks; sha256
+for checkpoints written before) is checked while it arrives; a torn or corrupt one is skipped with a
 warning and the next is used. :attr:`CheckpointEngine.last_restore` says which copy was used.
 """
 
@@ -43,6 +44,7 @@ from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
 from . import layout, segments, shardfmt, snapshot, store
+from .digest import StreamDigest, algorithm
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .segments import Segment
 from .snapshot import SnapshotMode
@@ -400,7 +402,7 @@ class CheckpointEngine:
                shard: contracts.Shard):
         if tier == 0:
             got = self._conn.call({"op": "lookup", "job": self.job, "rank": shard.rank, "step": step,
-                                   "sha256": shard.sha256})
+                                   "digest": shard.checksum})
             if not got["found"]:
                 return None
             seg = Segment.open(got["path"], writable=False)
@@ -427,8 +429,7 @@ def _locator_addr(location: str) -> str:
 def _check(digest: str, size: int, shard: contracts.Shard, where: str) -> None:
     if size != shard.size:
         raise CorruptCheckpoint(where, f"{size} bytes, manifest says {shard.size}")
-    if digest != shard.sha256:
-        raise CorruptCheckpoint(where, f"sha256 mismatch: copy has {digest}, manifest says {shard.sha256}")
+    store.check_digest(digest, shard, where)
 
 
 def _copy_verified(src: memoryview, shard: contracts.Shard, where: str):
@@ -436,7 +437,7 @@ def _copy_verified(src: memoryview, shard: contracts.Shard, where: str):
     if len(src) != shard.size:
         raise CorruptCheckpoint(where, f"{len(src)} bytes, manifest says {shard.size}")
     buf = segments.alloc_buffer(shard.size)
-    dst, hasher, step = memoryview(buf), layout.StreamHasher(), 64 << 20
+    dst, hasher, step = memoryview(buf), StreamDigest(algorithm(shard.checksum)), 64 << 20
     for lo in range(0, shard.size, step):
         dst[lo:lo + step] = src[lo:lo + step]
         hasher.feed(dst[lo:lo + step])
@@ -449,7 +450,7 @@ def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard
     conn = Conn(addr, timeout=5)
     try:
         conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        send_msg(conn.sock, {"op": "read", "job": job, "rank": rank, "step": step, "sha256": shard.sha256})
+        send_msg(conn.sock, {"op": "read", "job": job, "rank": rank, "step": step, "digest": shard.checksum})
         head = recv_msg(conn.sock)
         if not head or not head.get("found"):
             return None
@@ -457,7 +458,7 @@ def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard
         if head["size"] != shard.size:
             raise CorruptCheckpoint(where, f"{head['size']} bytes, manifest says {shard.size}")
         buf = segments.alloc_buffer(head["size"])
-        hasher = layout.StreamHasher()
+        hasher = StreamDigest(algorithm(shard.checksum))
         recv_exact_into(conn.sock, memoryview(buf)[:head["size"]], hasher.feed)
     finally:
         conn.close()

@@ -5,7 +5,7 @@ Ranks of the node write their shard into a shared-memory segment the daemon hand
 training process loses nothing. For every staged shard the daemon runs, in order, on its
 pipeline thread:
 
-1. hash        sha256 of the shard bytes (the same bytes are every copy, see :mod:`.shardfmt`)
+1. hash        the shard's digest (:mod:`.digest`) of the bytes (the same bytes are every copy, see :mod:`.shardfmt`)
 2. replicate   into the ring neighbour daemon's memory (:mod:`.transport`); never on this node
 3. persist     to local disk (``--disk-dir``) and, if the rank asked, the job's shared directory;
                a write that fails (ENOSPC, EIO, ...) is logged once with the path and errno and
@@ -64,8 +64,8 @@ from transom.contracts import ServiceKind
 from transom.log import get
 
 from . import layout, segments, store
+from .digest import DEFAULT as DIGEST, StreamDigest, algorithm, digest_of
 from .errors import StaleGeneration
-from .layout import sha256_of
 from .segments import Segment, safe_name
 from .transport import Replicator, make_replicator
 from .wire import DaemonError, recv_exact_into, recv_msg, send_file, send_msg
@@ -85,7 +85,7 @@ class Slot:
     state: str = "free"           # free -> staging -> held -> free
     step: int = -1
     size: int = 0
-    sha256: str = ""
+    digest: str = ""              # ALG:HEX (:mod:`.digest`)
     origin: str = ""              # node that wrote the shard
     generation: int = 0
 
@@ -246,9 +246,9 @@ class CheckpointServer:
             if newest is not None and s.step < newest:
                 s.state = "free"
 
-    def _find(self, job: str, rank: int, step: int, sha256: str | None) -> Slot | None:
+    def _find(self, job: str, rank: int, step: int, digest: str | None) -> Slot | None:
         cands = [s for s in self.slots.values() if s.state == "held" and s.job == job and s.rank == rank
-                 and s.step == step and (sha256 is None or s.sha256 == sha256)]
+                 and s.step == step and (digest is None or s.digest == digest)]
         return max(cands, key=lambda s: s.kind == "own", default=None)
 
     # ------------------------------------------------------------------ peers, generations
@@ -406,22 +406,22 @@ class CheckpointServer:
 
     def _op_lookup(self, _sock, msg) -> dict:
         with self.lock:
-            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("sha256"))
+            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("digest"))
             if slot is None:
                 return {"found": False}
-            return {"found": True, "path": str(slot.seg.path), "size": slot.size, "sha256": slot.sha256,
+            return {"found": True, "path": str(slot.seg.path), "size": slot.size, "digest": slot.digest,
                     "kind": slot.kind, "origin": slot.origin}
 
     def _op_read(self, sock, msg) -> None:
         with self.lock:
-            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("sha256"))
+            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("digest"))
             if slot is not None:
                 slot.state = "reading"        # not reused while it is being sent
         if slot is None:
             send_msg(sock, {"found": False})
             return None
         try:
-            send_msg(sock, {"found": True, "size": slot.size, "sha256": slot.sha256, "kind": slot.kind})
+            send_msg(sock, {"found": True, "size": slot.size, "digest": slot.digest, "kind": slot.kind})
             send_file(sock, str(slot.seg.path), slot.size)
         finally:
             with self.lock:
@@ -438,18 +438,19 @@ class CheckpointServer:
             slot.generation = msg.get("generation", 0)
             return slot
 
-    def _finish_replica(self, slot: Slot, msg) -> dict:
-        digest = sha256_of(slot.seg.view(slot.size))
+    def _finish_replica(self, slot: Slot, msg, digest: str | None = None) -> dict:
+        if digest is None:
+            digest = digest_of(slot.seg.view(slot.size), algorithm(msg["digest"]))
         with self.lock:
-            if digest != msg["sha256"]:
+            if digest != msg["digest"]:
                 slot.state = "free"
-                return {"error": f"replica of rank {msg['rank']} step {msg['step']} arrived with sha256 "
-                                 f"{digest}, sender says {msg['sha256']}: dropped"}
+                return {"error": f"replica of rank {msg['rank']} step {msg['step']} arrived with digest "
+                                 f"{digest}, sender says {msg['digest']}: dropped"}
             for other in self.slots.values():        # an older replica of the same step is stale now
                 if other is not slot and other.state == "held" and other.kind == "replica" and \
                         (other.job, other.rank, other.step) == (slot.job, slot.rank, slot.step):
                     other.state = "free"
-            slot.sha256, slot.state = digest, "held"
+            slot.digest, slot.state = digest, "held"
         return {"path": str(slot.seg.path), "node": self.node}
 
     def _op_replica_put(self, sock, msg) -> dict:
@@ -459,14 +460,16 @@ class CheckpointServer:
             _drain(sock, msg["size"])         # the bytes follow the request: read them, then refuse
             raise
         t0 = time.perf_counter()
+        hasher = StreamDigest(algorithm(msg["digest"]))     # verified while it arrives
         try:
-            recv_exact_into(sock, slot.seg.view(slot.size))
+            recv_exact_into(sock, slot.seg.view(slot.size), hasher.feed)
         except OSError:
+            hasher.hexdigest()
             with self.lock:
                 slot.state = "free"
             raise
         dt = time.perf_counter() - t0
-        return {**self._finish_replica(slot, msg), "transfer_s": dt}
+        return {**self._finish_replica(slot, msg, hasher.hexdigest()), "transfer_s": dt}
 
     def _op_replica_alloc(self, _sock, msg) -> dict:
         if self.mooncake is None:
@@ -507,12 +510,12 @@ class CheckpointServer:
         t0 = time.perf_counter()
         if msg.get("ckpt_dir"):       # a replaced launch's save goes nowhere, not even to the neighbour
             self._claim(msg["ckpt_dir"], job, gen, f"the save of step {step} of rank {rank}")
-        sha = sha256_of(data)                                           # 1. hash
+        dig = digest_of(data, DIGEST)                                   # 1. hash
         with self.lock:
-            slot.sha256, slot.state, slot.generation, slot.origin = sha, "held", gen, self.node
+            slot.digest, slot.state, slot.generation, slot.origin = dig, "held", gen, self.node
         t["hash_s"] = time.perf_counter() - t0
         copies = [contracts.Copy(rank, self.node, contracts.Tier.MEMORY, f"{self.addr}#{slot.seg.path}")]
-        meta = {"job": job, "rank": rank, "step": step, "size": size, "sha256": sha, "origin": self.node,
+        meta = {"job": job, "rank": rank, "step": step, "size": size, "digest": dig, "origin": self.node,
                 "generation": gen, "ckpt_dir": msg.get("ckpt_dir")}
         t1 = time.perf_counter()                                        # 2. replicate
         peer, where, t["transfer_s"] = self._replicate(slot, meta)
@@ -552,7 +555,7 @@ class CheckpointServer:
                     copies.append(contracts.Copy(rank, "shared", contracts.Tier.SHARED, str(where.resolve())))
             # the shard manifest (small) must be written: without it the step cannot commit at all
             store.persist_shard(sdir, job=job, step=step, rank=rank, world_size=msg["world_size"],
-                                node=self.node, generation=gen, data=data, sha256=sha, copies=tuple(copies),
+                                node=self.node, generation=gen, data=data, digest=dig, copies=tuple(copies),
                                 write_file=False)
             t["persist_s"] += time.perf_counter() - t3
             ready = store.try_commit(sdir, job=job, step=step, world_size=msg["world_size"], generation=gen,
@@ -566,7 +569,7 @@ class CheckpointServer:
                 log.info("deleted checkpoint steps %s (keeping the newest %d)", deleted, msg.get("keep", 3))
         self._prune_disk(job)
         t["total_s"] = time.perf_counter() - t0
-        return {"sha256": sha, "committed": ready is not None, "unpersisted": unpersisted,
+        return {"digest": dig, "committed": ready is not None, "unpersisted": unpersisted,
                 "copies": [c.__dict__ | {"tier": c.tier.value} for c in copies], **t}
 
     def _replicate(self, slot: Slot, meta: dict) -> tuple[dict | None, str, float]:

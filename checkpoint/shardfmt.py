@@ -1,7 +1,7 @@
 """One rank's shard as bytes: a safetensors file whose metadata carries the non-tensor state.
 
 The same bytes are the staging segment in shared memory, the peer replica, the local-disk file
-and the shared-path file, so one sha256 vouches for every copy of a shard.
+and the shared-path file, so one digest vouches for every copy of a shard.
 
 Layout (the safetensors format, readable by ``safetensors.safe_open``)::
 

@@ -1,0 +1,115 @@
+"""TCE against the physical limits (issue 19): the chunked XXH3 digest, old sha256 checkpoints,
+the transport choice, the daemon's authentication, save at the fault, DTensor state dicts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from transom import contracts
+from transom.checkpoint import layout, step_dir
+from transom.checkpoint.digest import CHUNK, DEFAULT, StreamDigest, digest_of
+from transom.checkpoint.transport import TcpReplicator, detect_protocol, make_replicator
+
+from test_checkpoint import Cluster, copies_of, flip_bit, one  # noqa: F401  (fixtures below)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("tce"), ["node0", "node1", "node2"], transport="tcp")
+    yield c
+    c.close()
+
+
+# --------------------------------------------------------------------------- digest
+
+def test_chunked_digest_streamed_in_any_pieces_equals_the_one_shot_digest():
+    data = bytearray(os.urandom(3 * CHUNK + 12345))
+    whole = digest_of(data)
+    assert whole.startswith(DEFAULT + ":") and len(whole.split(":")[1]) == 32
+    rnd = random.Random(1)
+    s, pos = StreamDigest(), 0
+    while pos < len(data):
+        k = rnd.choice([1, 4096, CHUNK - 7, CHUNK, 5 << 20])
+        s.feed(memoryview(data)[pos:pos + k])
+        pos += k
+    assert s.hexdigest() == whole
+    data[2 * CHUNK + 5] ^= 1                               # one bit in the third chunk
+    assert digest_of(data) != whole
+    assert digest_of(b"") == digest_of(bytearray()) and digest_of(b"", "sha256") == \
+        "sha256:" + hashlib.sha256(b"").hexdigest()
+
+
+def test_multi_chunk_shard_with_a_corrupted_chunk_is_refused_and_the_next_copy_used(tmp_path, cluster, caplog):
+    import logging
+
+    eng = one(cluster, tmp_path)
+    w = torch.arange(9 << 20, dtype=torch.float32)         # 36 MiB: three chunks
+    eng.save(10, {"w": w})
+    eng.wait()
+    man = layout.read_manifest(step_dir(tmp_path, 10))
+    assert man.shards[0].digest.startswith("xxh3-128/c")
+    copies = copies_of(tmp_path, 10)
+    flip_bit(Path(copies[("memory", "node0")]), at=CHUNK + 100)        # second chunk, local memory
+    with caplog.at_level(logging.WARNING, logger="transom.checkpoint"):
+        step, state = eng.load()
+    assert (step, eng.last_restore["tier_name"]) == (10, "peer-memory")
+    assert torch.equal(state["w"], w)
+    assert any("local-memory copy on node0" in r.getMessage() and "digest mismatch (xxh3-128" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_checkpoint_written_with_sha256_manifests_still_loads_and_verifies(tmp_path, cluster):
+    eng = one(cluster, tmp_path, node="node1")
+    eng.save(5, {"w": torch.arange(1000.0)})
+    eng.wait()
+    sdir = step_dir(tmp_path, 5)
+    data = (sdir / layout.shard_name(0)).read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    rm = json.loads((sdir / layout.rank_manifest_name(0)).read_bytes())
+    rm.pop("digest")
+    rm["sha256"] = sha
+    layout.atomic_write_bytes(sdir / layout.rank_manifest_name(0), json.dumps(rm).encode())
+    man = json.loads((sdir / layout.MANIFEST).read_bytes())
+    for s in man["shards"]:
+        s.pop("digest")
+        s["sha256"] = sha
+    man["copies"] = [c for c in man["copies"] if c["tier"] == "shared"]     # as an old one: files only
+    layout.atomic_write_bytes(sdir / layout.MANIFEST, json.dumps(man).encode())
+    step, state = eng.load()
+    assert step == 5 and eng.last_restore["tier_name"] == "shared"
+    assert torch.equal(state["w"], torch.arange(1000.0))
+    flip_bit(sdir / layout.shard_name(0))
+    with pytest.raises(Exception, match="digest mismatch \\(sha256\\)"):
+        eng.load(5)
+
+
+def test_shard_contract_takes_a_digest_or_an_old_sha256():
+    new = contracts.Shard.from_dict({"rank": 0, "name": "a", "size": 1, "digest": "xxh3-128/c16:ab"})
+    assert new.checksum == "xxh3-128/c16:ab"
+    old = contracts.Shard.from_dict({"rank": 0, "name": "a", "size": 1, "sha256": "ab" * 32})
+    assert old.checksum == "sha256:" + "ab" * 32
+    with pytest.raises(contracts.ContractError, match="needs a 'digest'"):
+        contracts.Shard.from_dict({"rank": 0, "name": "a", "size": 1})
+
+
+# --------------------------------------------------------------------------- transport
+
+def test_auto_transport_is_rdma_only_with_an_active_port(tmp_path):
+    ib = tmp_path / "infiniband"
+    assert detect_protocol(str(ib)) == "tcp"
+    port = ib / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("1: DOWN\n")
+    assert detect_protocol(str(ib)) == "tcp"
+    rep, ep = make_replicator("auto", "127.0.0.1", ib_root=str(ib))
+    assert isinstance(rep, TcpReplicator) and ep is None
+    (port / "state").write_text("4: ACTIVE\n")
+    assert detect_protocol(str(ib)) == "rdma"
