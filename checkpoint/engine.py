@@ -111,8 +111,6 @@ class CheckpointEngine:
             log.error("rank %d: %s", rank, exc)       # its saves will be refused; loading is harmless
         self.daemon_addr = self._find_daemon()
         self._conn = Conn(self.daemon_addr)
-        host, port = self.daemon_addr.rsplit(":", 1)
-        self._daemon_sockaddr = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4]
         self._first_of_step: set[int] = set()
 
     def _find_daemon(self) -> str:
@@ -211,7 +209,8 @@ class CheckpointEngine:
                      "fork (a child cannot see device memory); CPU tensors are snapshotted copy-on-write",
                      self.rank)
         shardfmt.write_into(seg.view(plan.size), plan, only=parent)
-        job = snapshot.ForkJob(seg.addr, plan.size, child, self._daemon_sockaddr, encode_msg(msg))
+        conn = Conn(self.daemon_addr, timeout=10)         # authenticated here: no crypto in the child
+        job = snapshot.ForkJob(seg.addr, plan.size, child, conn.sock.fileno(), encode_msg(msg))
         try:
             return snapshot.fork_copy(job, lock)
         except OSError as exc:
@@ -222,6 +221,8 @@ class CheckpointEngine:
             self._conn.call(msg)
             os.close(lock)
             return -1
+        finally:
+            conn.close()                 # the child has its own copy of the connection
 
     def reserve(self, state: Any) -> int:
         """Have the daemon create (and this rank map) a segment big enough for ``state`` now, so

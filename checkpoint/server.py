@@ -38,7 +38,8 @@ save, a replica or a commit stamped with an older one (:class:`.errors.StaleGene
 the ranks and daemon of a host that was cut off and came back cannot touch the new generation.
 
 Requests (JSON messages, :mod:`.wire`): reserve, forget, acquire, staged, abort, wait, lookup, read, replica_put,
-replica_alloc, replica_done, replica_abort, capacity, stats, resolve.
+replica_alloc, replica_done, replica_abort, capacity, stats, resolve; every connection first passes
+the greeting and, with a shared secret, the HMAC challenge of :mod:`.wire`.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ from typing import Any
 from transom import contracts, registry
 from transom.contracts import ServiceKind
 from transom.log import get
+from transom.security import ckpt_secret
 
 from . import layout, segments, store
 from .digest import DEFAULT as DIGEST, StreamDigest, algorithm, digest_of
 from .errors import StaleGeneration
 from .segments import Segment, safe_name
 from .transport import Replicator, make_replicator
-from .wire import DaemonError, recv_exact_into, recv_msg, send_file, send_msg
+from .wire import DaemonError, greet, recv_exact_into, recv_msg, send_file, send_msg
 
 __all__ = ["CheckpointServer", "Slot", "main"]
 
@@ -118,8 +120,11 @@ class CheckpointServer:
     def __init__(self, node: str, runtime: str | os.PathLike | None = None, *, disk_dir: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, transport: str = "auto", protocol: str = "auto",
                  mem_keep: int = 1, disk_keep: int = 3, max_bytes: int | None = None,
-                 bootstrap: str | None = None, register: bool = True, advertise: str | None = None) -> None:
+                 bootstrap: str | None = None, register: bool = True, advertise: str | None = None,
+                 secret: bytes | None | bool = True) -> None:
         self.node = node
+        # every connection is authenticated when the daemons share a secret (TRANSOM_CKPT_SECRET)
+        self.secret = ckpt_secret() if secret is True else (secret or None)
         self.runtime = segments.runtime_dir(runtime)
         self.seg_dir = self.runtime / safe_name(node)
         self.disk_dir = Path(disk_dir or os.environ.get("TRANSOM_CKPT_LOCAL_DIR")
@@ -169,10 +174,16 @@ class CheckpointServer:
                     ServiceKind.CKPT_DAEMON, self.node, addr=self.advertise, port=self.port, meta=meta)).start()
             segments.register(self.runtime, self.node, {        # then this host's ranks may find it
                 "addr": self.addr, "pid": os.getpid(), "host": os.uname().nodename, **meta})
-        log.info("TCE daemon of %s at %s (runtime %s, disk %s, replication %s, peers from %s)", self.node, self.addr,
-                 self.runtime, self.disk_dir, self.replicator.name,
+        if not self.secret and not self.addr.startswith(("127.", "localhost")):
+            log.warning("TCE daemon of %s listens on %s WITHOUT authentication: anyone who reaches the port "
+                        "can read and drop checkpoints; set TRANSOM_CKPT_SECRET (docs/security.md)",
+                        self.node, self.addr)
+        log.info("TCE daemon of %s at %s (runtime %s, disk %s, replication %s, peers from %s, %s)", self.node,
+                 self.addr, self.runtime, self.disk_dir, self.replicator.name,
                  f"the registry on {self.bootstrap} (cluster {registry.cluster_name()})" if self._reader
-                 else f"the runtime dir {self.runtime} (one host)")
+                 else f"the runtime dir {self.runtime} (one host)",
+                 "connections authenticated (TRANSOM_CKPT_SECRET)" if self.secret else
+                 "connections NOT authenticated: set TRANSOM_CKPT_SECRET")
         return self
 
     def close(self) -> None:
@@ -303,6 +314,17 @@ class CheckpointServer:
     # ------------------------------------------------------------------ requests
     def _handle(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            refused = greet(sock, self.secret)
+        except (OSError, ValueError):
+            return
+        if refused is not None:
+            try:
+                peer = "%s:%s" % sock.getpeername()[:2]
+            except OSError:
+                peer = "?"
+            log.warning("%s: refused a connection from %s: %s", self.node, peer, refused)
+            return
         while True:
             try:
                 msg = recv_msg(sock)

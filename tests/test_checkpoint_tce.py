@@ -113,3 +113,47 @@ def test_auto_transport_is_rdma_only_with_an_active_port(tmp_path):
     assert isinstance(rep, TcpReplicator) and ep is None
     (port / "state").write_text("4: ACTIVE\n")
     assert detect_protocol(str(ib)) == "rdma"
+
+
+# --------------------------------------------------------------------------- authentication
+
+def test_daemons_with_a_secret_refuse_unauthenticated_clients_and_serve_authenticated_ones(
+        tmp_path, monkeypatch):
+    import socket as socketlib
+
+    from transom.checkpoint import DaemonError, segments
+    from transom.checkpoint.wire import Conn, recv_msg, send_msg
+
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret-" + uuid.uuid4().hex + "\n")
+    monkeypatch.setenv("TRANSOM_CKPT_SECRET_FILE", str(secret))
+    c = Cluster(tmp_path, ["node0", "node1"], transport="tcp")
+    try:
+        for mode in ("copy", "fork"):        # the fork child uses a connection its parent authenticated
+            eng = c.engine(tmp_path / mode, f"job-{uuid.uuid4().hex[:8]}", 0, 1, "node0", snapshot=mode)
+            eng.save(3, {"w": torch.arange(50_000.0)})
+            eng.wait()
+            assert eng.last_result["committed"] and len(eng.last_result["copies"]) >= 3, eng.last_result
+            assert any(cp["node"] == "node1" for cp in eng.last_result["copies"]), "replicated to node1"
+        addr = segments.registered(c.runtime)["node0"]["addr"]
+        with pytest.raises(DaemonError, match="requires authentication: set TRANSOM_CKPT_SECRET"):
+            Conn(addr, key=None)
+        with pytest.raises(DaemonError, match="refused this client: authentication failed"):
+            Conn(addr, key=b"not-the-secret-at-all")
+        host, port = addr.rsplit(":", 1)
+        with socketlib.create_connection((host, int(port)), timeout=10) as s:     # a client of old
+            assert recv_msg(s)["auth"] == "hmac-sha256"
+            send_msg(s, {"op": "forget", "job": "anything"})
+            assert "authentication required" in recv_msg(s)["error"]
+            assert recv_msg(s) is None, "the daemon closed the connection"
+        log = c.log("node0")
+        assert "connections authenticated (TRANSOM_CKPT_SECRET)" in log
+        assert "refused a connection from 127.0.0.1:" in log and "unauthenticated request 'forget'" in log
+        assert "wrong secret (HMAC does not verify)" in log
+        monkeypatch.delenv("TRANSOM_CKPT_SECRET_FILE")
+        monkeypatch.setenv("TRANSOM_CKPT_SECRET", "short")
+        from transom.config import ConfigError
+        with pytest.raises(ConfigError, match="at least 16"):
+            Conn(addr)
+    finally:
+        c.close()
