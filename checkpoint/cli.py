@@ -69,9 +69,12 @@ def register(sub) -> None:
     srv.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     srv.add_argument("--transport", default=os.environ.get("TRANSOM_CKPT_TRANSPORT", "auto"),
                      choices=("auto", "mooncake", "tcp"),
-                     help="replication transport (env TRANSOM_CKPT_TRANSPORT; default auto: Mooncake if installed)")
+                     help="replication transport (env TRANSOM_CKPT_TRANSPORT; default auto: Mooncake's RDMA "
+                          "where an RDMA port is active, Transom's TCP transport otherwise)")
     srv.add_argument("--protocol", default="auto", choices=("auto", "tcp", "rdma"),
-                     help="Mooncake protocol (default auto: rdma where /sys/class/infiniband has devices)")
+                     help="Mooncake protocol (default auto: rdma where /sys/class/infiniband has an active port)")
+    srv.add_argument("--stop-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds to finish the staged saves before exiting (default 30)")
     srv.add_argument("--mem-keep", type=int, default=1, help="newest in-memory copies kept per rank (default 1)")
     srv.add_argument("--disk-keep", type=int, default=3, help="newest local-disk steps kept per job (default 3)")
     srv.add_argument("--max-bytes", type=int, default=_env_bytes(), help="shared-memory budget in bytes "

@@ -20,6 +20,14 @@ waits (:attr:`SavePolicy.WAIT`, default) or is dropped and logged (:attr:`SavePo
 failed save is logged and raised by the next :meth:`CheckpointEngine.wait`; it never stops
 training by itself.
 
+Save at the fault: an engine built by :meth:`CheckpointEngine.from_env` (or with ``stop_grace``)
+catches SIGTERM, the controller's stop (a kill is not caught). A SIGTERM that arrives during
+``save()`` lets the snapshot finish; then, or at once when no save runs, the engine waits up to
+``stop_grace`` seconds (``TRANSOM_CKPT_STOP_S``, default 8, inside the local backend's 10 s before
+SIGKILL) for the in-flight save to be replicated, persisted and committed, logs what it got, and
+ends the process with the signal's previous handler (by default: terminated by SIGTERM). The
+node's daemon, stopped with SIGTERM too, drains its queue before it exits (:mod:`.server`).
+
 ``load()`` reads the committed manifests of ``directory`` (newest first) and, for this rank's
 shard, tries its copies fastest first: memory on this node (tier 0), memory on a peer node (1;
 when this rank now runs on a different node than the one that wrote the shard, the replica
@@ -73,7 +81,7 @@ class CheckpointEngine:
                  generation: int = 0, bootstrap: str | None = None, *, keep: int = 3,
                  policy: SavePolicy | str = SavePolicy.WAIT, runtime: str | os.PathLike | None = None,
                  disk: bool = True, shared: bool = True, wait_timeout: float = 600.0,
-                 snapshot: SnapshotMode | str = SnapshotMode.COPY) -> None:
+                 snapshot: SnapshotMode | str = SnapshotMode.COPY, stop_grace: float | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep < 1:
@@ -112,6 +120,56 @@ class CheckpointEngine:
         self.daemon_addr = self._find_daemon()
         self._conn = Conn(self.daemon_addr)
         self._first_of_step: set[int] = set()
+        self._saving = False
+        self._stop_signal: int | None = None
+        self.stop_grace = stop_grace
+        self._prev_handler: Any = None
+        if stop_grace is not None:
+            self._catch_stop()
+
+    # ------------------------------------------------------------------ save at the fault
+    def _catch_stop(self) -> None:
+        import signal
+
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("rank %d: save at stop is off: the engine was built outside the main thread", self.rank)
+            return
+        self._prev_handler = signal.signal(signal.SIGTERM, self._on_stop)
+
+    def _on_stop(self, signum: int, _frame: Any) -> None:
+        self._stop_signal = signum
+        if self._saving:
+            log.warning("rank %d: stopped (signal %d) during a save: finishing it first", self.rank, signum)
+            return                        # save() ends with _stop_now()
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        import signal
+
+        signum, t0 = self._stop_signal or signal.SIGTERM, time.perf_counter()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            log.warning("rank %d: stopped (signal %d): waiting up to %.0f s for the in-flight save", self.rank,
+                        signum, self.stop_grace)
+            thread.join(self.stop_grace)
+        if thread is None:
+            log.info("rank %d: stopped (signal %d): no save in flight", self.rank, signum)
+        elif thread.is_alive():
+            log.error("rank %d: stopped (signal %d): the save of step %s is not done after %.1f s: exiting "
+                      "anyway (its daemon keeps going)", self.rank, signum, thread.name.rsplit("-", 1)[-1],
+                      time.perf_counter() - t0)
+        else:
+            log.warning("rank %d: stopped (signal %d): the save of step %s is %s (%.2f s): exiting", self.rank,
+                        signum, thread.name.rsplit("-", 1)[-1],
+                        "committed" if self.committed and self.last_result and self.last_result.get("committed")
+                        else ("done" if self._error is None else f"failed: {self._error}"),
+                        time.perf_counter() - t0)
+        prev = self._prev_handler
+        signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
+        if callable(prev):
+            prev(signum, None)
+        else:
+            os.kill(os.getpid(), signum)   # the default action: the exit status says SIGTERM
 
     def _find_daemon(self) -> str:
         info = segments.registered(self.runtime).get(self.node)
@@ -131,7 +189,8 @@ class CheckpointEngine:
     @classmethod
     def from_env(cls, directory: str | os.PathLike | None = None, **kwargs: Any) -> "CheckpointEngine":
         """Build from the launcher's environment (TRANSOM_CKPT_DIR, RANK, WORLD_SIZE, TRANSOM_JOB,
-        TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME, TRANSOM_CKPT_SNAPSHOT);
+        TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME, TRANSOM_CKPT_SNAPSHOT,
+        TRANSOM_CKPT_STOP_S: seconds a SIGTERM waits for the in-flight save, ``stop_grace``);
         ``kwargs`` override."""
         directory = directory or env_str("TRANSOM_CKPT_DIR")
         if not directory:
@@ -140,7 +199,8 @@ class CheckpointEngine:
             job=env_str("TRANSOM_JOB", "local"), rank=env_int("RANK", 0),
             world_size=env_int("WORLD_SIZE", 1), node=env_str("TRANSOM_NODE", socket.gethostname()),
             generation=env_int("TRANSOM_GENERATION", 0), bootstrap=env_str("TRANSOM_BOOTSTRAP"),
-            runtime=env_str("TRANSOM_CKPT_RUNTIME"), snapshot=env_str("TRANSOM_CKPT_SNAPSHOT", "copy"))
+            runtime=env_str("TRANSOM_CKPT_RUNTIME"), snapshot=env_str("TRANSOM_CKPT_SNAPSHOT", "copy"),
+            stop_grace=float(env_str("TRANSOM_CKPT_STOP_S", "8")))
         args.update(kwargs)
         return cls(directory, **args)
 
@@ -163,6 +223,15 @@ class CheckpointEngine:
                 return False
             log.info("rank %d: checkpoint of step %d waits for the previous save (policy wait)", self.rank, step)
             self._thread.join()
+        self._saving = True
+        try:
+            return self._save(step, state)
+        finally:
+            self._saving = False
+            if self._stop_signal is not None:
+                self._stop_now()
+
+    def _save(self, step: int, state: Any) -> bool:
         t0 = time.perf_counter()
         plan = shardfmt.plan(state)                                      # stage 1: snapshot
         seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,

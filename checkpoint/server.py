@@ -76,6 +76,7 @@ __all__ = ["CheckpointServer", "Slot", "main"]
 
 log = get("checkpoint.server")
 _MiB = 1 << 20
+_TEST_DELAY_S = float(os.environ.get("TRANSOM_CKPT_TEST_DELAY_S") or 0)
 
 
 @dataclass
@@ -159,6 +160,7 @@ class CheckpointServer:
         self.port = self.tcp.server_address[1]
         self.addr = f"[{self.advertise}]:{self.port}" if ":" in self.advertise else f"{self.advertise}:{self.port}"
         self._register = register
+        self.stopping = False
         self._threads = [threading.Thread(target=self.tcp.serve_forever, name="ckpt-serve", daemon=True),
                          threading.Thread(target=self._pipeline, name="ckpt-pipeline", daemon=True)]
 
@@ -364,6 +366,8 @@ class CheckpointServer:
                                "origin": s.origin} for s in self.slots.values()], "used": self._used()}
 
     def _op_acquire(self, _sock, msg) -> dict:
+        if self.stopping:
+            return {"error": f"the TCE daemon of {self.node} is stopping: no new save is taken"}
         self._check_generation(msg["job"], msg.get("generation"), f"the save of step {msg['step']} of rank {msg['rank']}")
         with self.lock:
             self._release_old("own", msg["job"], msg["rank"], msg.get("ckpt_dir"))
@@ -513,8 +517,11 @@ class CheckpointServer:
         while True:
             item = self.queue.get()
             if item is None:
+                self.queue.task_done()
                 return
             slot, msg = item
+            if _TEST_DELAY_S:
+                time.sleep(_TEST_DELAY_S)         # tests: a save that is surely still in flight
             res = self.results[(msg["job"], msg["rank"], msg["step"])]
             try:
                 res.info = self._run_stages(slot, msg)
@@ -524,6 +531,7 @@ class CheckpointServer:
                           msg["rank"], msg["step"], res.error)
             finally:
                 res.done.set()
+                self.queue.task_done()
 
     def _run_stages(self, slot: Slot, msg: dict) -> dict:
         job, rank, step, gen = msg["job"], msg["rank"], msg["step"], msg.get("generation", 0)
@@ -653,14 +661,36 @@ class CheckpointServer:
         for p in steps[:-self.disk_keep]:
             shutil.rmtree(p, ignore_errors=True)
 
-    def serve(self) -> None:
-        """Run until SIGTERM or SIGINT, then remove every segment and unregister."""
+    def drain(self, timeout: float) -> bool:
+        """Save at the fault: take no new save, let the staged ones finish every stage (hash,
+        replicate, persist, commit) for up to ``timeout`` s while requests (``staged``, ``wait``,
+        ``read``) are still served; True when nothing was left."""
+        self.stopping = True
+        t0 = time.monotonic()
+        pending = self.queue.unfinished_tasks
+        if pending:
+            log.warning("%s: stopping: persisting %d staged save(s) first (at most %.0f s)", self.node, pending,
+                        timeout)
+        while self.queue.unfinished_tasks and time.monotonic() - t0 < timeout:
+            time.sleep(0.02)
+        left = self.queue.unfinished_tasks
+        if left:
+            log.error("%s: stopping after %.1f s with %d save(s) not persisted (raise --stop-timeout)",
+                      self.node, time.monotonic() - t0, left)
+        elif pending:
+            log.warning("%s: stopping: %d staged save(s) persisted in %.2f s", self.node, pending,
+                        time.monotonic() - t0)
+        return not left
+
+    def serve(self, stop_timeout: float = 30.0) -> None:
+        """Run until SIGTERM or SIGINT, then drain (:meth:`drain`), remove every segment and unregister."""
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         self.start()
         stop.wait()
         log.info("TCE daemon of %s stopping", self.node)
+        self.drain(stop_timeout)
         self.close()
 
 
@@ -679,5 +709,5 @@ def main(args: argparse.Namespace) -> int:
     CheckpointServer(args.node, args.runtime, disk_dir=args.disk_dir, host=args.host, port=args.port,
                      transport=args.transport, protocol=args.protocol, mem_keep=args.mem_keep,
                      disk_keep=args.disk_keep, max_bytes=args.max_bytes, bootstrap=args.bootstrap,
-                     advertise=args.advertise).serve()
+                     advertise=args.advertise).serve(args.stop_timeout)
     return 0

@@ -157,3 +157,50 @@ def test_daemons_with_a_secret_refuse_unauthenticated_clients_and_serve_authenti
             Conn(addr)
     finally:
         c.close()
+
+
+# --------------------------------------------------------------------------- save at the fault
+
+_RANK = """
+import sys, time, torch
+from transom.checkpoint import CheckpointEngine
+eng = CheckpointEngine(sys.argv[1], sys.argv[2], 0, 1, "node0", runtime=sys.argv[3], stop_grace=60)
+eng.save(7, {"w": torch.arange(100_000.0)})
+print("saved", flush=True)
+while True:
+    time.sleep(0.05)            # training goes on until the controller stops the rank
+"""
+
+
+def test_a_stopped_rank_and_its_daemon_finish_and_persist_the_in_flight_save(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    from transom.checkpoint import complete_steps, store
+
+    from util import wait_until
+
+    monkeypatch.setenv("TRANSOM_CKPT_TEST_DELAY_S", "1.5")     # the save is surely in flight at the stop
+    c = Cluster(tmp_path, ["node0", "node1"], transport="tcp")
+    ckpt, job = tmp_path / "ckpt", f"job-{uuid.uuid4().hex[:8]}"
+    rank = subprocess.Popen([sys.executable, "-c", _RANK, str(ckpt), job, str(c.runtime)], env=c.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "saved", "the rank's first line"
+        rank.send_signal(signal.SIGTERM)                   # the controller stops the rank and the node
+        c.signal("node0", signal.SIGTERM)
+        out, _ = rank.communicate(timeout=60)
+        assert rank.returncode == -signal.SIGTERM, out
+        assert "stopped (signal 15): the save of step 7 is committed" in out, out
+        c.procs["node0"].wait(60)
+        assert complete_steps(ckpt) == [7]
+        man = layout.read_manifest(step_dir(ckpt, 7))
+        state = store.read_shard(step_dir(ckpt, 7), man.shards[0])
+        assert torch.equal(state["w"], torch.arange(100_000.0))
+        wait_until(lambda: "staged save(s) persisted" in c.log("node0") or None, 10, "the daemon's drain line")
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+        c.close()
