@@ -375,14 +375,20 @@ class CheckpointEngine:
         self.close()
 
     # ------------------------------------------------------------------ load
-    def load(self, step: int | None = None, *, rank: int | None = None, **_: Any) -> tuple[int, Any] | None:
+    def load(self, step: int | None = None, *, rank: int | None = None, template: Any = None,
+             **_: Any) -> tuple[int, Any] | None:
         """This rank's state of a committed step, as ``(step, state)``, from its fastest good copy.
 
         Without ``step``: the newest committed step with a good copy (a step without one is
         skipped with a warning), or None. With ``step``: that step, or :class:`NoCheckpoint`
         (absent, not committed) / :class:`CorruptCheckpoint` (no copy verifies). ``rank``: another
         rank's shard instead (data-parallel replicas: one rank saves the model, every rank loads it).
+        ``template``: a state of DTensors laid out as the job runs now; they are filled in place
+        from the saved pieces, re-sharded when the step was saved by another world size
+        (:mod:`.sharded`).
         """
+        if template is not None:
+            return self._load_template(step, template)
         rank = self.rank if rank is None else rank
         if step is not None:
             return step, self._load_step(step, rank)
@@ -393,7 +399,30 @@ class CheckpointEngine:
                 log.warning("rank %d: skipping checkpoint step %d: %s", self.rank, s, exc)
         return None
 
-    def _manifest(self, step: int) -> contracts.CheckpointReady:
+    def _load_template(self, step: int | None, template: Any) -> tuple[int, Any] | None:
+        from . import sharded
+
+        for s in ([step] if step is not None else list(reversed(layout.complete_steps(self.directory)))):
+            try:
+                man = self._manifest(s, reshard=True)
+                cache: dict[int, Any] = {}
+
+                def load_rank(r: int, s: int = s) -> Any:
+                    if r not in cache:
+                        cache[r] = self._load_step(s, r, reshard=True)
+                    return cache[r]
+                state = sharded.fill(template, load_rank, man.world_size, self.rank)
+                if man.world_size != self.world_size:
+                    log.info("rank %d: step %d saved by %d ranks re-sharded onto %d (read the shards of ranks %s)",
+                             self.rank, s, man.world_size, self.world_size, sorted(cache))
+                return s, state
+            except (CorruptCheckpoint, NoCheckpoint) as exc:
+                if step is not None:
+                    raise
+                log.warning("rank %d: skipping checkpoint step %d: %s", self.rank, s, exc)
+        return None
+
+    def _manifest(self, step: int, reshard: bool = False) -> contracts.CheckpointReady:
         sdir = layout.step_dir(self.directory, step)
         if not sdir.is_dir():
             raise NoCheckpoint(f"no checkpoint of step {step} in {self.directory}")
@@ -404,9 +433,9 @@ class CheckpointEngine:
                                f"(no {layout.MANIFEST}: not every rank's shard was committed)") from None
         except (OSError, contracts.ContractError) as exc:
             raise CorruptCheckpoint(str(sdir / layout.MANIFEST), f"unreadable manifest: {exc}") from None
-        if man.world_size != self.world_size:
+        if man.world_size != self.world_size and not reshard:
             raise NoCheckpoint(f"checkpoint step {step} in {sdir} was written by {man.world_size} "
-                               f"ranks, this job has {self.world_size} (resharding is not supported)")
+                               f"ranks, this job has {self.world_size} (load(template=...) re-shards DTensor state)")
         return man
 
     def _candidates(self, step: int, man: contracts.CheckpointReady, shard: contracts.Shard) -> list:
@@ -424,8 +453,8 @@ class CheckpointEngine:
             out.append((3, "shared", contracts.Copy(shard.rank, "shared", contracts.Tier.SHARED, here)))
         return out
 
-    def _load_step(self, step: int, rank: int) -> Any:
-        man = self._manifest(step)
+    def _load_step(self, step: int, rank: int, reshard: bool = False) -> Any:
+        man = self._manifest(step, reshard)
         shard = next((s for s in man.shards if s.rank == rank), None)
         if shard is None:
             raise NoCheckpoint(f"checkpoint step {step} has no shard of rank {rank}")
