@@ -2,8 +2,8 @@
 
 Ranks of the node write their shard into a shared-memory segment the daemon hands out
 (``acquire``), then tell it the shard is there (``staged``); from then on a crash of the
-training process loses nothing. For every staged shard the daemon runs, in order, on its
-pipeline thread:
+training process loses nothing. For every staged shard the daemon runs, on its pipeline thread
+(stages 2 and 3 at once, on threads of their own: the shard is ready after the slowest of them):
 
 1. hash        the shard's digest (:mod:`.digest`) of the bytes (the same bytes are every copy, see :mod:`.shardfmt`)
 2. replicate   into the ring neighbour daemon's memory (:mod:`.transport`); never on this node
@@ -547,47 +547,71 @@ class CheckpointServer:
         copies = [contracts.Copy(rank, self.node, contracts.Tier.MEMORY, f"{self.addr}#{slot.seg.path}")]
         meta = {"job": job, "rank": rank, "step": step, "size": size, "digest": dig, "origin": self.node,
                 "generation": gen, "ckpt_dir": msg.get("ckpt_dir")}
-        t1 = time.perf_counter()                                        # 2. replicate
-        peer, where, t["transfer_s"] = self._replicate(slot, meta)
-        if peer is not None:
-            t["replicate_s"] = time.perf_counter() - t1
-            copies.append(contracts.Copy(rank, peer["node"], contracts.Tier.MEMORY, f"{peer['addr']}#{where}"))
-        t2 = time.perf_counter()                                        # 3. persist
+        # 2. replicate and 3. persist run at once (each is bound by its own device: the link, the
+        # local disk, the shared file system), so the checkpoint is ready after the slowest of them
         unpersisted: list[str] = []
-        if msg.get("disk", True):
-            ddir = layout.step_dir(self.disk_dir / safe_name(job), step)
-            where = ddir / layout.shard_name(rank)
-            try:
-                ddir.mkdir(parents=True, exist_ok=True)
-                store.write_bytes(where, data)
-                copies.append(contracts.Copy(rank, self.node, contracts.Tier.DISK, str(where)))
-            except OSError as exc:
-                unpersisted.append(self._persist_failed(job, rank, step, where, exc))
-        t["persist_s"] = time.perf_counter() - t2
-        ready = None
-        if msg.get("ckpt_dir"):                                         # 4. commit
-            self._claim(msg["ckpt_dir"], job, gen, f"the commit of step {step} of rank {rank}")
-            sdir = layout.step_dir(msg["ckpt_dir"], step)
+        sdir = layout.step_dir(msg["ckpt_dir"], step) if msg.get("ckpt_dir") else None
+        if sdir is not None:
             replaced = store.uncommit_older(sdir) if msg.get("first_of_step", True) else None
             if replaced is not None:
                 log.info("step %d was committed by generation %s; generation %d replaces it", step, replaced, gen)
+
+        def replicate() -> contracts.Copy | None:
+            t1 = time.perf_counter()
+            peer, where, t["transfer_s"] = self._replicate(slot, meta)
+            if peer is None:
+                return None
+            t["replicate_s"] = time.perf_counter() - t1
+            return contracts.Copy(rank, peer["node"], contracts.Tier.MEMORY, f"{peer['addr']}#{where}")
+
+        def persist(where: Path, tier: contracts.Tier, node: str, key: str) -> contracts.Copy | None:
+            t1 = time.perf_counter()
+            try:
+                where.parent.mkdir(parents=True, exist_ok=True)
+                store.write_bytes(where, data)
+            except OSError as exc:
+                unpersisted.append(self._persist_failed(job, rank, step, where, exc))
+                return None
+            finally:
+                t[key] = time.perf_counter() - t1
+            return contracts.Copy(rank, node, tier, str(where.resolve()) if tier == contracts.Tier.SHARED
+                                  else str(where))
+
+        jobs = [replicate]
+        if msg.get("disk", True):
+            ddir = layout.step_dir(self.disk_dir / safe_name(job), step)
+            jobs.append(lambda: persist(ddir / layout.shard_name(rank), contracts.Tier.DISK, self.node, "persist_s"))
+        if sdir is not None and msg.get("shared", True):
+            jobs.append(lambda: persist(sdir / layout.shard_name(rank), contracts.Tier.SHARED, "shared",
+                                        "shared_s"))
+        results: list[Any] = [None] * len(jobs)
+
+        def run(i: int) -> None:
+            try:
+                results[i] = jobs[i]()
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the pipeline thread
+                results[i] = exc
+        threads = [threading.Thread(target=run, args=(i,), name=f"ckpt-stage-{i}") for i in range(1, len(jobs))]
+        for th in threads:
+            th.start()
+        run(0)
+        for th in threads:
+            th.join()
+        for got in results:
+            if isinstance(got, BaseException):
+                raise got
+            if got is not None:
+                copies.append(got)
+        t["persist_s"] = max(t.get("persist_s", 0.0), t.get("shared_s", 0.0))
+        ready = None
+        if sdir is not None:                                            # 4. commit
+            self._claim(msg["ckpt_dir"], job, gen, f"the commit of step {step} of rank {rank}")
             t3 = time.perf_counter()
-            shared = bool(msg.get("shared", True))
-            if shared:
-                where = sdir / layout.shard_name(rank)
-                try:
-                    sdir.mkdir(parents=True, exist_ok=True)
-                    store.write_bytes(where, data)
-                except OSError as exc:
-                    unpersisted.append(self._persist_failed(job, rank, step, where, exc))
-                    shared = False
-                else:
-                    copies.append(contracts.Copy(rank, "shared", contracts.Tier.SHARED, str(where.resolve())))
             # the shard manifest (small) must be written: without it the step cannot commit at all
             store.persist_shard(sdir, job=job, step=step, rank=rank, world_size=msg["world_size"],
                                 node=self.node, generation=gen, data=data, digest=dig, copies=tuple(copies),
                                 write_file=False)
-            t["persist_s"] += time.perf_counter() - t3
+            t["commit_s"] = time.perf_counter() - t3
             ready = store.try_commit(sdir, job=job, step=step, world_size=msg["world_size"], generation=gen,
                                      rank=rank)
         if ready is not None:                                           # 5. announce
