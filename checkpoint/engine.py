@@ -548,7 +548,8 @@ def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard
     """The shard from a peer daemon's memory; hashed as it arrives, refused unless it verifies."""
     conn = Conn(addr, timeout=5)
     try:
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        # no SO_RCVBUF: setting it turns off the kernel's autotuning and is capped at
+        # net.core.rmem_max (208 KiB by default), a window several times too small
         send_msg(conn.sock, {"op": "read", "job": job, "rank": rank, "step": step, "digest": shard.checksum})
         head = recv_msg(conn.sock)
         if not head or not head.get("found"):
