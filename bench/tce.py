@@ -30,6 +30,12 @@ node2 restores). Big buffers are freed between cases (the host has other users).
 then one JSON line with the figures, the targets and whether each is met.
 
     python bench/tce.py [--sizes 1,4] [--transport auto|mooncake|tcp]
+    python bench/tce.py --hosts [--sizes 1]      # on three test-bed hosts (root, namespaces)
+
+With ``--hosts`` the same figures come from three hosts of the test bed (:mod:`transom.testbed`):
+node0 saves (its replica goes to node1 over the bed's bridge, the raw link is node0 -> node1),
+node2 restores from node1's memory and ``torch.load``s the shared file; the daemons find each
+other through the registry on a broker only the bed reaches.
 """
 
 from __future__ import annotations
@@ -294,6 +300,22 @@ def bench_size(nbytes: int, args: argparse.Namespace, daemons: Daemons, root: Pa
     r["torch_load_cold_s"] = min(cold)
     pt.unlink()
     gc.collect()
+    grade(r)
+    return r
+
+
+def inplace_update(state: dict) -> float:
+    """Seconds for one in-place update of every tensor (what an optimizer step does to the weights)."""
+    t0 = time.perf_counter()
+    for v in state.values():
+        v.add_(1.0)
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- --hosts: the test bed
+
+def grade(r: dict) -> dict:
+    """The ratios of one size's figures (the same for one host and for the test bed)."""
     d = r[r["default_mode"]]
     slowest = max(r["raw_socket_s"], r["disk_write_s"])
     r["ratios"] = {
@@ -312,12 +334,176 @@ def bench_size(nbytes: int, args: argparse.Namespace, daemons: Daemons, root: Pa
     return r
 
 
-def inplace_update(state: dict) -> float:
-    """Seconds for one in-place update of every tensor (what an optimizer step does to the weights)."""
+def remote_socket(state: dict, addr: str) -> float:
+    """Seconds to send the state's bytes to a ``--role sink`` on another host, until it has them all."""
+    host, port = addr.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)))
     t0 = time.perf_counter()
     for v in state.values():
-        v.add_(1.0)
-    return time.perf_counter() - t0
+        s.sendall(memoryview(v.numpy()).cast("B"))
+    s.shutdown(socket.SHUT_WR)
+    assert s.recv(1) == b"k"
+    dt = time.perf_counter() - t0
+    s.close()
+    return dt
+
+
+def role_sink(args: argparse.Namespace) -> int:
+    """Receive whole connections into a warm ring and acknowledge each (the raw link's far end)."""
+    srv = socket.create_server(("0.0.0.0", args.port))
+    ring = memoryview(bytearray(512 << 20))
+    print("listening", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        got = 0
+        while True:
+            k = conn.recv_into(ring[got % len(ring):][: 8 << 20])
+            if not k:
+                break
+            got += k
+        conn.sendall(b"k")
+        conn.close()
+
+
+def role_saver(args: argparse.Namespace) -> int:
+    """On the saving host: the peers, the raw link to the sink host, the training loop through saves."""
+    root, nbytes = Path(args.root), int(float(args.size) * GiB)
+    r: dict = {"bytes": nbytes}
+    state = make_state(nbytes, args.tensor_mib)
+    r["plain_copy_s"] = plain_copy(state)
+    r["update_s"] = inplace_update(state)
+    r["async_save_block_s"] = dcp_async_save(state, root / "dcp")
+    r["durable_torch_save_s"] = durable_torch_save(state, root / "state.pt")     # the restorer reads it
+    r["raw_socket_s"] = min(remote_socket(state, args.sink) for _ in range(args.repeat))
+    r["raw_socket_gbps"] = nbytes / r["raw_socket_s"] / 1e9
+    r["disk_write_s"] = min(disk_write(state, Path(args.disk_dir) / "probe") for _ in range(args.repeat))
+    transfers = []
+    for mode in MODES:
+        eng = CheckpointEngine(root / f"ckpt-{mode}", f"{args.job}-{mode}", 0, 1, "node0", shared=False,
+                               snapshot=mode)
+        eng.reserve(state)
+        for step in range(1, args.warm + 1):
+            eng.save(step, state)
+            eng.wait()
+        runs = [loop_through_save(state, eng, args.warm + 1 + i) for i in range(args.repeat)]
+        got = {k: min(x[k] for x in runs) for k in ("lost_s", "stall_s", "ready_s")}
+        got |= {"steps": runs[0]["steps"], "runs": [{k: round(v, 4) for k, v in x.items()} for x in runs]}
+        res = eng.last_result or {}
+        got["stages"] = {k: round(v, 4) for k, v in res.items() if k.endswith("_s")}
+        got["copies"] = [(c["tier"], c["node"]) for c in res.get("copies", [])]
+        if res.get("transfer_s"):
+            transfers.append(res["transfer_s"])
+        r[mode] = got
+        eng.close()
+    r["replication_s"] = min(transfers) if transfers else None
+    r["replication_gbps"] = nbytes / r["replication_s"] / 1e9 if transfers else None
+    r["default_mode"] = min(MODES, key=lambda m: r[m]["lost_s"])
+    print(json.dumps(r), flush=True)
+    return 0
+
+
+def role_restorer(args: argparse.Namespace) -> int:
+    """On a host that holds no copy: restore the saved shard from a peer's memory, then torch.load
+    the same state from the shared file with its pages dropped."""
+    root = Path(args.root)
+    r: dict = {}
+    eng = CheckpointEngine(root / f"ckpt-{args.mode}", f"{args.job}-{args.mode}", 0, 1, "node2", shared=False)
+    times = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        step, restored = eng.load()
+        times.append(time.perf_counter() - t0)
+        r["restore_tier"], r["restore_node"] = eng.last_restore["tier_name"], eng.last_restore["node"]
+        del restored
+        gc.collect()
+    eng.close()
+    r["peer_restore_s"] = min(times)
+    pt, cold = root / "state.pt", []
+    for _ in range(args.repeat):
+        fd = os.open(pt, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        t0 = time.perf_counter()
+        loaded = torch.load(pt, weights_only=True)
+        cold.append(time.perf_counter() - t0)
+        del loaded
+        gc.collect()
+    r["torch_load_cold_s"] = min(cold)
+    print(json.dumps(r), flush=True)
+    return 0
+
+
+def hosts_bench(args: argparse.Namespace) -> tuple[dict, str]:
+    """Three test-bed hosts (transom.testbed: own network, PID space, /tmp, /dev/shm), a TCE daemon
+    on each finding the others through the registry on a broker; node0 saves, node1 holds its
+    replica (and is the raw link's far end), node2 restores. The bytes cross the bed's bridge."""
+    import subprocess
+
+    from transom import testbed
+    from transom.broker import EmbeddedBroker
+
+    ok, why = testbed.available()
+    if not ok:
+        raise SystemExit(f"--hosts: the test bed is unavailable here: {why}")
+    root = Path(tempfile.mkdtemp(prefix="transom-bench-tce-hosts-", dir="/tmp"))
+    hosts = ["node0", "node1", "node2"]
+    results: dict = {}
+    env = {**os.environ, "TRANSOM_CLUSTER": f"bench-{uuid.uuid4().hex[:8]}"}
+    for k in ("TRANSOM_CKPT_RUNTIME", "TRANSOM_CKPT_LOCAL_DIR", "TRANSOM_ADVERTISE_ADDR"):
+        env.pop(k, None)
+    me = str(Path(__file__).resolve())
+    procs: list = []
+    with testbed.Bed(hosts, share=[root]) as bed, \
+            EmbeddedBroker(host=bed.root_addr, log_path=str(root / "broker.log")) as broker:
+        try:
+            for h in hosts:
+                (root / f"disk-{h}").mkdir()
+                procs.append(bed.python(h, ["-m", "transom.cli", "ckpt-server", "--node", h, "--host", "0.0.0.0",
+                                            "--bootstrap", broker.bootstrap, "--transport", args.transport,
+                                            "--disk-dir", str(root / f"disk-{h}")], env=env,
+                                        stdout=open(root / f"daemon-{h}.log", "wb"), stderr=subprocess.STDOUT))
+            port = 39000
+            procs.append(bed.python("node1", [me, "--role", "sink", "--port", str(port)], env=env,
+                                    stdout=subprocess.PIPE, stderr=open(root / "sink.log", "wb")))
+            assert procs[-1].stdout.readline().strip() == b"listening"
+            time.sleep(3)                       # the daemons register and see each other
+            for gib in args.sizes.split(","):
+                job = f"bench-{uuid.uuid4().hex[:6]}"
+                common = ["--root", str(root), "--job", job, "--size", gib, "--repeat", str(args.repeat),
+                          "--warm", str(args.warm), "--tensor-mib", str(args.tensor_mib)]
+                say(f"--hosts {gib} GiB: saver on node0 (replica on node1, raw link node0 -> node1)")
+                r = _host_json(bed, "node0", [me, "--role", "saver", "--sink", f"{bed.addr('node1')}:{port}",
+                                              "--disk-dir", str(root / "disk-node0"), *common], env, root)
+                say("restorer on node2 (from node1's memory; torch.load of the page-dropped file)")
+                r |= _host_json(bed, "node2", [me, "--role", "restorer", "--mode", r["default_mode"], *common],
+                                env, root)
+                (root / "state.pt").unlink(missing_ok=True)
+                results[f"{float(gib):g}GiB"] = grade(r)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    shutil.rmtree(root, ignore_errors=True)
+    return results, f"{args.transport} over the test bed's bridge"
+
+
+def _host_json(bed, host: str, argv: list, env: dict, root: Path) -> dict:
+    import subprocess
+
+    with open(root / f"{host}-role.log", "ab") as err:
+        p = bed.python(host, argv, env=env, stdout=subprocess.PIPE, stderr=err)
+        out, _ = p.communicate(timeout=1800)
+    if p.returncode != 0:
+        raise SystemExit(f"--hosts: the {host} part failed (exit {p.returncode}): "
+                         f"{(root / f'{host}-role.log').read_text()[-2000:]}")
+    return json.loads(out.decode().strip().splitlines()[-1])
 
 
 def met(name: str, value: float) -> bool:
@@ -335,17 +521,30 @@ def main() -> int:
     p.add_argument("--transport", default="auto", choices=("auto", "mooncake", "tcp"),
                    help="the daemons' replication transport (default auto: Mooncake RDMA with an active "
                         "RDMA port, Transom's TCP transport otherwise)")
+    p.add_argument("--hosts", action="store_true",
+                   help="run on three test-bed hosts (transom.testbed, needs root and namespaces): the "
+                        "bytes cross the bed's network, daemons find each other through the registry")
+    p.add_argument("--role", choices=("saver", "restorer", "sink"), help=argparse.SUPPRESS)  # --hosts' parts
+    for hidden in ("--root", "--job", "--size", "--sink", "--disk-dir", "--mode"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(1)
-    root = Path(tempfile.mkdtemp(prefix="transom-bench-tce-", dir="/tmp"))
-    daemons = Daemons(root, args.transport)
+    if args.role:
+        return {"saver": role_saver, "restorer": role_restorer, "sink": role_sink}[args.role](args)
     results = {}
-    try:
-        for gib in [float(x) for x in args.sizes.split(",")]:
-            results[f"{gib:g}GiB"] = bench_size(int(gib * GiB), args, daemons, root)
-    finally:
-        daemons.close()
-        shutil.rmtree(root, ignore_errors=True)
+    if args.hosts:
+        results, where = hosts_bench(args)
+    else:
+        root = Path(tempfile.mkdtemp(prefix="transom-bench-tce-", dir="/tmp"))
+        daemons = Daemons(root, args.transport)
+        where = f"{daemons.transport} over loopback"
+        try:
+            for gib in [float(x) for x in args.sizes.split(",")]:
+                results[f"{gib:g}GiB"] = bench_size(int(gib * GiB), args, daemons, root)
+        finally:
+            daemons.close()
+            shutil.rmtree(root, ignore_errors=True)
     cols = list(results)
     rows = [("plain copy s (warm memory)", lambda x: x["plain_copy_s"]),
             ("training step s (in-place update)", lambda x: x["update_s"])]
@@ -360,7 +559,7 @@ def main() -> int:
              ("replication s", lambda x: x["replication_s"] or 0.0),
              ("peer restore s (verified)", lambda x: x["peer_restore_s"]),
              ("torch.load s (pages dropped)", lambda x: x["torch_load_cold_s"])]
-    print(f"{'TCE (' + daemons.transport + ')':<36}" + "".join(f"{c:>12}" for c in cols))
+    print(f"{'TCE (' + where + ')':<36}" + "".join(f"{c:>12}" for c in cols))
     for label, get in rows:
         print(f"{label:<36}" + "".join(f"{get(results[c]):>12.3f}" for c in cols))
     print(f"{'default snapshot mode (least lost)':<36}" + "".join(f"{results[c]['default_mode']:>12}" for c in cols))
@@ -381,7 +580,7 @@ def main() -> int:
     ratios = {c: {k: round(v, 3) for k, v in results[c]["ratios"].items()} for c in cols}
     info = {c: {k: round(v, 3) for k, v in results[c]["info_ratios"].items()} for c in cols}
     met_all = {c: {k: met(k, v) for k, v in results[c]["ratios"].items()} for c in cols}
-    print(json.dumps({"bench": "tce", "transport": daemons.transport, "figures": figures, "ratios": ratios,
+    print(json.dumps({"bench": "tce", "where": where, "hosts": bool(args.hosts), "figures": figures, "ratios": ratios,
                       "info_ratios": info, "targets": {k: f"{op} {t}" for k, (op, t) in TARGETS.items()},
                       "met": met_all, "all_met": all(all(v.values()) for v in met_all.values())}))
     return 0
