@@ -209,19 +209,17 @@ def test_a_stopped_rank_and_its_daemon_finish_and_persist_the_in_flight_save(tmp
 # --------------------------------------------------------------------------- DTensor state
 
 def _dtensor_rank(rank: int, world: int, phase: str, root: str, job: str, runtime: str, q) -> None:
-    """One rank of an FSDP2 job on a gloo CPU mesh: train one step and save it (phase "save"), or
-    build the model afresh and load the saved step into it (phase "load"); report full tensors."""
+    """One rank of an FSDP2 job on a gloo CPU mesh. Phase "save": train one step, save it, then
+    build the model afresh (other weights) and load the step into it. Phase "load": only the
+    latter. Reports the full tensors (bytes) as saved and as loaded."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from transom.checkpoint import CheckpointEngine
 
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{root}/pg-{phase}-{world}", rank=rank,
-                                world_size=world)
-        mesh = init_device_mesh("cpu", (world,))
-        torch.manual_seed(0 if phase == "save" else 1234)           # the load starts from other weights
+    def build(mesh, seed: int):
+        torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 12))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
@@ -232,21 +230,33 @@ def _dtensor_rank(rank: int, world: int, phase: str, root: str, job: str, runtim
         model(torch.randn(8, 24)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        eng = CheckpointEngine(f"{root}/ckpt", job, rank, world, f"node{rank % 3}", runtime=runtime)
-        if phase == "save":
-            eng.save(1, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3})
-            eng.wait()
-        else:
-            step, state = eng.load(template={"model": model.state_dict(), "optim": opt.state_dict()})
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"])
-            assert step == 1 and state["epoch"] == 3
-        eng.close()
-        full = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
+        return model, opt
+
+    def full(model, opt) -> dict:
+        out = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
         for i, st in opt.state_dict()["state"].items():
             for k, v in st.items():
-                full[f"optim.{i}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
-        q.put((rank, {k: v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for k, v in full.items()}))
+                out[f"optim.{i}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+        return {k: v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for k, v in out.items()}
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{root}/pg-{phase}-{world}", rank=rank,
+                                world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        eng = CheckpointEngine(f"{root}/ckpt", job, rank, world, f"node{rank % 3}", runtime=runtime)
+        saved = None
+        if phase == "save":
+            model, opt = build(mesh, 0)
+            eng.save(1, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3})
+            eng.wait()
+            saved = full(model, opt)
+        model, opt = build(mesh, 1234)                   # the load starts from other weights
+        step, state = eng.load(template={"model": model.state_dict(), "optim": opt.state_dict()})
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        assert step == 1 and state["epoch"] == 3
+        eng.close()
+        q.put((rank, (saved, full(model, opt))))
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         import traceback
@@ -265,7 +275,7 @@ def _run_ranks(world: int, phase: str, root: Path, job: str, runtime: Path) -> d
     for p in procs:
         p.start()
     try:
-        got = dict(q.get(timeout=180) for _ in procs)
+        got = dict(q.get(timeout=300) for _ in procs)
     finally:
         for p in procs:
             p.join(30)
@@ -279,13 +289,13 @@ def _run_ranks(world: int, phase: str, root: Path, job: str, runtime: Path) -> d
 
 def test_fsdp2_model_and_optimizer_saved_on_4_ranks_load_bit_for_bit_on_4_and_reshard_onto_3(tmp_path, cluster):
     job = f"job-{uuid.uuid4().hex[:8]}"
-    saved = _run_ranks(4, "save", tmp_path, job, cluster.runtime)
-    ref = saved[0]
-    assert all(v == ref for v in saved.values()), "full tensors agree on every rank"
+    four = _run_ranks(4, "save", tmp_path, job, cluster.runtime)
+    ref = four[0][0]
+    assert all(saved == ref for saved, _ in four.values()), "full tensors agree on every rank"
     assert any(k.startswith("optim.") and k.endswith("exp_avg") for k in ref)
-    for world in (4, 3):
-        got = _run_ranks(world, "load", tmp_path, job, cluster.runtime)
-        for r, full in got.items():
+    three = _run_ranks(3, "load", tmp_path, job, cluster.runtime)
+    for world, got in ((4, four), (3, three)):
+        for r, (_, full) in got.items():
             assert full.keys() == ref.keys()
             diff = [k for k in ref if full[k] != ref[k]]
             assert not diff, f"world {world} rank {r}: {diff} differ from what 4 ranks saved"
