@@ -506,6 +506,89 @@ def _host_json(bed, host: str, argv: list, env: dict, root: Path) -> dict:
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
+# --------------------------------------------------------------------------- sharded state vs DCP
+
+def sharded_rank(rank: int, world: int, root: str, runtime: str, nbytes: int, q) -> None:
+    """One rank of ``world`` holding ``nbytes`` of DTensors sharded on dim 0 (what FSDP2 holds):
+    TCE save (blocking, ready) and load(template=) against DCP save, async_save and load."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        per = 64 << 20
+        rows = per // 4 // 1024
+        state = {f"layer{i}.weight": distribute_tensor(torch.full((rows, 1024), float(i)), mesh, [Shard(0)])
+                 for i in range(max(1, nbytes // per))}
+        out: dict = {}
+
+        def timed(name, fn):
+            dist.barrier()
+            t0 = time.perf_counter()
+            got = fn()
+            out[name] = time.perf_counter() - t0
+            return got
+        eng = CheckpointEngine(f"{root}/ckpt", "sharded", rank, world, f"node{rank % 3}", runtime=runtime,
+                               shared=False)
+        eng.reserve(state)
+        eng.save(1, state)
+        eng.wait()
+        timed("tce_save_block_s", lambda: eng.save(2, state))
+        eng.wait()
+        dist.barrier()
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            timed("dcp_save_s", lambda: dcp.save(state, checkpoint_id=f"{root}/dcp-sync"))
+            fut = timed("dcp_async_save_block_s", lambda: dcp.async_save(state, checkpoint_id=f"{root}/dcp-async"))
+            fut.result()
+            template = {k: distribute_tensor(torch.zeros(rows, 1024), mesh, [Shard(0)]) for k in state}
+            timed("tce_load_s", lambda: eng.load(template=template))
+            ok = all(torch.equal(template[k].to_local(), state[k].to_local()) for k in state)
+            template = {k: distribute_tensor(torch.zeros(rows, 1024), mesh, [Shard(0)]) for k in state}
+            timed("dcp_load_s", lambda: dcp.load(template, checkpoint_id=f"{root}/dcp-sync"))
+        eng.close()
+        out["tce_ready_s"] = (eng.last_result or {}).get("total_s")
+        out["load_ok"] = ok
+        q.put((rank, out))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        q.put((rank, f"{exc!r}\n{traceback.format_exc()}"))
+
+
+def sharded_bench(world: int, nbytes: int, daemons: "Daemons", root: Path) -> dict:
+    """The same sharded state on ``world`` ranks: TCE against torch.distributed.checkpoint."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint"])
+    q = ctx.Queue()
+    sroot = root / "sharded"
+    sroot.mkdir(exist_ok=True)
+    procs = [ctx.Process(target=sharded_rank, args=(r, world, str(sroot), str(daemons.runtime), nbytes // world, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join(60)
+    bad = {r: v for r, v in got.items() if isinstance(v, str)}
+    if bad:
+        raise SystemExit(f"sharded bench failed: {bad}")
+    keys = [k for k in got[0] if k.endswith("_s") and got[0][k] is not None]
+    r = {k: max(v[k] for v in got.values()) for k in keys}      # the slowest rank sets the pace
+    r["load_ok"] = all(v["load_ok"] for v in got.values())
+    r["ranks"], r["bytes"] = world, nbytes
+    shutil.rmtree(sroot, ignore_errors=True)
+    return r
+
+
 def met(name: str, value: float) -> bool:
     op, target = TARGETS[name]
     return value <= target if op == "<=" else value >= target
@@ -521,6 +604,10 @@ def main() -> int:
     p.add_argument("--transport", default="auto", choices=("auto", "mooncake", "tcp"),
                    help="the daemons' replication transport (default auto: Mooncake RDMA with an active "
                         "RDMA port, Transom's TCP transport otherwise)")
+    p.add_argument("--sharded", type=int, default=2, metavar="RANKS",
+                   help="also compare with torch.distributed.checkpoint on DTensor state sharded over RANKS "
+                        "gloo ranks (default 2; 0: skip)")
+    p.add_argument("--sharded-gib", default="0.25", help="total size of the sharded state (default 0.25)")
     p.add_argument("--hosts", action="store_true",
                    help="run on three test-bed hosts (transom.testbed, needs root and namespaces): the "
                         "bytes cross the bed's network, daemons find each other through the registry")
@@ -532,7 +619,7 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.role:
         return {"saver": role_saver, "restorer": role_restorer, "sink": role_sink}[args.role](args)
-    results = {}
+    results, sharded = {}, None
     if args.hosts:
         results, where = hosts_bench(args)
     else:
@@ -542,6 +629,10 @@ def main() -> int:
         try:
             for gib in [float(x) for x in args.sizes.split(",")]:
                 results[f"{gib:g}GiB"] = bench_size(int(gib * GiB), args, daemons, root)
+            if args.sharded:
+                say(f"sharded state (DTensor, Shard(0)) on {args.sharded} ranks: TCE against "
+                    f"torch.distributed.checkpoint")
+                sharded = sharded_bench(args.sharded, int(float(args.sharded_gib) * GiB), daemons, root)
         finally:
             daemons.close()
             shutil.rmtree(root, ignore_errors=True)
@@ -570,6 +661,14 @@ def main() -> int:
     for name in results[cols[0]]["info_ratios"]:
         print(f"{name + ' (info)':<44}" + "".join(f"{results[c]['info_ratios'][name]:>12.2f}" for c in cols))
 
+    if sharded:
+        print(f"sharded state, {sharded['ranks']} ranks, {sharded['bytes'] / GiB:g} GiB (slowest rank; "
+              f"loads verified: {sharded['load_ok']})")
+        for k in ("tce_save_block_s", "tce_ready_s", "dcp_async_save_block_s", "dcp_save_s", "tce_load_s",
+                  "dcp_load_s"):
+            if k in sharded:
+                print(f"  {k:<34}{sharded[k]:>12.3f}")
+
     def rounded(v):
         if isinstance(v, float):
             return round(v, 4)
@@ -582,7 +681,7 @@ def main() -> int:
     met_all = {c: {k: met(k, v) for k, v in results[c]["ratios"].items()} for c in cols}
     print(json.dumps({"bench": "tce", "where": where, "hosts": bool(args.hosts), "figures": figures, "ratios": ratios,
                       "info_ratios": info, "targets": {k: f"{op} {t}" for k, (op, t) in TARGETS.items()},
-                      "met": met_all, "all_met": all(all(v.values()) for v in met_all.values())}))
+                      "met": met_all, "sharded_vs_dcp": sharded and rounded(sharded), "all_met": all(all(v.values()) for v in met_all.values())}))
     return 0
 
 
