@@ -31,6 +31,7 @@ import enum
 import fcntl
 import json
 import os
+import signal
 import socket
 import struct
 from dataclasses import dataclass
@@ -120,6 +121,12 @@ def _child(job: ForkJob) -> int:
     # Runs in the forked child: only the calling thread exists here. Plain syscalls and memmove:
     # no torch (its thread pools are gone), no logging (a lock may have been held at the fork).
     try:
+        # the controller's stop (SIGTERM to the rank's process group) must not cut the snapshot short:
+        # the parent finishes the save (save at the fault); SIGKILL still ends this child
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:
+            pass                          # not the main thread of the child: keep the default
         lo = job.seg_addr
         hi = job.seg_addr + -(-job.size // _PAGE) * _PAGE
         _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE)    # one syscall, not a fault per page
