@@ -67,6 +67,10 @@ ENV: Mapping[str, str] = {
     "TRANSOM_FAULT_PRINCIPAL": "producer of fault events (TEE): the principal name it signs as",
     "TRANSOM_SIGNING_KEY": "producer of fault events (TEE): its HMAC-SHA256 key (at least 16 characters)",
     "TRANSOM_SIGNING_KEY_FILE": "file whose first line is the signing key (instead of TRANSOM_SIGNING_KEY)",
+    "TRANSOM_CKPT_STOP_S": "rank: seconds a SIGTERM waits for the in-flight checkpoint save (default 8)",
+    "TRANSOM_CKPT_SECRET": "checkpoint daemons and ranks: shared secret (at least 16 characters); set: every "
+                           "connection to a TCE daemon is authenticated (HMAC challenge); unset: OFF",
+    "TRANSOM_CKPT_SECRET_FILE": "file whose first line is the checkpoint secret (instead of TRANSOM_CKPT_SECRET)",
 }
 
 

@@ -357,20 +357,33 @@ class FaultEvent:
 
 @dataclass(frozen=True)
 class Shard:
+    """One rank's shard of a step. ``digest`` is ``ALG:HEX`` (transom.checkpoint.digest); shards
+    written before it existed carry only ``sha256``, which :attr:`checksum` reads as ``sha256:HEX``."""
+
     rank: int
     name: str
     size: int
-    sha256: str
+    sha256: str = ""
+    digest: str = ""
+
+    @property
+    def checksum(self) -> str:
+        return self.digest or f"sha256:{self.sha256}"
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "shard") -> "Shard":
         if not isinstance(d, Mapping):
             raise ContractError(f"{what}: must be an object")
-        sha = _get(d, "sha256", str, what=what)
-        if len(sha) != 64:
+        sha = _get(d, "sha256", str, what=what, optional=True, default="")
+        digest = _get(d, "digest", str, what=what, optional=True, default="")
+        if sha and len(sha) != 64:
             raise ContractError(f"{what}: field 'sha256' must be 64 hex digits")
+        if digest and ":" not in digest:
+            raise ContractError(f"{what}: field 'digest' must be ALGORITHM:HEX, got {digest!r}")
+        if not sha and not digest:
+            raise ContractError(f"{what}: needs a 'digest' (or, written by older versions, 'sha256')")
         return cls(rank=_get(d, "rank", int, what=what), name=_get(d, "name", str, what=what),
-                   size=_get(d, "size", int, what=what), sha256=sha)
+                   size=_get(d, "size", int, what=what), sha256=sha, digest=digest)
 
 
 @dataclass(frozen=True)
