@@ -17,12 +17,29 @@ __all__ = ["TEEConfig"]
 
 @dataclass(frozen=True)
 class TEEConfig:
-    #: A live rank whose step has not advanced for longer than
-    #: ``max(hang_timeout, hang_step_factor * median recent step_time)`` seconds of sample time
-    #: is hung.
+    #: Step limit: a rank whose step has not advanced for longer than
+    #: ``max(hang_timeout, hang_step_factor * median recent step_time)`` seconds of sample time is
+    #: hung when something shows it is the one stuck (its heartbeat stopped, the kernel says it is
+    #: stopped, its peers stepped on without it, or its GPUs idle while its peers' spin); see
+    #: :mod:`.hangs`. A job that stands still as a whole is paused, up to the pause limit below.
     hang_timeout: float = 10.0
     #: How many median step times without progress count as a hang (slow steps need more slack).
     hang_step_factor: float = 5.0
+    #: A rank heard from by nothing (no report, no heartbeat) for this long is stuck (x4 in a
+    #: declared phase, where a long C call may hold the GIL).
+    hang_stale_s: float = 5.0
+    #: Pause limit: a job standing still as a whole with no rank standing out is paused for up to
+    #: ``max(hang_pause_floor_s, hang_pause_margin * the longest pause it survived)`` seconds ...
+    hang_pause_floor_s: float = 180.0
+    hang_pause_margin: float = 1.5
+    #: ... or, while a rank declares a phase (``report(phase=...)``), that phase's ceiling
+    #: (``default`` for phases not named). A mapping in YAML, pairs here.
+    hang_phase_ceilings: tuple = (("checkpoint", 900.0), ("eval", 3600.0), ("data", 900.0), ("compile", 1800.0),
+                                  ("startup", 1200.0), ("restore", 1200.0), ("default", 900.0))
+    #: GPU utilisation (mean of a node's GPUs, %) at or above which a node's GPUs spin (ranks
+    #: waiting in a collective), and at or below which they idle.
+    hang_busy_util: float = 85.0
+    hang_idle_util: float = 30.0
     #: A node from which nothing has arrived for this long (the TEE's own clock, so skewed node
     #: clocks do not matter) is lost.
     heartbeat_timeout: float = 6.0
@@ -88,7 +105,16 @@ class TEEConfig:
     dedup_capacity: int = 100_000
 
     def __post_init__(self) -> None:
-        for f in ("hang_timeout", "hang_step_factor", "heartbeat_timeout", "heartbeat_horizon"):
+        ceilings = self.hang_phase_ceilings
+        pairs = tuple(ceilings.items()) if isinstance(ceilings, Mapping) else tuple(tuple(p) for p in ceilings)
+        for pair in pairs:
+            if (len(pair) != 2 or not isinstance(pair[0], str) or isinstance(pair[1], bool)
+                    or not isinstance(pair[1], (int, float)) or not pair[1] > 0):
+                raise ConfigError(f"TEE setting hang_phase_ceilings={ceilings!r}: expected phase names with a "
+                                  "positive number of seconds each")
+        object.__setattr__(self, "hang_phase_ceilings", pairs)
+        for f in ("hang_timeout", "hang_step_factor", "heartbeat_timeout", "heartbeat_horizon", "hang_stale_s",
+                  "hang_pause_floor_s", "hang_pause_margin", "hang_busy_util", "hang_idle_util"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive number of seconds")

@@ -42,8 +42,9 @@ from transom.log import get
 
 from .config import TEEConfig
 from .classes import HARD
-from .rules import (EccRule, GpuLostRule, HangRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule,
-                    Rule, XidRule)
+from .hangs import HangDetector
+from .rules import (EccRule, GpuLostRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule, Rule,
+                    XidRule)
 
 __all__ = ["TEEEngine"]
 
@@ -60,9 +61,9 @@ class TEEEngine:
                  anomaly: bool = True) -> None:
         self.config = config or TEEConfig()
         self.clock = clock
-        self.rules: list[Rule] = [XidRule(), GpuLostRule(), NanLossRule(), HangRule(self.config), EccRule(),
+        self._hang = HangDetector(self.config)
+        self.rules: list[Rule] = [XidRule(), GpuLostRule(), NanLossRule(), self._hang, EccRule(),
                                   RowRemapRule(), LinkRule(self.config)]
-        self._hang = self.rules[3]
         self.peers = None
         if anomaly and "ecod" in self.config.soft_detectors:
             from .detectors import GpuAnomalyDetector
@@ -108,7 +109,7 @@ class TEEEngine:
             return False
         if any(getattr(link, "reported_down", False) for link in state.links.values()):
             return True
-        return any(ts - p.since > self._hang.limit(p) for p in state.ranks.values())
+        return self._hang.ongoing(state.node, ts)
 
     def _explained(self, f: FaultEvent) -> bool:
         """Whether soft fault ``f`` is a symptom of the node's last hard fault: its anomaly began while

@@ -53,7 +53,7 @@ def kinds(faults) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine_cfg() -> TEEConfig:
-    return TEEConfig(hang_timeout=3.0, heartbeat_timeout=2.0, soft_detectors=("ecod",))
+    return TEEConfig(hang_timeout=3.0, heartbeat_timeout=2.0, hang_stale_s=2.0, soft_detectors=("ecod",))
 
 
 # --------------------------------------------------------------------------- rules (pure)
@@ -107,15 +107,18 @@ def test_nan_loss_fires_once_per_rank(engine_cfg):
 
 
 def test_hang_fires_once_when_step_stops_while_alive(engine_cfg):
+    """A rank whose step stops and whose heartbeat stops with it (SIGSTOPped) is hung."""
     engine = TEEEngine(engine_cfg)
     steps = [10, 11, 12, 12, 12, 12, 12, 12, 12, 12]
-    found = [f for i, s in enumerate(steps) for f in engine.process(batch(T0 + i, train(0, s)), now=T0 + i)]
+    found = [f for i, s in enumerate(steps)
+             for f in engine.process(batch(T0 + i, train(0, s, heartbeat_age_s=max(0, i - 2))), now=T0 + i)]
     [f] = found
     assert (f.kind, f.severity, f.action, f.rank, f.node) == (c.FaultKind.HANG, c.Severity.CRITICAL,
                                                               c.Action.RESTART, 0, "node1")
     assert f.observed_ts == T0 + 6       # first sample stalled for more than 3 s
     assert f.fault_id == c.stable_id("job1", "0", "hang", "node1", 0, T0 + 2)
     assert f.evidence["step"] == 12 and f.threshold == 3.0 and f.score > 3.0
+    assert f.evidence["cause"] == "stuck" and f.evidence["heartbeat_age_s"] == 4
 
 
 def test_no_hang_while_progressing_or_after_exit(engine_cfg):
@@ -134,12 +137,12 @@ def test_hang_limit_follows_slow_steps(engine_cfg):
     for s in range(5):
         ts += 2
         found += engine.process(batch(ts, train(0, s, step_time=2.0)), now=ts)
-    for _ in range(8):               # stalled 8 s: under 10 s
+    for age in range(8):             # stalled 8 s (its heartbeat too): under 10 s
         ts += 1
-        found += engine.process(batch(ts, train(0, 4, step_time=2.0)), now=ts)
+        found += engine.process(batch(ts, train(0, 4, step_time=2.0, heartbeat_age_s=age + 1)), now=ts)
     assert found == []
     ts += 3
-    [f] = engine.process(batch(ts, train(0, 4, step_time=2.0)), now=ts)
+    [f] = engine.process(batch(ts, train(0, 4, step_time=2.0, heartbeat_age_s=11)), now=ts)
     assert f.kind == c.FaultKind.HANG and f.threshold == 10.0
 
 
@@ -197,14 +200,14 @@ def test_refed_batches_keep_their_fault_ids(engine_cfg):
     lost = c.Sample(c.Source.GPU, {c.DCGM.GPU_LOST: 1}, index=0)
     feed = [batch(T0, gpu(0, **{c.DCGM.XID_ERRORS: 79}), train(0, 1)),
             batch(T0 + 1, lost, train(0, 2, loss_nonfinite=1)),
-            *[batch(T0 + 2 + i, lost, train(0, 3)) for i in range(6)]]
+            *[batch(T0 + 2 + i, lost, train(0, 3, heartbeat_age_s=i)) for i in range(6)]]
     first, second = TEEEngine(engine_cfg), TEEEngine(engine_cfg)
     a = [f for fed in feed for f in first.process(fed, now=fed.ts + 0.1)]
     b = [f for fed in feed for f in second.process(fed, now=fed.ts + 7.5)]   # another process, another clock
     assert sorted(kinds(a)) == ["gpu_lost", "hang", "nan_loss", "xid"]
     assert [f.fault_id for f in a] == [f.fault_id for f in b]
     assert [f for fed in feed for f in first.process(fed, now=fed.ts + 9)] == []   # a redelivery: nothing new
-    assert first.counts["repeats"] >= 4
+    assert first.counts["repeats"] >= 1     # the XID again (the once-per-condition rules remember theirs)
 
 
 def test_config_refuses_bad_values():
@@ -354,10 +357,9 @@ def test_worker_dead_letters_malformed_metrics_and_carries_on(broker, tee, produ
 def test_worker_reports_a_hang(broker, tee, producer):
     node, job = _ids()
     base = time.time() - 20
-    steps = [10, 11, 12, 12, 12, 12, 12, 12]
-    _send(producer, node, *[c.MetricBatch(node=node, ts=base + i, seq=i, job=job,
-                                          samples=(gpu(0), train(0, s, job=job, generation=2)))
-                            for i, s in enumerate(steps)])
+    steps = [10, 11, 12, 12, 12, 12, 12, 12, 12, 12]     # and its heartbeat stops at step 12
+    _send(producer, node, *[c.MetricBatch(node=node, ts=base + i, seq=i, job=job, samples=(
+        gpu(0), train(0, s, job=job, generation=2, heartbeat_age_s=max(0, i - 2)))) for i, s in enumerate(steps)])
     [f] = wait_until(lambda: _faults(broker.bootstrap, node, c.FaultKind.HANG), 30, "the HANG fault")
     assert (f.job, f.rank, f.action) == (job, 0, c.Action.RESTART)
     assert f.fault_id == c.stable_id(job, "2", "hang", node, 0, base + 2)
