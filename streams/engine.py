@@ -48,8 +48,9 @@ from .rules import (EccRule, GpuLostRule, HeartbeatRule, LinkRule, NanLossRule, 
 
 __all__ = ["TEEEngine"]
 
-#: Classes whose rules already report once per condition (a new condition is a new fault).
-_ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost"})
+#: Classes whose rules already report once per condition (a new condition is a new fault: a second
+#: NaN after a finite loss, a link that flaps again after a quiet window, goes down again after it came up).
+_ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost", "link_flap", "link_down"})
 
 log = get("tee")
 

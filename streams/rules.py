@@ -169,16 +169,19 @@ class GpuLostRule:
 # --------------------------------------------------------------------------- training rules
 
 class NanLossRule:
-    """``loss_nonfinite == 1`` on a train sample: the loss diverged; once per job, generation, rank."""
+    """``loss_nonfinite == 1`` on a train sample: the loss diverged. Once per occurrence: a rank that
+    reports a finite loss again and later a NaN again (a second divergence) is a new fault."""
 
     name = "nan_loss"
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         out = []
         for s in batch.of(Source.TRAIN):
-            if s.fields.get("loss_nonfinite") != 1:
-                continue
             key = _train_key(s, batch)
+            if s.fields.get("loss_nonfinite") != 1:
+                if "loss" in s.fields:
+                    state.nan_ranks.discard(key)      # finite again: the next NaN is a new fault
+                continue
             if key in state.nan_ranks:
                 continue
             state.nan_ranks.add(key)
@@ -308,12 +311,14 @@ class _LinkState:
     reported_down: bool = False
     downs: deque = field(default_factory=lambda: deque(maxlen=64))   # ts of each up->down transition
     flap_reported_at: float = -1e18
+    flapping: bool = False          # a flap episode reported and not over (no down for a whole window)
 
 
 class LinkRule:
     """NIC/IB port state (``link_up``): down for longer than ``link_down_hold_s`` is LINK_DOWN (and a
     resolution event when it comes back); ``link_flap_count`` down transitions within
-    ``link_flap_window_s`` is LINK_FLAP (once per window). Only ports seen up are watched: a port
+    ``link_flap_window_s`` is LINK_FLAP (once per episode: a port that stays up for a whole window
+ends it, and its next burst of downs is a new fault). Only ports seen up are watched: a port
     down since the TEE first saw it (no cable, unused) and one administratively down
     (``admin_up == 0``) raise nothing."""
 
@@ -349,8 +354,10 @@ class LinkRule:
                 st.up, st.down_since = False, ts
                 st.downs.append(ts)
                 recent = [d for d in st.downs if d > ts - cfg.link_flap_window_s]
-                if len(recent) >= cfg.link_flap_count and ts - st.flap_reported_at > cfg.link_flap_window_s:
-                    st.flap_reported_at = ts
+                if st.flapping and len(st.downs) >= 2 and st.downs[-2] <= ts - cfg.link_flap_window_s:
+                    st.flapping = False        # a whole window without a down ended the last episode
+                if len(recent) >= cfg.link_flap_count and not st.flapping:
+                    st.flap_reported_at, st.flapping = ts, True
                     out.append(fault(
                         FaultKind.NODE_LOST, Severity.WARNING, Action.EVICT,
                         fault_id=stable_id(batch.node, "link_flap", *key, recent[0]), node=batch.node,

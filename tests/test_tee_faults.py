@@ -232,3 +232,22 @@ def test_a_straggler_that_begins_minutes_after_a_hang_of_its_node_is_its_own_fau
     found = [f for f in _job_minutes(engine, 420, slow="node2", at=320) if not f.resolved]
     assert [(f.node, f.kind) for f in found] == [("node2", c.FaultKind.STRAGGLER)]
     assert engine.counts["explained"] == 0
+
+
+def test_a_fault_that_ends_and_comes_back_is_a_new_event(engine):
+    """Every occurrence: a second NaN after finite losses, and a link that flaps again after a quiet
+    window, are new faults (merging is for one ongoing fault only)."""
+    def train(step, nan):
+        fields = {"step": step, "alive": 1, "loss_nonfinite": 1} if nan else {"step": step, "alive": 1, "loss": 2.0}
+        return c.Sample(c.Source.TRAIN, fields, index=0, tags={"job": "job1", "generation": "0"})
+
+    found = []
+    for t in range(300):
+        nan = 10 <= t < 13 or 210 <= t < 212            # the same generation, 200 s apart
+        up = 0 if (30 <= t < 40 or 150 <= t < 160) and t % 3 == 0 else 1   # two bursts of downs
+        found += engine.process(batch(T0 + t, gpu(0), ib(up), train(t, nan)), now=T0 + t)
+    nans = [f for f in found if f.kind == c.FaultKind.NAN_LOSS]
+    flaps = [f for f in found if f.evidence.get("class") == "link_flap"]
+    assert [f.evidence["step"] for f in nans] == [10, 210]
+    assert [f.observed_ts - T0 for f in flaps] == [36, 156]
+    assert len({f.fault_id for f in nans + flaps}) == 4
