@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ def _state(proc: psutil.Process | None) -> str:
 
 
 def _py_spy(pid: int) -> str:
-    exe = shutil.which("py-spy")
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if exe is None:
         return ""
     try:

@@ -201,8 +201,9 @@ class HangDetector:
         cause = None
         if self.stuck(r) and not (peers and all(self.stuck(v) for _, v in peers)):
             cause = "stuck"           # (every rank stuck at once is the whole job frozen: a pause, below)
-        elif any(v.since > r.since + limit and v.last_seen >= r.last_seen - limit for _, v in peers):
-            cause = "behind"          # the others stepped on without it
+        elif any(r.since + limit < v.since <= r.last_seen for _, v in peers):
+            cause = "behind"          # a peer stepped on while this rank was seen standing still
+                                      # (a peer read further ahead in time proves nothing about then)
         elif self._not_in_collective(job, node, r, peers):
             cause = "not in the collective"
         else:
@@ -219,7 +220,7 @@ class HangDetector:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin."""
         if not peers or any(v.stall < self.step_limit(v) / 2 for _, v in peers):
             return False
-        fresh = {n: u for n, (ts, u) in job.gpu_util.items() if ts >= r.last_seen - 5.0}
+        fresh = {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
         mine = fresh.get(node)
         if mine is None or mine > self.config.hang_idle_util:
             return False
