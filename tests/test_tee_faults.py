@@ -251,3 +251,29 @@ def test_a_fault_that_ends_and_comes_back_is_a_new_event(engine):
     assert [f.evidence["step"] for f in nans] == [10, 210]
     assert [f.observed_ts - T0 for f in flaps] == [36, 156]
     assert len({f.fault_id for f in nans + flaps}) == 4
+
+
+def _slowed_job(engine, seconds, at, nodes=4, culprit="node2"):
+    """A job whose nodes all wait, from ``at`` on, for ``culprit``: its GPUs keep full utilisation,
+    clocks and power; every other node's utilisation (and power) falls as it idles at the all-reduce."""
+    rng = np.random.default_rng(9)
+    out = []
+    for t in range(seconds):
+        for n in range(nodes):
+            node = f"node{n}"
+            wait = t >= at and node != culprit
+            gpus = [gpu(i, **{c.DCGM.SM_CLOCK: 1980.0 - abs(rng.normal(0, 20)), c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7),
+                              c.DCGM.GPU_UTIL: (60.0 if wait else 95.0) + rng.normal(0, 2),
+                              c.DCGM.POWER_USAGE: (380.0 if wait else 560.0) + rng.normal(0, 12)}) for i in range(2)]
+            out += engine.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
+    return [f for f in out if not f.resolved]
+
+
+def test_the_node_whose_gpus_do_not_wait_is_named_and_its_waiting_peers_are_not(engine):
+    """A straggler at full clocks (its peers wait for it, their utilisation drops) is found on its own
+    node within a minute, as a warning to observe (rank-0-only work looks the same); no peer is named."""
+    found = _slowed_job(engine, 400, at=300)
+    assert [(f.node, f.kind, f.detector, f.action) for f in found] == \
+        [("node2", c.FaultKind.STRAGGLER, "peers.wait", c.Action.OBSERVE)]
+    assert found[0].detected_ts <= T0 + 300 + 60
+
