@@ -207,6 +207,8 @@ class HangDetector:
         elif self._not_in_collective(job, node, r, peers):
             cause = "not in the collective"
         else:
+            if any((k[0], k[1], k[2], v.since) in job.reported for k, v in peers):
+                return None           # a rank of this stall is reported hung already: the job waits for it
             phase = r.phase or next((v.phase for _, v in peers if v.phase), "")
             ceiling = self.pause_limit(job, phase)
             first = min([r, *(v for _, v in peers)], key=lambda v: (v.since, v.node))

@@ -28,10 +28,15 @@ clean median, so that a detector fitted on very quiet history does not fire on n
 Cold start: until the models are fitted (``soft_min_history`` clean vectors per family, minutes of
 a fresh TEE), a node of a job with at least 3 nodes reporting the same window is anomalous when a
 family feature lies ``soft_cold_z`` noise floors off the job's median (detector ``peers.cold``), so
-a blatant straggler in a job's first minutes is not left running. And at any time, in such a job, a
+a blatant straggler in a job's first minutes is not left running; once fitted, a family feature that
+far off is anomalous even when the joint model scores the vector under its threshold (``peers.z``). And at any time, in such a job, a
 GPU whose SM clock is ``straggler_evict_drop`` or more below the job's median is anomalous whatever
 the model says (detector ``peers.rule``): a model refitted on history that already holds slow
 windows can learn to accept them.
+A window in which the node's training step did not move (a checkpoint, a pause, a hang) is neither
+judged nor added to the baselines: soft faults are slowdowns of a running job, and a long pause
+would otherwise teach the baselines idle temperatures and power.
+
 Waiting is not a cause: in a synchronous job one slow node makes every other node idle at the
 all-reduce, so their utilisation (and power) fall while their clocks hold. A hit on a node whose
 utilisation fell 10 % or more below its own baseline while its SM clock did not (and, for the NIC
@@ -128,6 +133,7 @@ class _Window:
     reasons: dict = field(default_factory=lambda: defaultdict(int))
     nic_err: list = field(default_factory=list)
     nic_bw: dict = field(default_factory=lambda: defaultdict(list))
+    steps: list = field(default_factory=list)      # training steps seen (none: no training reports)
     first_ts: float = 0.0
     last_ts: float = 0.0
 
@@ -183,6 +189,9 @@ class PeerDetector:
                 if name in f:
                     g[name].append(float(f[name]))
             win.reasons[s.index] |= int(f.get(_REASONS, 0))
+        for s in batch.of(Source.TRAIN):
+            if "step" in s.fields:
+                win.steps.append(s.fields["step"])
         for s in batch.of(Source.NIC):
             f = s.fields
             if f.get("link_up", 1) != 1:
@@ -239,10 +248,10 @@ class PeerDetector:
         return x, worst, medians
 
     def _close(self, state: NodeState, ns: _NodeSoft, job: str, now: float) -> list[FaultEvent]:
-        x, worst, medians = self._raw_features(ns)
-        key = (job, ns.window.index)
-        peers = self.pending[key]
-        peers[state.node] = (x, worst, medians, ns, state)
+        steps = ns.window.steps
+        if not (steps and min(steps) == max(steps)):   # a window without a step (a pause, a hang) is not judged,
+            x, worst, medians = self._raw_features(ns)  # nor learned from: a slowdown needs a running job
+            self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state)
         # peers: decide when the job's other nodes closed the same window, or alone (one-node jobs, or
         # peers owned by another worker) once a later window of this node closes
         out: list[FaultEvent] = []
@@ -288,6 +297,10 @@ class PeerDetector:
                 if ready:
                     s, thr, mode = float(fam_scores[fam][j]), self.thresholds[fam], "model"
                     hit = s > thr and zmax >= cfg.soft_min_z
+                    if not hit and cfg.soft_cold_z > 0 and zmax >= cfg.soft_cold_z:
+                        # one feature far out alone (a slow GPU whose peers' power fell as they wait for it):
+                        # a joint model can score it under its threshold
+                        s, thr, mode, hit = zmax, float(cfg.soft_cold_z), "z", True
                 elif cold:
                     s, thr, mode = zmax, float(cfg.soft_cold_z), "cold"
                     hit = zmax >= thr
@@ -413,7 +426,8 @@ class PeerDetector:
                     "threshold": round(threshold, 4), "z": round(zmax, 2),
                     "model": {"model": cfg.soft_detector, "cold": "cold start: z off the job's median",
                               "rule": f"SM clock {cfg.straggler_evict_drop:.0%} or more below the job's median",
-                              "wait": "its GPUs keep working while most peers' utilisation fell (they wait for it)"}[mode],
+                              "wait": "its GPUs keep working while most peers' utilisation fell (they wait for it)",
+                              "z": "one feature soft_cold_z spreads or more off the job's clean median"}[mode],
                     "top_features": {n: feats[n] for n in top}, "devices": worst,
                     "window_s": cfg.soft_window_s, "window": [win.first_ts, win.last_ts],
                     "since_ts": ns.run_start, "peers": n_peers,
@@ -421,7 +435,7 @@ class PeerDetector:
         dev = worst.get({"thermal": "thermal", "gpu": "clock", "nic": "nic_bw"}[fam], {})
         where = f"GPU {dev['gpu']}" if "gpu" in dev else f"port {dev.get('device', '?')}"
         detector = {"model": f"pyod.{cfg.soft_detector}.peers", "cold": "peers.cold", "rule": "peers.rule",
-                    "wait": "peers.wait"}[mode]
+                    "wait": "peers.wait", "z": "peers.z"}[mode]
         f = fault(KIND_OF[cls], severity, action,
                   fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
                   job=state.job, detector=detector, observed_ts=win.last_ts, now=now,
