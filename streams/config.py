@@ -63,8 +63,14 @@ class TEEConfig:
     ecod_contamination: float = 0.005
     #: Soft-fault detectors the engine runs: "peers" (per-window, each GPU against its own history and
     #: each node against its job's peers, :mod:`.peers`) and/or "ecod" (per-sample ECOD over a node's
-    #: own mean GPU vector, :mod:`.detectors`).
+    #: own mean GPU vector, :mod:`.detectors`) and/or "temporal" (the scorer bench/tee_external grades, per
+    #: node against its own history, :mod:`.temporal`).
     soft_detectors: tuple = ("peers",)
+    #: Temporal detector (``soft_detectors`` "temporal", :mod:`.temporal`): rows of a node's history
+    #: before its scorer is fitted, rows scored together, and scores in a row over the threshold per fault.
+    temporal_history: int = 600
+    temporal_every: int = 10
+    temporal_consecutive: int = 5
     #: pyod model of the peers detector, per fault family: ecod, copod, iforest, hbos, lof or combo.
     soft_detector: str = "ecod"
     #: Seconds (sample time) of one soft-detection window.
@@ -118,7 +124,8 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive number of seconds")
-        for f in ("ecod_min_samples", "ecod_window", "ecod_refit_every", "ecod_consecutive", "dedup_capacity"):
+        for f in ("ecod_min_samples", "ecod_window", "ecod_refit_every", "ecod_consecutive", "dedup_capacity",
+                  "temporal_history", "temporal_every", "temporal_consecutive"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")
@@ -141,9 +148,9 @@ class TEEConfig:
         if self.soft_detector not in ("ecod", "copod", "iforest", "hbos", "lof", "combo"):
             raise ConfigError(f"TEE setting soft_detector={self.soft_detector!r}: expected one of ecod, copod, "
                               "iforest, hbos, lof, combo")
-        if isinstance(self.soft_detectors, str) or not set(self.soft_detectors) <= {"peers", "ecod"}:
+        if isinstance(self.soft_detectors, str) or not set(self.soft_detectors) <= {"peers", "ecod", "temporal"}:
             raise ConfigError(f"TEE setting soft_detectors={self.soft_detectors!r}: expected a list of "
-                              "'peers' and/or 'ecod'")
+                              "'peers', 'ecod' and/or 'temporal'")
         object.__setattr__(self, "soft_detectors", tuple(self.soft_detectors))
         if not 0.5 < self.soft_quantile < 1:
             raise ConfigError(f"TEE setting soft_quantile={self.soft_quantile!r}: expected a share between 0.5 and 1")

@@ -73,6 +73,9 @@ class TEEEngine:
             from .peers import PeerDetector
             self.peers = PeerDetector(self.config)
             self.rules.append(self.peers)
+        if anomaly and "temporal" in self.config.soft_detectors:
+            from .temporal import TemporalDetector
+            self.rules.append(TemporalDetector(self.config))
         self.heartbeat = HeartbeatRule(self.config)
         self._nodes: dict[str, NodeState] = {}
         self._emitted: OrderedDict[str, None] = OrderedDict()

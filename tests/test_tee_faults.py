@@ -277,3 +277,20 @@ def test_the_node_whose_gpus_do_not_wait_is_named_and_its_waiting_peers_are_not(
         [("node2", c.FaultKind.STRAGGLER, "peers.wait", c.Action.OBSERVE)]
     assert found[0].detected_ts <= T0 + 300 + 60
 
+
+
+def test_the_engine_runs_the_benchs_temporal_scorer_on_the_live_stream():
+    """soft_detectors "temporal": the scorer bench/tee_external grades, fitted on a node's own history
+    (POT threshold on a held-out part of it), flags a node that leaves its normal, as one observe event."""
+    engine = TEEEngine(TEEConfig(soft_detectors=("temporal",), temporal_history=400))
+    rng = np.random.default_rng(11)
+    found = []
+    for t in range(700):
+        hot = 5.0 if 560 <= t < 640 else 0.0
+        g = [gpu(i, **{c.DCGM.GPU_TEMP: 62 + hot + rng.normal(0, 0.5), c.DCGM.POWER_USAGE: 500 + rng.normal(0, 8),
+                       c.DCGM.GPU_UTIL: 95 + rng.normal(0, 1)}) for i in range(2)]
+        train = c.Sample(c.Source.TRAIN, {"step": t, "alive": 1}, index=0, tags={"job": "job1"})
+        found += engine.process(batch(T0 + t, *g, train), now=T0 + t)
+    opened = [f for f in found if not f.resolved]
+    assert [(f.kind, f.action, f.detector) for f in opened] == [(c.FaultKind.ANOMALY, c.Action.OBSERVE, "scorer.temporal")]
+    assert 560 <= opened[0].observed_ts - T0 <= 600 and "temp" in opened[0].evidence["top_columns"]
