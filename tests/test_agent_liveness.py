@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -22,6 +23,8 @@ import pytest
 from transom import contracts
 from transom.agents.intake import IntakeServer, parse_datagram
 from transom.agents.training import TrainingCollector
+from transom.streams.config import TEEConfig
+from transom.streams.engine import TEEEngine
 
 from util import wait_until
 
@@ -52,7 +55,7 @@ def test_heartbeat_and_exit_datagrams_parse_with_phase_and_stack():
     assert parse_datagram(b'{"type":"exit","rank":0,"pid":3}').kind == "exit"
 
 
-def test_a_rank_in_another_pid_namespace_is_seen_stuck_when_stopped_and_exited_when_it_exits():
+def test_a_rank_in_another_pid_namespace_is_found_hung_when_stopped_and_exited_when_it_exits():
     why = _can_unshare()
     if why:
         pytest.skip(why)
@@ -77,10 +80,29 @@ def test_a_rank_in_another_pid_namespace_is_seen_stuck_when_stopped_and_exited_w
         assert first.tags["phase"] == "eval" and first.fields["alive"] == 1
         # the main thread waits on stdin: the heartbeat says where
         wait_until(lambda: "<string>:6 <module>" in ((sample() or first).tags.get("stack") or ""), 10, "a stack sample")
+        # the TEE's hang detector, fed the collector's samples as the agent would publish them
+        engine = TEEEngine(TEEConfig(hang_timeout=1.0, hang_stale_s=1.5, soft_detectors=()))
+        hangs: list[contracts.FaultEvent] = []
+
+        def feed() -> contracts.Sample | None:
+            s = sample()
+            if s is not None:
+                now = time.time()
+                hangs.extend(engine.process(contracts.MetricBatch(node="n1", ts=now, seq=0, job="jl", samples=(s,)),
+                                            now=now))
+            return s
+
+        for _ in range(15):          # standing still with a live heartbeat (waiting on stdin) is no hang
+            feed()
+            time.sleep(0.2)
+        assert hangs == []
         rank.send_signal(signal.SIGSTOP)
-        stuck = wait_until(lambda: (s := sample()) and s.fields["heartbeat_age_s"] > 2 and s, 15,
+        stuck = wait_until(lambda: (s := feed()) and s.fields["heartbeat_age_s"] > 2 and s, 15,
                            "the stopped rank's heartbeat to age", interval=0.2)
         assert stuck.fields["alive"] == 1 and "stopped" not in stuck.fields   # no pid lookup across namespaces
+        [hang] = wait_until(lambda: feed() and hangs, 10, "the hang event", interval=0.2)
+        assert (hang.node, hang.rank, hang.evidence["cause"]) == ("n1", 1, "stuck")
+        assert "<string>:6 <module>" in hang.evidence["stack"]     # where it was when its heartbeat stopped
         rank.send_signal(signal.SIGCONT)
         wait_until(lambda: (s := sample()) and s.fields["heartbeat_age_s"] < 1, 10, "the heartbeat back")
         proc.stdin.write("bye\n")
