@@ -97,6 +97,8 @@ class HangDetector:
         self.config = config
         self.jobs: dict[str, JobView] = {}
         self._ceilings = dict(config.hang_phase_ceilings)
+        self._hung: dict[str, list] = {}         # node -> the (job, rank key, since) of its last reported hangs
+        self._swept = 0.0
 
     # ------------------------------------------------------------------ limits
 
@@ -122,10 +124,11 @@ class HangDetector:
 
     def ongoing(self, node: str, ts: float) -> bool:
         """Whether a hang of ``node`` is going on at ``ts`` (its soft symptoms are explained by it)."""
-        for job in self.jobs.values():
-            for (n, g, k), r in job.ranks.items():
-                if n == node and (n, g, k, r.since) in job.reported and ts - r.since > self.step_limit(r):
-                    return True
+        for job_id, key, since in self._hung.get(node, ()):
+            job = self.jobs.get(job_id)
+            r = job.ranks.get(key) if job is not None else None
+            if r is not None and r.since == since and ts - since > self.step_limit(r):
+                return True
         return False
 
     # ------------------------------------------------------------------ observe
@@ -180,10 +183,15 @@ class HangDetector:
             f = self._decide(state, batch, now, job_id, key, r)
             if f is not None:
                 out.append(f)
+        if batch.ts - self._swept < 60.0:
+            return out
+        self._swept = batch.ts
         cutoff = batch.ts - _FORGET_AFTER
-        for job in self.jobs.values():
+        for job_id, job in list(self.jobs.items()):
             for key in [k for k, v in job.ranks.items() if v.last_seen < cutoff]:
                 del job.ranks[key]
+            if not job.ranks and all(ts < cutoff for ts, _ in job.gpu_util.values()):
+                del self.jobs[job_id]
         return out
 
     # ------------------------------------------------------------------ decide
@@ -205,17 +213,20 @@ class HangDetector:
             cause = "behind"          # a peer stepped on while this rank was seen standing still
                                       # (a peer read further ahead in time proves nothing about then)
         elif self._not_in_collective(job, node, r, peers):
+            if any(k[0] == node and k[2] < rank and v.stall > limit for k, v in peers):
+                return None           # one event per idle node: its lowest rank
             cause = "not in the collective"
         else:
             if any((k[0], k[1], k[2], v.since) in job.reported for k, v in peers):
                 return None           # a rank of this stall is reported hung already: the job waits for it
             phase = r.phase or next((v.phase for _, v in peers if v.phase), "")
             ceiling = self.pause_limit(job, phase)
-            first = min([r, *(v for _, v in peers)], key=lambda v: (v.since, v.node))
-            if r.stall <= ceiling or first is not r:
-                return None
+            first = min([(r.since, key), *((v.since, k) for k, v in peers)])[1]
+            if r.stall <= ceiling or first != key:
+                return None           # one event for the job: the rank that stopped first
             limit, cause = ceiling, "pause ceiling"
         job.reported.add((node, generation, rank, r.since))
+        self._hung[node] = [*self._hung.get(node, [])[-7:], (job_id, key, r.since)]
         return self._event(batch, now, job_id, key, r, job, peers, cause, limit)
 
     def _not_in_collective(self, job: JobView, node: str, r: RankView, peers) -> bool:
