@@ -9,7 +9,8 @@ Client side (imported by training scripts; standard library only):
   is dropped and counted (:func:`stats`). NaN/Inf values travel as the strings "nan"/"inf"/"-inf"
   (JSON has no NaN); values that are not numbers are left out. ``phase="checkpoint"`` (or "eval",
   "data", "compile", "startup"; "" or "train" ends it) says what the rank is doing until it says
-  otherwise, so a long legitimate pause is not taken for a hang.
+  otherwise, so a long legitimate pause is not taken for a hang; :func:`phase` says it without a
+  report (the checkpoint engine marks its blocking snapshot so).
 - Liveness that needs no PID lookup (ranks may live in another PID namespace or container): the
   first :func:`report` starts a daemon thread that sends ``{"type":"heartbeat",...}`` every
   ``TRANSOM_HEARTBEAT_S`` seconds (default 1; 0: none), with the current phase and, once the
@@ -49,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["report", "stats", "send_inject", "parse_addr", "parse_datagram",
+__all__ = ["report", "phase", "stats", "send_inject", "parse_addr", "parse_datagram",
            "TrainReport", "InjectRequest", "IntakeError", "IntakeServer", "FAULTS", "MAX_DATAGRAM"]
 
 #: Fault names an inject datagram may carry.
@@ -209,6 +210,15 @@ def _start_liveness() -> None:
 
 
 atexit.register(_at_exit)
+
+
+def phase(name: str | None) -> str:
+    """Declare what this rank does from now on ("checkpoint", "eval", "data", "compile", "startup",
+    "restore"; None, "" or "train": stepping) without sending a report: the heartbeats carry it, and
+    so does the next report. Returns the phase it replaces. Never raises."""
+    previous = _live["phase"]
+    _live["phase"] = "" if name in (None, "", "train") else str(name)[:32]
+    return previous
 
 
 def report(**fields: Any) -> bool:

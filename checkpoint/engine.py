@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from transom import contracts
+from transom.agents.intake import phase as declare_phase
 from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
@@ -159,6 +160,13 @@ class CheckpointEngine:
                 return False
             log.info("rank %d: checkpoint of step %d waits for the previous save (policy wait)", self.rank, step)
             self._thread.join()
+        previous = declare_phase("checkpoint")     # the agent and the TEE see a save in progress, not a hang
+        try:
+            return self._save(step, state)
+        finally:
+            declare_phase(previous)
+
+    def _save(self, step: int, state: Any) -> bool:
         t0 = time.perf_counter()
         plan = shardfmt.plan(state)                                      # stage 1: snapshot
         seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
