@@ -40,6 +40,7 @@ Command: ``python -m transom.streams.corpus --help`` writes a corpus as JSON lin
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import os
@@ -319,8 +320,8 @@ class Corpus:
             for i, node in enumerate(self.node_ids):
                 j = tl[self.job_of[node]]
                 nu = j["node_util"].get(i)
-                f = j["util"][t] * (nu[t] if nu is not None else 1.0)
-                hung, slow = int(j["hung"][t]), int(j["slow"][t])
+                f = j["util_l"][t] * (nu[t] if nu is not None else 1.0)
+                hung, slow = j["hung_l"][t], j["slow_l"][t]
                 if hung >= 0:               # a hang: the waiting ranks spin in the collective, the hung one idles
                     util[i] = 0.0 if i == hung else 100.0
                     power[i] = 90.0 if i == hung else 150.0
@@ -329,8 +330,9 @@ class Corpus:
                     f2 = np.full(g, f * j["wait"][t])
                     if i == slow:
                         f2[int(j["slow_gpu"][t])] = f
-                    f = f2
-                if np.any(np.asarray(f) != 1.0):
+                    util[i] = util[i] * f2
+                    power[i] = 90.0 + util[i] / 100.0 * 480.0
+                elif f != 1.0:
                     util[i] = util[i] * f
                     power[i] = 90.0 + util[i] / 100.0 * 480.0
             while k < len(pending) and pending[k].start <= ts:
@@ -355,7 +357,7 @@ class Corpus:
                 job = self.job_of[node]
                 samples = []
                 sbe = tl[job]["sbe"].get(i)
-                sbe = float(np.searchsorted(sbe, t, side="right")) if sbe is not None else 0.0
+                sbe = float(bisect.bisect_right(sbe, t)) if sbe is not None else 0.0
                 for gi in range(g):
                     if e.get("lost") == gi:
                         samples.append(_sample("gpu", {DCGM.GPU_LOST: 1.0}, gi))
@@ -379,14 +381,14 @@ class Corpus:
                         1, tags={"device": f"mlx5_{p}", "port": "1", "kind": "ib"}))
                 st = step_time[job]
                 j = tl[job]
-                rate = float(j["rate"][t])
-                step = int(j["progress"][t] / st)
+                rate = j["rate_l"][t]
+                step = int(j["progress_l"][t] / st)
                 fields = {"step": float(step), "step_time": round(st / rate, 3) if rate > 0.05 else st, "loss": 2.0,
                           "alive": 1.0, "loss_nonfinite": 1.0 if e.get("nan") else 0.0}
                 if beats[job]:
                     fields["heartbeat_age_s"] = float(ts - e["hung_since"]) if "hung_since" in e else 0.1 * (1 + t % 7)
                 tags = {"job": job, "generation": "0"}
-                if j["declared"][t]:
+                if j["declared_l"][t]:
                     tags["phase"] = "eval"
                 samples.append(_sample("train", fields, 0, tags=tags))
                 samples.append(_sample("host", {"cpu_percent": 30.0}))
@@ -435,7 +437,9 @@ class Corpus:
                 j["slow"][a:b], j["slow_gpu"][a:b] = index[inj.node], inj.gpu
         for j in out.values():
             j["progress"] = np.concatenate([[0.0], np.cumsum(j["rate"])])[:D]
-            j["sbe"] = {i: np.sort(np.array(v)) for i, v in j["sbe"].items()}
+            j["sbe"] = {i: sorted(v) for i, v in j["sbe"].items()}
+            for k in ("rate", "progress", "util", "hung", "slow", "declared"):   # plain lists: fast per-second reads
+                j[k + "_l"] = j[k].tolist()
         return out
 
     def _apply(self, inj: Injection, i: int, ts: float, util, power, sm, temp_add, reasons, bw, e: dict) -> None:

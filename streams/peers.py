@@ -43,7 +43,9 @@ utilisation fell 10 % or more below its own baseline while its SM clock did not 
 family, without NIC errors of its own) is dropped (``waiting`` counts them): it suffers the slowdown.
 The node that causes it is the one of a job of 3+ whose GPUs keep their utilisation while two
 thirds or more of the others' fall 15 % or more (detector ``peers.wait``): a straggler at full
-clocks, reported as a WARNING to observe (work that only rank 0 does looks the same).
+clocks, reported as a WARNING to observe (work that only rank 0 does looks the same). A waiting
+node's windows do not enter its baselines (for up to 15 minutes; longer, it is the new normal), so
+that when the job speeds up again its temperatures and power are not taken for a rise.
 ``soft_consecutive`` anomalous windows make a fault; ``soft_clear`` clean windows after it make a
 resolution event (``resolved=True``, same fault id). The class comes from the evidence: NIC
 features -> link_degraded; a hot GPU -> thermal; a slow GPU whose clock-event reasons show a power
@@ -79,6 +81,7 @@ _THERMAL_BITS = 0x20 | 0x40          # SW and HW thermal slowdown
 _CLOCK = 1                           # FEATURES.index("clock_drop")
 _WAIT_UTIL = 0.1                     # a utilisation drop of this share (of its own baseline) is waiting
 _WAIT_PEERS = 0.15                   # peers whose utilisation fell this much wait for the one that did not
+_WAIT_LEARN = 90                     # windows of waiting (15 min at 10 s) before they become the baseline
 
 
 def _median(values) -> float:
@@ -147,6 +150,7 @@ class _NodeSoft:
     clean: int = 0
     open_fault: FaultEvent | None = None
     last_features: np.ndarray | None = None
+    waited: int = 0                  # windows in a row not learned because the node waited
 
 
 class PeerDetector:
@@ -328,6 +332,10 @@ class PeerDetector:
                 continue
             for fam, cols in FAMILIES.items():
                 self.history[fam].append(row[list(cols)])
+            if worst.get("util", {}).get("drop", 0.0) >= _WAIT_UTIL and ns.waited < _WAIT_LEARN:
+                ns.waited += 1      # waiting on a slow peer is not this node's normal: its baselines keep
+                continue            # (unless it lasts: then it is the job's new normal)
+            ns.waited = 0
             for k, m in medians.items():
                 ns.base[k].append(m)
         self.since_fit += 1
