@@ -133,6 +133,7 @@ def score(corpus: Corpus, events) -> dict:
     hit: dict[int, float] = {}
     per = {c: {"tp": 0, "fp": 0} for c in FaultClass}
     false_alarms = 0
+    disruptive: list[str] = []       # false alarms that would restart or evict
     for f in events:
         if f.resolved:
             continue
@@ -155,6 +156,8 @@ def score(corpus: Corpus, events) -> dict:
             per.setdefault(cls or "unclassified", {"tp": 0, "fp": 0})["fp"] += 1
             if not running:
                 false_alarms += 1
+                if f.action.value in ("restart", "evict"):
+                    disruptive.append(f"{f.node} {raw} {f.action.value} at {f.observed_ts:.0f}: {f.summary}")
     out = {}
     for c in FaultClass:
         injs = [i for i in corpus.injections if i.cls is c]
@@ -167,7 +170,7 @@ def score(corpus: Corpus, events) -> dict:
                         "f1": round(2 * p * r / (p + r), 4) if p + r else 0.0,
                         "delay_p50_s": round(float(np.percentile(found, 50)), 2) if found else None,
                         "delay_p99_s": round(float(np.percentile(found, 99)), 2) if found else None}
-    return {"classes": out, "false_alarms": false_alarms}
+    return {"classes": out, "false_alarms": false_alarms, "false_restart_or_evict": disruptive}
 
 
 def merge(results: list[dict]) -> dict:
@@ -234,14 +237,17 @@ def main(argv=None) -> int:
     hard_p99 = max((v["delay_p99_s"] or 0) for v in hard.values())
     targets = {
         "hard_f1_min": {"value": min(v["f1"] for v in hard.values()), "target": 0.95},
-        "soft_f1_min": {"value": min(v["f1"] for v in soft.values()), "target": 0.85},
+        "soft_f1_min": {"value": min(v["f1"] for v in soft.values()), "target": 0.9},
         "false_alarms_per_1000_node_hours": {"value": round(fa_rate, 3), "target": 1.0, "at_most": True},
+        "false_restart_or_evict": {"value": sum(len(r["false_restart_or_evict"]) for r in ours), "target": 0,
+                                   "at_most": True},
     }
     for v in targets.values():
         v["met"] = v["value"] <= v["target"] if v.get("at_most") else v["value"] >= v["target"]
     out = {"bench": "tee_quality", "mode": "offline (detector library)", "seeds": a.seeds, "nodes": a.nodes,
            "hours": a.hours, "node_hours": node_hours, "batches": batches, "classes": classes,
            "false_alarms": fa, "hard_onset_delay_p99_s": hard_p99,
+           "false_restart_or_evict_events": [e for r in ours for e in r["false_restart_or_evict"]][:20],
            "note": ("delays are trigger sample minus injection start (onset); the latency from trigger "
                     "sample to decision offline is the replay lag, see bench/tee_throughput for the pipeline"),
            "engine_counts": counts, "targets": targets,

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from transom import contracts
+from transom.agents.intake import phase as declare_phase
 from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
@@ -224,9 +225,11 @@ class CheckpointEngine:
             log.info("rank %d: checkpoint of step %d waits for the previous save (policy wait)", self.rank, step)
             self._thread.join()
         self._saving = True
+        previous = declare_phase("checkpoint")     # the agent and the TEE see a save in progress, not a hang
         try:
             return self._save(step, state)
         finally:
+            declare_phase(previous)
             self._saving = False
             if self._stop_signal is not None:
                 self._stop_now()

@@ -42,13 +42,15 @@ from transom.log import get
 
 from .config import TEEConfig
 from .classes import HARD
-from .rules import (EccRule, GpuLostRule, HangRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule,
-                    Rule, XidRule)
+from .hangs import HangDetector
+from .rules import (EccRule, GpuLostRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule, Rule,
+                    XidRule)
 
 __all__ = ["TEEEngine"]
 
-#: Classes whose rules already report once per condition (a new condition is a new fault).
-_ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost"})
+#: Classes whose rules already report once per condition (a new condition is a new fault: a second
+#: NaN after a finite loss, a link that flaps again after a quiet window, goes down again after it came up).
+_ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost", "link_flap", "link_down"})
 
 log = get("tee")
 
@@ -60,9 +62,9 @@ class TEEEngine:
                  anomaly: bool = True) -> None:
         self.config = config or TEEConfig()
         self.clock = clock
-        self.rules: list[Rule] = [XidRule(), GpuLostRule(), NanLossRule(), HangRule(self.config), EccRule(),
+        self._hang = HangDetector(self.config)
+        self.rules: list[Rule] = [XidRule(), GpuLostRule(), NanLossRule(), self._hang, EccRule(),
                                   RowRemapRule(), LinkRule(self.config)]
-        self._hang = self.rules[3]
         self.peers = None
         if anomaly and "ecod" in self.config.soft_detectors:
             from .detectors import GpuAnomalyDetector
@@ -71,6 +73,9 @@ class TEEEngine:
             from .peers import PeerDetector
             self.peers = PeerDetector(self.config)
             self.rules.append(self.peers)
+        if anomaly and "temporal" in self.config.soft_detectors:
+            from .temporal import TemporalDetector
+            self.rules.append(TemporalDetector(self.config))
         self.heartbeat = HeartbeatRule(self.config)
         self._nodes: dict[str, NodeState] = {}
         self._emitted: OrderedDict[str, None] = OrderedDict()
@@ -108,7 +113,7 @@ class TEEEngine:
             return False
         if any(getattr(link, "reported_down", False) for link in state.links.values()):
             return True
-        return any(ts - p.since > self._hang.limit(p) for p in state.ranks.values())
+        return self._hang.ongoing(state.node, ts)
 
     def _explained(self, f: FaultEvent) -> bool:
         """Whether soft fault ``f`` is a symptom of the node's last hard fault: its anomaly began while

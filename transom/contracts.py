@@ -195,6 +195,13 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def _finite_sum(values: Any) -> bool:
+    try:
+        return math.isfinite(sum(values))
+    except OverflowError:           # an integer beyond float's range
+        return False
+
+
 def stable_id(*parts: Any) -> str:
     """A short id that is the same for the same parts, in any process: for de-duplication."""
     text = "\x1f".join(str(p) for p in parts)
@@ -221,10 +228,15 @@ class Sample:
         fields_ = d.get("fields")
         if type(fields_) is not dict:          # the common case is decided without a call
             fields_ = _get(d, "fields", Mapping, what=what)
-        if not set(map(type, fields_.values())) <= _PLAIN_NUMBERS:     # fast check; the loop names the culprit
+        values = fields_.values()
+        if not set(map(type, values)) <= _PLAIN_NUMBERS:     # fast check; the loop names the culprit
             for name, value in fields_.items():
                 if isinstance(value, bool) or not isinstance(value, _NUM):
                     raise ContractError(f"{what}: metric '{name}' must be a number, got {type(value).__name__}")
+        if not _finite_sum(values):     # a finite sum means every value is finite (one C call)
+            for name, value in fields_.items():
+                if not _finite_sum((value,)):
+                    raise ContractError(f"{what}: metric '{name}' must be a finite number, got {value}")
         tags = d.get("tags")
         if tags is None:
             tags = {}
@@ -238,10 +250,14 @@ class Sample:
         # validated above: build the frozen instance without its __init__'s five object.__setattr__ calls
         # (the TEE decodes a dozen samples per node batch, thousands of batches a second)
         index, ts = d.get("index"), d.get("ts")
-        if index is not None and type(index) is not int:
+        if index is not None and (type(index) is not int or index < 0):
             index = _get(d, "index", int, what=what, optional=True)
-        if ts is not None and type(ts) not in _PLAIN_NUMBERS:
+            if index < 0:
+                raise ContractError(f"{what}: field 'index' must not be negative, got {index}")
+        if ts is not None and (type(ts) not in _PLAIN_NUMBERS or not math.isfinite(ts) or ts <= 0):
             ts = _get(d, "ts", _NUM, what=what, optional=True)
+            if not math.isfinite(ts) or ts <= 0:
+                raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
         obj = object.__new__(cls)
         obj.__dict__.update(source=source if source is not None else _enum(Source, d, "source", what=what),
                             fields=fields_ if owned and type(fields_) is dict else dict(fields_), index=index,
@@ -289,8 +305,11 @@ class MetricBatch:
         if not math.isfinite(ts) or ts <= 0:
             raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
         samples = _get(d, "samples", list, what=what)
+        seq = _get(d, "seq", int, what=what)
+        if seq < 0:
+            raise ContractError(f"{what}: field 'seq' must not be negative, got {seq}")
         return cls(
-            node=node, ts=float(ts), seq=_get(d, "seq", int, what=what),
+            node=node, ts=float(ts), seq=seq,
             samples=tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=owned) for i, s in enumerate(samples)),
             job=_get(d, "job", str, what=what, optional=True),
         )
@@ -632,6 +651,13 @@ def _reject_constant(name: str) -> Any:
     raise ContractError(f"value contains {name}, which is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):      # 1e999 parses as infinity; orjson refuses it, json does not
+        raise ContractError(f"value contains the number {text}, which is out of range (infinite)")
+    return value
+
+
 def decode(topic: str, raw: bytes | str | None) -> Any:
     """Parse and validate a value read from ``topic``; raise :class:`ContractError` with the reason."""
     cls = _BY_TOPIC.get(topic)
@@ -645,7 +671,7 @@ def decode(topic: str, raw: bytes | str | None) -> Any:
         d = None          # the standard parser below says precisely why (or takes what orjson refuses)
     try:
         if d is None:
-            d = json.loads(raw, parse_constant=_reject_constant)
+            d = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except ContractError:
         raise
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
