@@ -67,8 +67,9 @@ class TopicSpec:
 #: Metrics are partitioned by node so a node's samples stay in order and one TEE worker owns
 #: a node's window; the lifecycle topic is compacted and keyed by job (each value carries the
 #: job's full snapshot, so compaction keeps what a restarted controller needs).
+#: Partition counts here are the defaults; :mod:`transom.topics` takes others from configuration.
 TOPICS: tuple[TopicSpec, ...] = (
-    TopicSpec(METRICS, 4, {"retention.ms": str(24 * 3600 * 1000)}),
+    TopicSpec(METRICS, 12, {"retention.ms": str(24 * 3600 * 1000)}),
     TopicSpec(FAULTS, 2),
     TopicSpec(CHECKPOINTS, 2),
     TopicSpec(LIFECYCLE, 1, {"cleanup.policy": "compact"}),
