@@ -64,6 +64,7 @@ def faust_app(app_id: str, bootstrap: str, *, datadir: str, service: str, reads:
         app_id, broker=brokers, value_serializer="raw", key_serializer="raw",
         processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
         web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
+        producer_acks=-1,        # acks=all: a fault event is written once every in-sync replica has it
         broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
         broker_credentials=credentials,
     )
