@@ -60,6 +60,8 @@ __all__ = ["APP_ID", "make_app", "partition_clocks", "run_worker"]
 APP_ID = "transom-tee"
 #: The agent takes metric batches in lists of up to this many, or what arrived within TAKE_WITHIN seconds.
 TAKE, TAKE_WITHIN = 1000, 0.05
+#: Event clock: most bytes fetched from one partition at a time.
+REPLAY_FETCH_BYTES = 64 * 1024
 log = get("tee")
 
 
@@ -78,14 +80,17 @@ def partition_clocks(marks: Mapping[int, float], behind: Iterable[int]) -> dict[
 def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     """Build the Faust app that feeds ``engine`` from ``bootstrap`` (host:port[,host:port])."""
     signer = fault_signer()                                       # None: faults go unsigned
-    app = faust_app(APP_ID, bootstrap, datadir=datadir, service="TEE", reads="metrics")
+    event_clock = engine.config.clock == "event"
+    # event clock (a replay read at full speed): small fetches, so that the partitions, read in turn,
+    # stay close in sample time (a 1 MB fetch of one partition holds minutes of its nodes' batches)
+    app = faust_app(APP_ID, bootstrap, datadir=datadir, service="TEE", reads="metrics",
+                    **({"consumer_max_fetch_size": REPLAY_FETCH_BYTES} if event_clock else {}))
     metrics = app.topic(contracts.METRICS, key_type=bytes, value_type=bytes)
     faults = app.topic(contracts.FAULTS, key_type=bytes, value_type=bytes)
     deadletter = app.topic(contracts.DEADLETTER, key_type=bytes, value_type=bytes)
     peer_windows = app.topic(contracts.PEER_WINDOWS, key_type=bytes, value_type=bytes)
     nodes_of: dict[int, set[str]] = defaultdict(set)   # metrics partition -> nodes seen on it
     jobs_of: dict[int, set[str]] = defaultdict(set)    # peer-windows partition -> jobs judged from it
-    event_clock = engine.config.clock == "event"
     watermarks: dict[int, float] = {}                    # event clock: partition -> newest sample time
     checked: dict[int, int] = {}                         # event clock: partition -> second last checked
     positions: dict[int, int] = {}                       # event clock: partition -> offset last processed
@@ -227,6 +232,7 @@ def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None)
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         else:
             code = 0
-        log.info("TEE stopped (%d batches, %d faults, %d repeats dropped)", engine.counts["batches"],
-                 engine.counts["faults"], engine.counts["repeats"])
+        log.info("TEE stopped (%d batches, %d faults, %d repeats dropped, %d peer windows too late for their "
+                 "job's)", engine.counts["batches"], engine.counts["faults"], engine.counts["repeats"],
+                 engine.job_windows.late if engine.job_windows is not None else 0)
         return code
