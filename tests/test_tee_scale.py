@@ -63,6 +63,7 @@ def test_a_jobs_window_is_released_whole_and_in_order_whatever_the_arrival():
 
 
 @pytest.mark.integration
+@pytest.mark.e2e
 def test_three_workers_find_the_same_soft_faults_as_one(monkeypatch):
     """The labelled corpus (16 nodes in 2 jobs of 8, 12 minutes at 1 Hz, every fault class once; a
     straggler, a power cap, a hot GPU and a degraded link among them), replayed on the event clock
