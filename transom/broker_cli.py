@@ -46,7 +46,8 @@ def topics(args: argparse.Namespace) -> int:
     from .topics import MIN_ISR_ENV, PARTITIONS_ENV, REPLICATION_ENV, TopicMismatch, TopicSettings
 
     if not args.bootstrap:
-        print("transom topics: error: --bootstrap (or TRANSOM_BOOTSTRAP) is required", flush=True)
+        import sys
+        print("transom topics: error: --bootstrap (or TRANSOM_BOOTSTRAP) is required", file=sys.stderr, flush=True)
         return 2
     env = dict(os.environ)
     for key, value in ((PARTITIONS_ENV, args.partitions), (REPLICATION_ENV, args.replication_factor),
