@@ -75,6 +75,7 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> 
     from transom import kafka
     from transom.broker import EmbeddedBroker
     from transom.streams.app import APP_ID
+    from transom.topics import TopicSettings
 
     broker = EmbeddedBroker().start() if bootstrap is None else None
     bootstrap = bootstrap or broker.bootstrap
@@ -93,25 +94,27 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> 
                     if n % 50_000 == 0:
                         print(f"  pipeline: {n} batches published", file=sys.stderr, flush=True)
                 producer.flush(120)
-                # done when the worker's group has committed every partition's end offset
+                # done when the workers' group has committed the end offset of every partition of the
+                # metrics and of the peer windows they sent each other (re-read: it grows until then)
                 probe = Consumer({**kafka.client_config(bootstrap), "group.id": APP_ID,
                                   "enable.auto.commit": False})
-                parts = [TopicPartition(c.METRICS, p) for p in range(next(t.partitions for t in c.TOPICS
-                                                                         if t.name == c.METRICS))]
-                ends = {tp.partition: probe.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
-                last, deadline = -1, time.time() + 1800
+                topics = TopicSettings.from_env()
+                parts = [TopicPartition(t, p) for t in (c.METRICS, c.PEER_WINDOWS)
+                         for p in range(topics.partitions_of(t))]
+                last, settled, deadline = -1, 0, time.time() + 1800
                 while time.time() < deadline:
+                    ends = sum(probe.get_watermark_offsets(tp, timeout=10)[1] for tp in parts)
                     done = sum(max(tp.offset, 0) for tp in probe.committed(parts, timeout=10))
-                    if done >= sum(ends.values()):
+                    settled = settled + 1 if done >= ends else 0
+                    if settled >= 2:             # twice, a second apart: the last windows may be in flight
                         break
                     if done != last:
-                        print(f"  pipeline: worker committed {done}/{sum(ends.values())}", file=sys.stderr,
-                              flush=True)
+                        print(f"  pipeline: workers committed {done}/{ends}", file=sys.stderr, flush=True)
                         last = done
                     for p in procs:
                         if p.poll() is not None:
                             raise RuntimeError("a TEE worker exited: " + open(p.logpath).read()[-2000:])
-                    time.sleep(2)
+                    time.sleep(1)
                 else:
                     raise RuntimeError("the TEE workers did not commit every batch in 30 min")
                 span = time.time() - t0

@@ -95,6 +95,11 @@ class TEEConfig:
     #: suggested action evict (the controller replaces it when it has a spare); a smaller drop is a
     #: WARNING to observe.
     straggler_evict_drop: float = 0.2
+    #: TEE workers: a job's window is judged once every node of the job sent it, or once another node of
+    #: the job is this many windows further (a node gone silent is not waited for longer); see
+    #: :mod:`.jobwindows`. 0: 3 windows on the wall clock; 60 on the event clock, where a replay read at
+    #: full speed puts partitions minutes of sample time apart (one fetch holds hundreds of batches).
+    soft_peer_wait: int = 0
     #: Anomalous windows in a row before a soft fault.
     soft_consecutive: int = 2
     #: Clean windows in a row after a soft fault before its resolution event.
@@ -139,6 +144,9 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")
+        if isinstance(self.soft_peer_wait, bool) or not isinstance(self.soft_peer_wait, int) or self.soft_peer_wait < 0:
+            raise ConfigError(f"TEE setting soft_peer_wait={self.soft_peer_wait!r}: expected an integer >= 0 "
+                              "(0: automatic)")
         for f in ("soft_cold_z", "straggler_evict_drop"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

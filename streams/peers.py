@@ -46,6 +46,13 @@ thirds or more of the others' fall 15 % or more (detector ``peers.wait``): a str
 clocks, reported as a WARNING to observe (work that only rank 0 does looks the same). A waiting
 node's windows do not enter its baselines (for up to 15 minutes; longer, it is the new normal), so
 that when the job speeds up again its temperatures and power are not taken for a rise.
+Where the detector runs: fed directly (one process, the offline bench), every window is decided
+here. In the TEE workers (:mod:`.app`) a job's nodes are spread over the workers by node, so the
+detector is split: the worker reading a node's metrics builds its windows and, with ``outbox`` set
+(a list), puts each closed one there as a :class:`~transom.contracts.PeerWindow` summary (medians,
+reasons, error rate: what the features are made of) instead of deciding it; the worker that owns the
+job (``transom.peer-windows`` is keyed by job) feeds the summaries to :meth:`PeerDetector.take`,
+which keeps the per-node baselines and runs and decides exactly as here.
 ``soft_consecutive`` anomalous windows make a fault; ``soft_clear`` clean windows after it make a
 resolution event (``resolved=True``, same fault id). The class comes from the evidence: NIC
 features -> link_degraded; a hot GPU -> thermal; a slow GPU whose clock-event reasons show a power
@@ -63,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from transom.contracts import DCGM, Action, FaultEvent, MetricBatch, Severity, Source, stable_id
+from transom.contracts import DCGM, Action, FaultEvent, MetricBatch, PeerWindow, Severity, Source, stable_id
 
 from .classes import KIND_OF, FaultClass
 from .config import TEEConfig
@@ -140,6 +147,26 @@ class _Window:
     first_ts: float = 0.0
     last_ts: float = 0.0
 
+    def summary(self, node: str, job: str, now: float) -> PeerWindow:
+        """What the features of this window are made of (medians, reasons, mean error rate)."""
+        return PeerWindow(node=node, job=job, index=self.index, first_ts=self.first_ts, last_ts=self.last_ts,
+                          closed_ts=now, gpu={str(gi): {k: _median(v) for k, v in f.items()}
+                                              for gi, f in self.gpu.items()},
+                          reasons={str(gi): r for gi, r in self.reasons.items()},
+                          nic_err=sum(self.nic_err) / len(self.nic_err) if self.nic_err else None,
+                          nic_bw={dev: _median(v) for dev, v in self.nic_bw.items()})
+
+    @classmethod
+    def of(cls, w: PeerWindow) -> "_Window":
+        """The window a summary stands for (each median as its one value: the features come out the same)."""
+        win = cls(index=w.index, first_ts=w.first_ts, last_ts=w.last_ts)
+        for gi, f in w.gpu.items():
+            win.gpu[int(gi)].update({k: [v] for k, v in f.items()})
+        win.reasons.update({int(gi): r for gi, r in w.reasons.items()})
+        win.nic_err = [] if w.nic_err is None else [w.nic_err]
+        win.nic_bw.update({dev: [v] for dev, v in w.nic_bw.items()})
+        return win
+
 
 @dataclass
 class _NodeSoft:
@@ -169,6 +196,9 @@ class PeerDetector:
         self.since_fit = 10**9
         self.waiting = 0               # hits dropped: the node only waited on a slow peer
         self.pending: dict[tuple[str, int], dict[str, tuple]] = defaultdict(dict)   # (job, window) -> node -> ...
+        #: Node side of a split detector: closed windows go here as summaries instead of being decided.
+        self.outbox: list[PeerWindow] | None = None
+        self.remote: dict[str, NodeState] = {}      # job side: node -> its soft state (baselines, runs)
 
     # ------------------------------------------------------------------ feed
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
@@ -180,7 +210,11 @@ class PeerDetector:
         out: list[FaultEvent] = []
         if ns.window.index != index:
             if ns.window.index >= 0 and ns.window.gpu:
-                out += self._close(state, ns, batch.job or state.job or batch.node, now)
+                job = batch.job or state.job or batch.node
+                if self.outbox is not None:
+                    self.outbox.append(ns.window.summary(state.node, job, now))
+                else:
+                    out += self._close(state, ns, job, now)
             ns.window = _Window(index=index, first_ts=batch.ts)
         win = ns.window
         win.last_ts = batch.ts
@@ -262,6 +296,31 @@ class PeerDetector:
         for k in [k for k in self.pending if k[0] == job and k[1] < ns.window.index]:
             out += self._decide(k, self.pending.pop(k), now)
         return out
+
+    def take(self, w: PeerWindow, now: float) -> list[FaultEvent]:
+        """Job side: decide with a window that the node's worker summarised (see the module doc)."""
+        state = self.remote.get(w.node)
+        if state is None:
+            state = self.remote[w.node] = NodeState(w.node)
+        state.job = w.job
+        ns = state.detectors.get(self.name)
+        if ns is None:
+            ns = state.detectors[self.name] = _NodeSoft()
+        # the job's earlier windows first, while every node's window is the one being judged (their
+        # evidence and trigger time are that window's, whatever order the summaries came in)
+        out: list[FaultEvent] = []
+        for k in sorted(k for k in self.pending if k[0] == w.job and k[1] < w.index):
+            out += self._decide(k, self.pending.pop(k), now)
+        ns.window = _Window.of(w)
+        return out + self._close(state, ns, w.job, now)
+
+    def forget_jobs(self, jobs) -> None:
+        """Job side: these jobs are judged by another worker now (their partition moved)."""
+        jobs = set(jobs)
+        for node in [n for n, st in self.remote.items() if st.job in jobs]:
+            del self.remote[node]
+        for k in [k for k in self.pending if k[0] in jobs]:
+            del self.pending[k]
 
     def flush(self, now: float) -> list[FaultEvent]:
         """Decide every window still waiting for peers (end of a replay)."""

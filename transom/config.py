@@ -21,6 +21,9 @@ class ConfigError(ValueError):
 ENV: Mapping[str, str] = {
     "TRANSOM_BOOTSTRAP": "Kafka bootstrap servers, host:port[,host:port]; unset: start the embedded broker",
     "TRANSOM_LOG_LEVEL": "log level of every service (DEBUG, INFO, WARNING)",
+    "TRANSOM_TOPIC_PARTITIONS": "partition counts of Transom's topics, TOPIC=N[,TOPIC=N] (transom/topics.py)",
+    "TRANSOM_REPLICATION_FACTOR": "replicas of every topic partition, or auto (3 with 3+ brokers, else the broker count)",
+    "TRANSOM_MIN_INSYNC_REPLICAS": "in-sync replicas an acks=all write needs, or auto (2 with 3+ replicas, else 1)",
     "TRANSOM_NODE": "this node's id (agent; set by the launcher for training ranks)",
     "TRANSOM_JOB": "job id (set by the launcher for training ranks)",
     "TRANSOM_AGENT_ADDR": "host:port of the local agent's training intake (UDP)",

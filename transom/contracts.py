@@ -20,6 +20,7 @@ transom.lifecycle      job id      :class:`LifecycleEvent` (compacted; carries a
 transom.deadletter     orig. key   :class:`DeadLetter`
 transom.registry       CL/KIND/NODE :class:`Registration` (compacted; a null value, the tombstone,
                                    says the service left cleanly; see :mod:`transom.registry`)
+transom.peer-windows   job id      :class:`PeerWindow` (the TEE's internal repartition topic)
 =====================  ==========  ================================================
 """
 
@@ -39,7 +40,7 @@ import orjson      # 3-4x faster parsing of metric batches (the TEE reads thousa
 
 __all__ = [
     "SCHEMA_VERSION", "ContractError", "TopicSpec", "TOPICS",
-    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER",
+    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER", "PEER_WINDOWS", "PeerWindow",
     "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
     "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
     "REGISTRY", "ServiceKind", "Registration", "UNROUTABLE", "registry_key",
@@ -54,6 +55,8 @@ CHECKPOINTS = "transom.checkpoints"
 LIFECYCLE = "transom.lifecycle"
 DEADLETTER = "transom.deadletter"
 REGISTRY = "transom.registry"
+#: The TEE's own repartition topic: per-node window summaries keyed by job (see streams/app.py).
+PEER_WINDOWS = "transom.peer-windows"
 
 
 class ContractError(ValueError):
@@ -71,13 +74,15 @@ class TopicSpec:
 #: Metrics are partitioned by node so a node's samples stay in order and one TEE worker owns
 #: a node's window; the lifecycle topic is compacted and keyed by job (each value carries the
 #: job's full snapshot, so compaction keeps what a restarted controller needs).
+#: Partition counts here are the defaults; :mod:`transom.topics` takes others from configuration.
 TOPICS: tuple[TopicSpec, ...] = (
-    TopicSpec(METRICS, 4, {"retention.ms": str(24 * 3600 * 1000)}),
+    TopicSpec(METRICS, 12, {"retention.ms": str(24 * 3600 * 1000)}),
     TopicSpec(FAULTS, 2),
     TopicSpec(CHECKPOINTS, 2),
     TopicSpec(LIFECYCLE, 1, {"cleanup.policy": "compact"}),
     TopicSpec(DEADLETTER, 1),
     TopicSpec(REGISTRY, 1, {"cleanup.policy": "compact"}),
+    TopicSpec(PEER_WINDOWS, 12, {"retention.ms": str(3600 * 1000)}),
 )
 
 
@@ -634,11 +639,61 @@ class DeadLetter:
                    offset=_get(d, "offset", int, what=what, optional=True))
 
 
+# --------------------------------------------------------------------------- TEE internal
+
+@dataclass(frozen=True)
+class PeerWindow:
+    """One node's closed soft-detection window, summarised by the TEE worker that reads the node's
+    metrics and sent, keyed by job, to the worker that judges the job's peers.
+
+    ``gpu``: GPU index -> DCGM field -> the window's median; ``reasons``: GPU index -> OR of its clock
+    event reasons; ``nic_err``: mean error rate over the node's up ports (None: no port sample);
+    ``nic_bw``: port device -> median receive rate; ``closed_ts``: the node worker's clock when the
+    window closed; ``hard_ts``: trigger time of the node's last hard fault, if any (it explains soft
+    symptoms that begin while it goes on)."""
+
+    node: str
+    job: str
+    index: int
+    first_ts: float
+    last_ts: float
+    closed_ts: float
+    gpu: Mapping[str, Mapping[str, float]]
+    reasons: Mapping[str, int] = field(default_factory=dict)
+    nic_err: float | None = None
+    nic_bw: Mapping[str, float] = field(default_factory=dict)
+    hard_ts: float | None = None
+    v: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PeerWindow":
+        what = "peer window"
+        _check_version(d, what)
+        gpu = _get(d, "gpu", Mapping, what=what)
+        for gi, fields in gpu.items():
+            if not isinstance(fields, Mapping) or not all(isinstance(v, _NUM) and not isinstance(v, bool)
+                                                          for v in fields.values()):
+                raise ContractError(f"{what}: gpu[{gi!r}] must map field names to numbers")
+        return cls(node=_get(d, "node", str, what=what), job=_get(d, "job", str, what=what),
+                   index=_get(d, "index", int, what=what),
+                   first_ts=float(_get(d, "first_ts", _NUM, what=what)),
+                   last_ts=float(_get(d, "last_ts", _NUM, what=what)),
+                   closed_ts=float(_get(d, "closed_ts", _NUM, what=what)),
+                   gpu={str(k): dict(v) for k, v in gpu.items()},
+                   reasons={str(k): int(v) for k, v in _get(d, "reasons", Mapping, what=what, optional=True,
+                                                            default={}).items()},
+                   nic_err=_get(d, "nic_err", _NUM, what=what, optional=True),
+                   nic_bw={str(k): float(v) for k, v in _get(d, "nic_bw", Mapping, what=what, optional=True,
+                                                              default={}).items()},
+                   hard_ts=_get(d, "hard_ts", _NUM, what=what, optional=True))
+
+
 # --------------------------------------------------------------------------- codec
 
 _BY_TOPIC: dict[str, type] = {
     METRICS: MetricBatch, FAULTS: FaultEvent, CHECKPOINTS: CheckpointReady,
     LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter, REGISTRY: Registration,
+    LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter, PEER_WINDOWS: PeerWindow,
 }
 
 
