@@ -1,4 +1,8 @@
-"""End to end: `transom demo` runs the whole loop and heals the job after an injected XID 79."""
+"""End to end: `transom demo` runs the whole loop and heals the job after an injected XID 79.
+
+``--scheduler slurm`` (the loop on the hosts test bed under a real Slurm cluster) is checked here
+for its wiring only: the scenario itself is tests/test_slurm_bed.py's.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ import sys
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
 def test_demo_recovers_from_xid79_and_completes(tmp_path):
     run_dir = tmp_path / "demo"
     before = {p.pid for p in psutil.process_iter()}
@@ -47,3 +52,25 @@ def test_demo_recovers_from_xid79_and_completes(tmp_path):
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
                  and any("transom" in part for part in (p.info["cmdline"] or []))]
     assert leftovers == []
+
+
+def test_demo_scheduler_slurm_wiring(monkeypatch, capsys, tmp_path):
+    """The option, the controller's arguments on the bed, and a one-line refusal where no cluster can be made."""
+    from transom import demo_slurm
+    from transom.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--scheduler", "slurm", "--run-dir", str(tmp_path / "run")])
+    assert args.scheduler == "slurm"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--scheduler", "pbs"])
+    assert "invalid choice: 'pbs'" in capsys.readouterr().err
+    got = demo_slurm.controller_args("198.18.7.1:9092", tmp_path / "jobs", {"node0": "198.18.7.3:7100"},
+                                     ["--exit-when-done"])
+    assert got == ["controller", "--bootstrap", "198.18.7.1:9092", "--backend", "slurm", "--run-dir",
+                   str(tmp_path / "jobs"), "--node", "node0=198.18.7.3:7100", "--exit-when-done"]
+    demo_slurm.BedStack(tmp_path / "idle").stop()                  # nothing started: nothing to stop
+    monkeypatch.setattr(demo_slurm, "available", lambda: (False, "Slurm is not installed (slurmctld missing)"))
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "demo: --scheduler slurm cannot run here: Slurm is not installed (slurmctld missing)"
+    assert not (tmp_path / "run").exists()                          # refused before anything was made

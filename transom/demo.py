@@ -5,6 +5,10 @@ spare), a TEE worker and the controller; runs the example language model with fo
 injects XID 79 ("GPU has fallen off the bus") on one node halfway through; shows progress live;
 then prints the timeline of the recovery and a summary, stops everything it started, and exits
 0 only if the job completed all its steps.
+
+With ``--scheduler slurm`` the same loop runs on the hosts test bed under a real Slurm cluster
+(slurmctld, one slurmd per node host; see transom/demo_slurm.py): the ranks are Slurm batch jobs
+and the faulty node is drained in Slurm. It needs root (namespaces) and slurm-wlm and munge.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-node", default="node1", help="node to inject XID 79 on (default node1)")
     p.add_argument("--run-dir", default=None, help="where logs, checkpoints and rank outputs go (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds (default 600)")
+    p.add_argument("--scheduler", choices=("local", "slurm"), default="local",
+                   help="local: ranks as local processes (default); slurm: on the hosts test bed under a real "
+                        "Slurm cluster (needs root, slurm-wlm and munge)")
     p.set_defaults(func=run_demo)
 
 
@@ -55,13 +62,27 @@ def run_demo(args: argparse.Namespace) -> int:
     def interrupted(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
+    scheduler = getattr(args, "scheduler", "local")
+    if scheduler == "slurm":
+        from . import demo_slurm
+        ok, reason = demo_slurm.available()
+        if not ok:
+            print(f"demo: --scheduler slurm cannot run here: {reason}", file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, interrupted)   # so that a SIGTERM still stops what the demo started
     clock = _Clock()
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="transom-demo-"))
     fault_at = args.fault_at or args.steps // 2
-    stack = LocalStack(run_dir)
-    print(f"Transom demo: 4 ranks on node0..node3, spare node4; XID 79 on {args.fault_node} at step {fault_at}. "
-          f"Logs in {run_dir}/logs", flush=True)
+    if scheduler == "slurm":
+        stack = demo_slurm.BedStack(run_dir)
+        inject = stack.inject
+        where = "Slurm cluster on the test bed (slurmctld on ctl, slurmd on node0..node4)"
+    else:
+        stack = LocalStack(run_dir)
+        inject = lambda node, fault: _inject(stack.agents[node], fault)       # noqa: E731
+        where = "local processes"
+    print(f"Transom demo ({where}): 4 ranks on node0..node3, spare node4; XID 79 on {args.fault_node} at step "
+          f"{fault_at}. Logs in {run_dir}/logs", flush=True)
     job = "demo"
     timeline: dict[str, float] = {}
     steps_lost = None
@@ -103,7 +124,7 @@ def run_demo(args: argparse.Namespace) -> int:
                                   f"gen {s.tags.get('generation')}")
                         next_progress = time.monotonic() + 5
                     if not injected and step >= fault_at:
-                        _inject(stack.agents[args.fault_node], "xid79")
+                        inject(args.fault_node, "xid79")
                         injected = True
                         clock.say(f"INJECT XID 79 on {args.fault_node} (GPU 0)")
             elif topic == contracts.FAULTS and ev.job in (job, None):
@@ -131,6 +152,10 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"demo: timed out after {args.timeout:.0f}s", file=sys.stderr)
             result = 1
         code = ctl.popen.wait(30) if ctl.popen.poll() is None else ctl.popen.returncode
+        if scheduler == "slurm":
+            print("\nSlurm's nodes (scontrol show nodes; a drained node waits for an operator's RESUME)")
+            for line in stack.node_report():
+                print(f"  {line}")
         monitor.close()
         from .report import write_report
         report_path = write_report(bootstrap, job, run_dir / "report.html")
