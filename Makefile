@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.installed
 
 help:
 	@echo "make demo   - run the whole loop (broker, agents, TEE, controller, a 4-rank job, an injected XID 79)"
+	@echo "make demo SCHEDULER=slurm - the same under a real Slurm cluster on the hosts test bed (root)"
 	@echo "make test   - run the test suite (starts the real services its tests need)"
 	@echo "make bench  - run the benchmarks in bench/"
 	@echo "make clean  - remove the virtual environment and run outputs"
@@ -36,8 +37,10 @@ system-deps:
 	  else echo "note: install the Debian packages $(DEBS) (needs root)"; fi; \
 	fi
 
+# SCHEDULER=slurm: the loop on the hosts test bed under a real Slurm cluster (needs root, slurm-wlm, munge)
+SCHEDULER ?= local
 demo: deps
-	$(VENV)/bin/transom demo
+	$(VENV)/bin/transom demo --scheduler $(SCHEDULER)
 
 test: deps
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15

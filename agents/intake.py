@@ -7,14 +7,24 @@ Client side (imported by training scripts; standard library only):
   ``TRANSOM_GENERATION``, the process and ``TRANSOM_NODE`` (a keyword argument wins). It never
   blocks and never raises: with no agent, no address, a bad value or a socket error the report
   is dropped and counted (:func:`stats`). NaN/Inf values travel as the strings "nan"/"inf"/"-inf"
-  (JSON has no NaN); values that are not numbers are left out.
+  (JSON has no NaN); values that are not numbers are left out. ``phase="checkpoint"`` (or "eval",
+  "data", "compile", "startup"; "" or "train" ends it) says what the rank is doing until it says
+  otherwise, so a long legitimate pause is not taken for a hang; :func:`phase` says it without a
+  report (the checkpoint engine marks its blocking snapshot so).
+- Liveness that needs no PID lookup (ranks may live in another PID namespace or container): the
+  first :func:`report` starts a daemon thread that sends ``{"type":"heartbeat",...}`` every
+  ``TRANSOM_HEARTBEAT_S`` seconds (default 1; 0: none), with the current phase and, once the
+  main thread has not reported for two heartbeats, a sample of its stack (where it waits); at
+  interpreter exit one ``{"type":"exit"}`` is sent. A SIGSTOPped or GIL-stuck rank stops its
+  heartbeat; a rank that exits says so. Every datagram carries the process's PID namespace
+  (``pidns``) so an agent in the same namespace may also ask the kernel.
 - :func:`send_inject` sends ``{"type":"inject","fault":"xid79"|"hang"|"straggler",...}`` and returns the
   agent's answer ``{"ok": bool, ...}`` (the agent answers injections, not reports).
 
 Agent side:
 
-- :func:`parse_datagram` validates one datagram into a :class:`TrainReport` or an
-  :class:`InjectRequest`, or raises :class:`IntakeError` with the reason. In a report, a
+- :func:`parse_datagram` validates one datagram into a :class:`TrainReport` (``kind`` "train",
+  "heartbeat" or "exit") or an :class:`InjectRequest`, or raises :class:`IntakeError` with the reason. In a report, a
   non-finite value of field ``f`` becomes ``f_nonfinite = 1`` with ``f`` left out (so a NaN loss
   arrives as ``loss_nonfinite = 1``); booleans become 0/1; other non-numbers are left out.
 - :class:`IntakeServer` receives datagrams on a UDP socket in a thread and hands them to
@@ -27,25 +37,30 @@ Exception tree::
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
 import numbers
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["report", "stats", "send_inject", "parse_addr", "parse_datagram",
+__all__ = ["report", "phase", "stats", "send_inject", "parse_addr", "parse_datagram",
            "TrainReport", "InjectRequest", "IntakeError", "IntakeServer", "FAULTS", "MAX_DATAGRAM"]
 
 #: Fault names an inject datagram may carry.
 FAULTS = ("xid79", "hang", "straggler")
 MAX_DATAGRAM = 65507
 
-_IDENTITY = ("type", "job", "rank", "generation", "pid", "node", "ts")
+_IDENTITY = ("type", "job", "rank", "generation", "pid", "node", "ts", "phase", "stack", "pidns")
+_KINDS = ("train", "heartbeat", "exit")
+#: Longest stack sample a heartbeat carries (characters; a datagram holds 64 KiB).
+MAX_STACK = 4000
 _NONFINITE = {"nan": "nan", "inf": "inf", "+inf": "inf", "-inf": "-inf",
               "infinity": "inf", "-infinity": "-inf"}
 
@@ -120,6 +135,92 @@ def _wire(value: Any) -> Any:
     return "nan" if f != f else ("inf" if f > 0 else "-inf")
 
 
+def _pidns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")     # "pid:[4026531836]"
+    except OSError:
+        return ""
+
+
+def _identity(kind: str) -> dict[str, Any]:
+    env = os.environ
+    return {"type": kind, "job": env.get("TRANSOM_JOB", ""), "rank": int(env.get("RANK") or 0),
+            "generation": int(env.get("TRANSOM_GENERATION") or 0), "pid": os.getpid(),
+            "node": env.get("TRANSOM_NODE", ""), "ts": time.time(), "pidns": _live["pidns"]}
+
+
+# this process's liveness state: the heartbeat thread's pid (a fork has none), phase, last report
+_live: dict[str, Any] = {"pid": 0, "phase": "", "last": 0.0, "main": 0, "pidns": ""}
+
+
+def _send(msg: dict[str, Any], target: tuple[str, int]) -> None:
+    _socket().sendto(json.dumps(msg, separators=(",", ":")).encode(), target)
+
+
+def _stack_of(thread_id: int) -> str:
+    frame = sys._current_frames().get(thread_id)
+    lines = []
+    while frame is not None and len(lines) < 30:
+        code = frame.f_code
+        lines.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " < ".join(lines)[:MAX_STACK]       # innermost first
+
+
+def _heartbeat(interval: float, pid: int) -> None:
+    while _live["pid"] == pid:
+        time.sleep(interval)
+        try:
+            target = _resolve_target()
+            if target is None or _live["pid"] != pid:
+                continue
+            msg = _identity("heartbeat")
+            msg["phase"] = _live["phase"]
+            if time.time() - _live["last"] > 2 * interval:     # the main thread is not stepping: where is it?
+                msg["stack"] = _stack_of(_live["main"])
+            _send(msg, target)
+        except Exception:
+            pass
+
+
+def _at_exit() -> None:
+    if _live["pid"] != os.getpid():
+        return
+    try:
+        target = _resolve_target()
+        if target is not None:
+            _send(_identity("exit"), target)
+    except Exception:
+        pass
+
+
+def _start_liveness() -> None:
+    """Start the heartbeat thread of this process (once; again in a forked child)."""
+    pid = os.getpid()
+    with _lock:
+        if _live["pid"] == pid:
+            return
+        _live.update(pid=pid, main=threading.get_ident(), pidns=_pidns())
+    try:
+        interval = float(os.environ.get("TRANSOM_HEARTBEAT_S") or 1.0)
+    except ValueError:
+        interval = 1.0
+    if interval > 0:
+        threading.Thread(target=_heartbeat, args=(interval, pid), name="transom-heartbeat", daemon=True).start()
+
+
+atexit.register(_at_exit)
+
+
+def phase(name: str | None) -> str:
+    """Declare what this rank does from now on ("checkpoint", "eval", "data", "compile", "startup",
+    "restore"; None, "" or "train": stepping) without sending a report: the heartbeats carry it, and
+    so does the next report. Returns the phase it replaces. Never raises."""
+    previous = _live["phase"]
+    _live["phase"] = "" if name in (None, "", "train") else str(name)[:32]
+    return previous
+
+
 def report(**fields: Any) -> bool:
     """Send one training report to the local agent; True when handed to the socket. Never raises."""
     try:
@@ -127,19 +228,21 @@ def report(**fields: Any) -> bool:
         if target is None:
             _count("dropped")
             return False
-        env = os.environ
-        msg: dict[str, Any] = {
-            "type": "train", "job": env.get("TRANSOM_JOB", ""), "rank": int(env.get("RANK") or 0),
-            "generation": int(env.get("TRANSOM_GENERATION") or 0), "pid": os.getpid(),
-            "node": env.get("TRANSOM_NODE", ""), "ts": time.time(),
-        }
+        if _live["pid"] != os.getpid():
+            _start_liveness()
+        _live["last"] = time.time()
+        msg = _identity("train")
         for name, value in fields.items():
             try:
                 msg[name] = _wire(value)
             except (TypeError, ValueError, OverflowError):
                 continue  # not a number: left out, the rest still goes
+        if "phase" in fields:
+            _live["phase"] = msg["phase"] = "" if fields["phase"] in (None, "train") else str(fields["phase"])[:32]
+        else:
+            msg["phase"] = _live["phase"]
         msg["type"] = "train"
-        _socket().sendto(json.dumps(msg, separators=(",", ":")).encode(), target)
+        _send(msg, target)
         _count("sent")
         return True
     except Exception:  # the training loop must never pay for monitoring
@@ -181,7 +284,12 @@ def send_inject(addr: str, fault: str, *, gpu: int | None = None, timeout: float
 
 @dataclass(frozen=True)
 class TrainReport:
-    """One training rank's report; ``values`` holds only finite numbers (and ``*_nonfinite`` flags)."""
+    """One training rank's report; ``values`` holds only finite numbers (and ``*_nonfinite`` flags).
+
+    ``kind``: "train" (a report with values), "heartbeat" (liveness only; ``stack`` is the main
+    thread's stack when it has not reported for a while) or "exit" (the process is ending).
+    ``pidns``: the sender's PID namespace ("" when unknown).
+    """
 
     job: str
     rank: int
@@ -190,6 +298,10 @@ class TrainReport:
     node: str
     ts: float
     values: Mapping[str, float] = field(default_factory=dict)
+    kind: str = "train"
+    phase: str = ""
+    stack: str = ""
+    pidns: str = ""
 
 
 @dataclass(frozen=True)
@@ -233,7 +345,7 @@ def parse_datagram(data: bytes) -> TrainReport | InjectRequest:
     if not isinstance(d, dict):
         raise IntakeError(f"datagram must be a JSON object, got {type(d).__name__}")
     kind = d.get("type")
-    if kind == "train":
+    if kind in _KINDS:
         job, node = d.get("job", ""), d.get("node", "")
         if not isinstance(job, str) or not isinstance(node, str):
             raise IntakeError("training report: fields 'job' and 'node' must be strings")
@@ -242,8 +354,11 @@ def parse_datagram(data: bytes) -> TrainReport | InjectRequest:
             ts = time.time()
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
             raise IntakeError(f"training report: field 'ts' must be an epoch time, got {ts!r}")
+        text = {k: d.get(k) if isinstance(d.get(k), str) else "" for k in ("phase", "stack", "pidns")}
         return TrainReport(job=job, rank=_int(d, "rank", minimum=0), generation=_int(d, "generation", minimum=0, default=0),
-                           pid=_int(d, "pid", minimum=1), node=node, ts=float(ts), values=_values(d))
+                           pid=_int(d, "pid", minimum=1), node=node, ts=float(ts),
+                           values=_values(d) if kind == "train" else {}, kind=kind, phase=text["phase"][:32],
+                           stack=text["stack"][:MAX_STACK], pidns=text["pidns"][:64])
     if kind == "inject":
         fault = d.get("fault")
         if fault not in FAULTS:
@@ -252,7 +367,7 @@ def parse_datagram(data: bytes) -> TrainReport | InjectRequest:
         if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
             raise IntakeError(f"inject: field 'gpu' must be an integer >= 0, got {gpu!r}")
         return InjectRequest(fault=fault, gpu=gpu)
-    raise IntakeError(f"datagram type {kind!r} is unknown; expected 'train' or 'inject'")
+    raise IntakeError(f"datagram type {kind!r} is unknown; expected 'train', 'heartbeat', 'exit' or 'inject'")
 
 
 class IntakeServer:

@@ -1,12 +1,24 @@
 """Training collector: the latest report of each training rank, with its liveness.
 
 Ranks are keyed by ``(job, generation, rank)``. Every collect gives, per known rank, one
-``Source.TRAIN`` sample (index = rank) with the latest reported values, ``alive`` (1 while the
-reporting pid exists and is not a zombie, checked with psutil; a SIGSTOPped pid is alive) and
-``report_age_s``, tagged ``job``, ``generation`` and ``pid``. The values are re-sent every
-interval while the pid lives, so a hang reads as "alive, step not advancing". Once the pid is
-gone the rank gets one sample with ``alive = 0`` and is forgotten. The sample's time is the
-batch's: liveness is measured then.
+``Source.TRAIN`` sample (index = rank) with the latest reported values and:
+
+- ``alive``: 1 until the rank said it exits (its ``exit`` datagram), or, for a rank in this
+  agent's own PID namespace, until the kernel says its pid is gone (or a zombie); a rank heard
+  from by nothing for ``forget_s`` is also given up (``alive = 0``). A SIGSTOPped rank is alive.
+- ``report_age_s``: seconds since its last training report (the step it shows).
+- ``heartbeat_age_s``: seconds since anything was heard from it (report or heartbeat), on this
+  agent's clock. This is what tells a stuck rank (stopped, or holding the GIL) across PID
+  namespaces and containers: its heartbeat thread stops with it. No PID of another namespace
+  is ever looked up (it would name an unrelated process, or none).
+- ``stopped``: 1 when the kernel says the process is stopped (only in this PID namespace).
+
+Tags: ``job``, ``generation``, ``pid``, and when known ``phase`` (what the rank said it is doing:
+checkpoint, eval, ...), ``stack`` (where its main thread waits, from its heartbeat; for a rank
+in this namespace whose heartbeat stopped, ``py-spy dump`` when installed) and ``state`` (the
+kernel's process state). The values are re-sent every interval while the rank lives, so a hang
+reads as "alive, step not advancing". Once it is gone the rank gets one sample with
+``alive = 0`` and is forgotten. The sample's time is the batch's: liveness is measured then.
 
 ``job`` is the job of the newest report (``None`` before any, or when it was empty).
 Thread-safe: reports arrive on the intake thread, collects on the agent's loop.
@@ -15,9 +27,13 @@ Thread-safe: reports arrive on the intake thread, collects on the agent's loop.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -34,17 +50,63 @@ log = get("agent.train")
 _Key = tuple[str, int, int]
 
 
+#: A rank heard from by nothing (report, heartbeat) for this long is given up (alive = 0).
+FORGET_S = 900.0
+#: A rank in this PID namespace silent for this long gets a py-spy stack sample (when installed).
+STACK_AFTER_S = 5.0
+
+
 @dataclass
 class _Rank:
     report: TrainReport
     proc: psutil.Process | None
+    heard: float = 0.0              # this agent's clock: the last datagram of the rank
+    phase: str = ""
+    stack: str = ""
+    exited: bool = False
+    sampling: bool = False          # a py-spy dump is under way
+    extra: dict = field(default_factory=dict)
 
 
-def _open(pid: int) -> psutil.Process | None:
+def _own_pidns() -> str:
     try:
-        return psutil.Process(pid)
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+_PIDNS = _own_pidns()
+
+
+def _open(report: TrainReport) -> psutil.Process | None:
+    """The rank's process, only when it lives in this agent's PID namespace (else its pid means nothing here)."""
+    if report.pidns != _PIDNS or not _PIDNS:
+        return None
+    try:
+        return psutil.Process(report.pid)
     except psutil.Error:
         return None
+
+
+def _state(proc: psutil.Process | None) -> str:
+    if proc is None:
+        return ""
+    try:
+        return proc.status()
+    except psutil.Error:
+        return ""
+
+
+def _py_spy(pid: int) -> str:
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if exe is None:
+        return ""
+    try:
+        out = subprocess.run([exe, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return " < ".join(line.strip() for line in out.splitlines() if line.startswith("    "))[:4000]
 
 
 def _alive(proc: psutil.Process | None) -> bool:
@@ -79,13 +141,21 @@ class TrainingCollector:
                        "a training process of node %s (pid %d) reports to the agent of node %s; "
                        "check TRANSOM_NODE and TRANSOM_AGENT_ADDR", report.node, report.pid, self.node)
         key = (report.job, report.generation, report.rank)
+        now = time.time()
         with self._lock:
             known = self._ranks.get(key)
-            proc = known.proc if known is not None and known.report.pid == report.pid else _open(report.pid)
+            same = known is not None and known.report.pid == report.pid
+            if report.kind != "train":
+                if not same:
+                    return      # liveness of a rank that has not reported yet: nothing to show
+                known.heard, known.phase, known.stack = now, report.phase, report.stack
+                known.exited = known.exited or report.kind == "exit"
+                return
+            proc = known.proc if same else _open(report)
             if known is None:
                 log.info("training rank %d of job %s (generation %d, pid %d) reports to this agent",
                          report.rank, report.job or "?", report.generation, report.pid)
-            self._ranks[key] = _Rank(report, proc)
+            self._ranks[key] = _Rank(report, proc, heard=now, phase=report.phase)
             self._job = report.job or None
 
     def processes(self) -> list[psutil.Process]:
@@ -93,6 +163,11 @@ class TrainingCollector:
         with self._lock:
             procs = [r.proc for r in self._ranks.values() if r.proc is not None]
         return [p for p in procs if _alive(p)]
+
+    def _sample_stack(self, r: _Rank) -> None:
+        stack = _py_spy(r.report.pid)
+        if stack and not r.stack:
+            r.stack = f"py-spy: {stack}"
 
     def __len__(self) -> int:
         with self._lock:
@@ -105,12 +180,25 @@ class TrainingCollector:
         samples = []
         gone = []
         for key, r in ranks:
-            alive = _alive(r.proc)
             rep = r.report
-            fields = {**rep.values, "alive": int(alive), "report_age_s": max(0.0, now - rep.ts)}
-            samples.append(contracts.Sample(
-                contracts.Source.TRAIN, fields, index=rep.rank,
-                tags={"job": rep.job, "generation": str(rep.generation), "pid": str(rep.pid)}))
+            silent = max(0.0, now - r.heard)
+            alive = not r.exited and silent < FORGET_S and (r.proc is None or _alive(r.proc))
+            fields = {**rep.values, "alive": int(alive), "report_age_s": max(0.0, now - rep.ts),
+                      "heartbeat_age_s": round(silent, 3)}
+            tags = {"job": rep.job, "generation": str(rep.generation), "pid": str(rep.pid)}
+            state = _state(r.proc) if alive else ""
+            if state == psutil.STATUS_STOPPED:
+                fields["stopped"] = 1
+            if state and state != psutil.STATUS_SLEEPING and state != psutil.STATUS_RUNNING:
+                tags["state"] = state
+            if r.phase:
+                tags["phase"] = r.phase
+            if alive and r.proc is not None and silent > STACK_AFTER_S and not r.stack and not r.sampling:
+                r.sampling = True
+                threading.Thread(target=self._sample_stack, args=(r,), daemon=True).start()
+            if r.stack:
+                tags["stack"] = r.stack
+            samples.append(contracts.Sample(contracts.Source.TRAIN, fields, index=rep.rank, tags=tags))
             if not alive:
                 gone.append((key, r))
         if gone:

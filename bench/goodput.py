@@ -615,8 +615,9 @@ def _tee_matches(kind: str, cls: str) -> bool:
 # --------------------------------------------------------------------------- report
 
 def model_args(a: argparse.Namespace, work: Path) -> list[str]:
+    pause = ["--eval-pause", f"{a.steps // 2}:{a.eval_pause:g}"] if a.eval_pause > 0 else []
     return ["--slowdown-dir", str(work / "slow"), "--width", str(a.width), "--layers", str(a.layers), "--heads", str(a.heads),
-            "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--seed", str(a.seed)]
+            "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--seed", str(a.seed), *pause]
 
 
 def _fmt(v, unit: str = "") -> str:
@@ -699,6 +700,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a straggling rank runs this fraction of the time (default 0.7)")
     p.add_argument("--precheck", default="full", choices=["full", "health", "off"],
                    help="Transom controller's pre-check before every launch (default full, as it ships)")
+    p.add_argument("--eval-pause", type=float, default=40.0,
+                   help="seconds every rank stands still at the middle step, without a phase marker, in both runs "
+                        "(an evaluation pass; Transom must not restart for it; 0: none; default 40)")
     p.add_argument("--runs", default="torchrun,transom", help="which runs, in order (default torchrun,transom)")
     p.add_argument("--run-timeout", type=float, default=None, help="give up a run after this many seconds "
                                                                    "(default 1800)")

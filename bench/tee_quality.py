@@ -75,6 +75,7 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> 
     from transom import kafka
     from transom.broker import EmbeddedBroker
     from transom.streams.app import APP_ID
+    from transom.topics import TopicSettings
 
     broker = EmbeddedBroker().start() if bootstrap is None else None
     bootstrap = bootstrap or broker.bootstrap
@@ -93,25 +94,27 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> 
                     if n % 50_000 == 0:
                         print(f"  pipeline: {n} batches published", file=sys.stderr, flush=True)
                 producer.flush(120)
-                # done when the worker's group has committed every partition's end offset
+                # done when the workers' group has committed the end offset of every partition of the
+                # metrics and of the peer windows they sent each other (re-read: it grows until then)
                 probe = Consumer({**kafka.client_config(bootstrap), "group.id": APP_ID,
                                   "enable.auto.commit": False})
-                parts = [TopicPartition(c.METRICS, p) for p in range(next(t.partitions for t in c.TOPICS
-                                                                         if t.name == c.METRICS))]
-                ends = {tp.partition: probe.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
-                last, deadline = -1, time.time() + 1800
+                topics = TopicSettings.from_env()
+                parts = [TopicPartition(t, p) for t in (c.METRICS, c.PEER_WINDOWS)
+                         for p in range(topics.partitions_of(t))]
+                last, settled, deadline = -1, 0, time.time() + 1800
                 while time.time() < deadline:
+                    ends = sum(probe.get_watermark_offsets(tp, timeout=10)[1] for tp in parts)
                     done = sum(max(tp.offset, 0) for tp in probe.committed(parts, timeout=10))
-                    if done >= sum(ends.values()):
+                    settled = settled + 1 if done >= ends else 0
+                    if settled >= 2:             # twice, a second apart: the last windows may be in flight
                         break
                     if done != last:
-                        print(f"  pipeline: worker committed {done}/{sum(ends.values())}", file=sys.stderr,
-                              flush=True)
+                        print(f"  pipeline: workers committed {done}/{ends}", file=sys.stderr, flush=True)
                         last = done
                     for p in procs:
                         if p.poll() is not None:
                             raise RuntimeError("a TEE worker exited: " + open(p.logpath).read()[-2000:])
-                    time.sleep(2)
+                    time.sleep(1)
                 else:
                     raise RuntimeError("the TEE workers did not commit every batch in 30 min")
                 span = time.time() - t0
@@ -133,6 +136,7 @@ def score(corpus: Corpus, events) -> dict:
     hit: dict[int, float] = {}
     per = {c: {"tp": 0, "fp": 0} for c in FaultClass}
     false_alarms = 0
+    disruptive: list[str] = []       # false alarms that would restart or evict
     for f in events:
         if f.resolved:
             continue
@@ -155,6 +159,8 @@ def score(corpus: Corpus, events) -> dict:
             per.setdefault(cls or "unclassified", {"tp": 0, "fp": 0})["fp"] += 1
             if not running:
                 false_alarms += 1
+                if f.action.value in ("restart", "evict"):
+                    disruptive.append(f"{f.node} {raw} {f.action.value} at {f.observed_ts:.0f}: {f.summary}")
     out = {}
     for c in FaultClass:
         injs = [i for i in corpus.injections if i.cls is c]
@@ -167,7 +173,7 @@ def score(corpus: Corpus, events) -> dict:
                         "f1": round(2 * p * r / (p + r), 4) if p + r else 0.0,
                         "delay_p50_s": round(float(np.percentile(found, 50)), 2) if found else None,
                         "delay_p99_s": round(float(np.percentile(found, 99)), 2) if found else None}
-    return {"classes": out, "false_alarms": false_alarms}
+    return {"classes": out, "false_alarms": false_alarms, "false_restart_or_evict": disruptive}
 
 
 def merge(results: list[dict]) -> dict:
@@ -234,14 +240,17 @@ def main(argv=None) -> int:
     hard_p99 = max((v["delay_p99_s"] or 0) for v in hard.values())
     targets = {
         "hard_f1_min": {"value": min(v["f1"] for v in hard.values()), "target": 0.95},
-        "soft_f1_min": {"value": min(v["f1"] for v in soft.values()), "target": 0.85},
+        "soft_f1_min": {"value": min(v["f1"] for v in soft.values()), "target": 0.9},
         "false_alarms_per_1000_node_hours": {"value": round(fa_rate, 3), "target": 1.0, "at_most": True},
+        "false_restart_or_evict": {"value": sum(len(r["false_restart_or_evict"]) for r in ours), "target": 0,
+                                   "at_most": True},
     }
     for v in targets.values():
         v["met"] = v["value"] <= v["target"] if v.get("at_most") else v["value"] >= v["target"]
     out = {"bench": "tee_quality", "mode": "offline (detector library)", "seeds": a.seeds, "nodes": a.nodes,
            "hours": a.hours, "node_hours": node_hours, "batches": batches, "classes": classes,
            "false_alarms": fa, "hard_onset_delay_p99_s": hard_p99,
+           "false_restart_or_evict_events": [e for r in ours for e in r["false_restart_or_evict"]][:20],
            "note": ("delays are trigger sample minus injection start (onset); the latency from trigger "
                     "sample to decision offline is the replay lag, see bench/tee_throughput for the pipeline"),
            "engine_counts": counts, "targets": targets,

@@ -8,11 +8,20 @@ published; its fault event's ``detected_ts - observed_ts`` is the end-to-end lat
 broker, worker decode and engine, fault publish). The sustained rate is the batches published
 divided by the time from the first publish until the last marker's fault was decided.
 
-Three runs: first one worker with the batches published at a steady ``--paced`` rate (default the
+Runs: first one worker with the batches published at a steady ``--paced`` rate (default the
 2,000/s target): its latency is the steady-state end-to-end latency at that rate, and it keeps up
-when the last marker (the last batch) is decided within 2 s of the last publish. Then one worker
-and two workers (the metrics topic has 4 partitions) with the batches published as fast as the
-producer can: the rate they drain a backlog at.
+when the last marker (the last batch) is decided within 2 s of the last publish. Then 1, 2 and 4
+workers (``--workers``; the metrics topic has 12 partitions by default, ``TRANSOM_TOPIC_PARTITIONS``)
+with the batches published as fast as the producer can: the rate they drain a backlog at. Peer
+detection is on (the workers' default): every node belongs to a job of 20 nodes, so each worker also
+sends its nodes' windows to transom.peer-windows and judges its jobs' windows from there.
+
+Fairness on a shared machine: each worker's CPU time (user + system, psutil) from the first publish
+until the last marker was decided gives batches per worker-CPU-second, which compares worker
+counts even when the cores are busy with other work; the machine's load average and busy share
+during each run are printed with it. ``_net`` figures take off what the workers burn idle (measured
+for ``IDLE_S`` before each run: timers, heartbeats, fetch polls), a cost per worker, not per batch. ``ratio_two_to_one`` is the wall-clock drain rate of two
+workers over one; ``cpu_efficiency`` is each run's batches per worker-CPU-second over one worker's.
 
 Run: ``.venv/bin/python bench/tee_throughput.py [--batches 60000 --nodes 2000]``; one JSON line.
 """
@@ -28,14 +37,19 @@ import tempfile
 import time
 
 import numpy as np
+import psutil
 
 from transom import contracts as c
 from transom import kafka
 from transom.broker import EmbeddedBroker
+from transom.topics import TopicSettings
 
 MARK_EVERY = 500
 TARGET_RATE = 2000.0
 TARGET_P99_S = 2.0
+TARGET_TWO_TO_ONE = 1.8          # two workers drain at least this many times one worker's rate
+IDLE_S = 3.0                     # seconds the workers' idle CPU is measured before each run
+TARGET_CPU_EFFICIENCY = 0.8      # any worker count: batches per worker-CPU-second at least this share of one's
 
 
 def node_batch(node: str, ts: float, seq: int, rng, xid: bool = False) -> c.MetricBatch:
@@ -102,7 +116,19 @@ def run(bootstrap: str, workers: int, batches: int, nodes: int, tag: str, rate: 
                for i in range(batches)]
     with tempfile.TemporaryDirectory() as logdir:
         procs = start_workers(bootstrap, workers, logdir)
+        watched = [psutil.Process(p.pid) for p in procs]
+
+        def cpu_seconds() -> float:
+            return sum(w.cpu_times().user + w.cpu_times().system for w in watched)
+
         try:
+            # what the workers burn doing nothing (Faust timers, heartbeats, fetch polls): a cost per
+            # worker, not per batch, measured for IDLE_S before publishing
+            idle0 = cpu_seconds()
+            time.sleep(IDLE_S)
+            idle_rate = (cpu_seconds() - idle0) / IDLE_S
+            cpu0, load0 = cpu_seconds(), os.getloadavg()[0]
+            psutil.cpu_percent(None)
             producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
             marks = 0
             t0 = time.time()
@@ -130,13 +156,21 @@ def run(bootstrap: str, workers: int, batches: int, nodes: int, tag: str, rate: 
                     if f.node.startswith(tag) and f.evidence.get("xid") == 79:
                         found[f.fault_id] = f
                 if len(found) < marks:
-                    time.sleep(2)
+                    time.sleep(1)
+            cpu = cpu_seconds() - cpu0          # includes at most ~1 s of idle workers after the last marker
+            busy = psutil.cpu_percent(None)
+            wall = time.time() - t0
             lat = np.array([f.detected_ts - f.observed_ts for f in found.values()])
             last = max((f.detected_ts for f in found.values()), default=time.time())
             span = last - t0
             return {"workers": workers, "paced_rate": rate, "batches": batches, "nodes": nodes, "markers": marks,
                     "markers_found": len(found), "publish_s": round(t_pub, 2),
                     "sustained_batches_per_s": round(batches / span, 1),
+                    "worker_cpu_s": round(cpu, 1), "batches_per_worker_cpu_s": round(batches / max(cpu, 1e-9), 1),
+                    "idle_cpu_per_s": round(idle_rate, 3),
+                    "batches_per_worker_cpu_s_net": round(batches / max(cpu - idle_rate * wall, 1e-9), 1),
+                    "load1_start": round(load0, 1), "load1_end": round(os.getloadavg()[0], 1),
+                    "machine_busy_percent": busy, "cores": psutil.cpu_count(),
                     "latency_p50_s": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
                     "latency_p99_s": round(float(np.percentile(lat, 99)), 3) if len(lat) else None}
         finally:
@@ -147,11 +181,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, default=40000)
     p.add_argument("--nodes", type=int, default=2000)
+    p.add_argument("--workers", default="1,2,4", help="worker counts of the backlog runs (default 1,2,4)")
     p.add_argument("--paced", type=float, default=TARGET_RATE,
                    help="first publish at this steady rate (batches/s) with one worker: the steady-state latency, "
                         f"and whether the worker keeps up with it (default {TARGET_RATE:g}, the target rate; 0: skip)")
     p.add_argument("--bootstrap", default=None, help="use this Kafka instead of an embedded broker")
     a = p.parse_args(argv)
+    counts = sorted({int(n) for n in a.workers.split(",")} | {1})
+    partitions = TopicSettings.from_env().partitions_of(c.METRICS)
+    if partitions < max(counts):
+        p.error(f"{c.METRICS} has {partitions} partitions: fewer than {max(counts)} workers (TRANSOM_TOPIC_PARTITIONS)")
     t0 = time.time()
     broker = None
     if a.bootstrap is None:
@@ -159,22 +198,49 @@ def main(argv=None) -> int:
         bootstrap = broker.bootstrap
     else:
         bootstrap = a.bootstrap
+    runs: dict[int, dict] = {}
     try:
         kafka.ensure_topics(bootstrap)
         paced = run(bootstrap, 1, a.batches, a.nodes, "p1", rate=a.paced) if a.paced else None
         print(f"one worker, paced: {paced}", file=sys.stderr, flush=True)
-        one = run(bootstrap, 1, a.batches, a.nodes, "w1")
-        print(f"one worker: {one}", file=sys.stderr, flush=True)
-        two = run(bootstrap, 2, a.batches, a.nodes, "w2")
-        print(f"two workers: {two}", file=sys.stderr, flush=True)
+        for n in counts:
+            runs[n] = run(bootstrap, n, a.batches, a.nodes, f"w{n}")
+            print(f"{n} worker(s): {runs[n]}", file=sys.stderr, flush=True)
     finally:
         if broker is not None:
             broker.stop()
-    rate = one["sustained_batches_per_s"]
-    out = {"bench": "tee_throughput", "one_worker": one, "two_workers": two, "one_worker_paced": paced,
-           "ratio_two_to_one": round(two["sustained_batches_per_s"] / max(rate, 1e-9), 3),
+    one = runs[1]
+    rate, eff1 = one["sustained_batches_per_s"], one["batches_per_worker_cpu_s"]
+    scaling = {n: {"batches_per_s": r["sustained_batches_per_s"],
+                   "wall_ratio": round(r["sustained_batches_per_s"] / max(rate, 1e-9), 3),
+                   "batches_per_worker_cpu_s": r["batches_per_worker_cpu_s"],
+                   "cpu_efficiency": round(r["batches_per_worker_cpu_s"] / max(eff1, 1e-9), 3),
+                   "batches_per_worker_cpu_s_net": r["batches_per_worker_cpu_s_net"],
+                   "cpu_efficiency_net": round(r["batches_per_worker_cpu_s_net"]
+                                               / max(one["batches_per_worker_cpu_s_net"], 1e-9), 3),
+                   "load1": [r["load1_start"], r["load1_end"]], "machine_busy_percent": r["machine_busy_percent"]}
+               for n, r in runs.items()}
+    print(f"scaling on {partitions} partitions of {c.METRICS}, {psutil.cpu_count()} cores "
+          f"(load average {os.getloadavg()[0]:.1f} at the end):", file=sys.stderr)
+    print("  workers  batches/s  x one  batches/worker-CPU-s  x one  net of idle  x one  load1 (start-end)  busy %",
+          file=sys.stderr)
+    for n, s in scaling.items():
+        print(f"  {n:7d}  {s['batches_per_s']:9.0f}  {s['wall_ratio']:5.2f}  {s['batches_per_worker_cpu_s']:20.0f}  "
+              f"{s['cpu_efficiency']:5.2f}  {s['batches_per_worker_cpu_s_net']:11.0f}  {s['cpu_efficiency_net']:5.2f}  "
+              f"{s['load1'][0]:5.1f}-{s['load1'][1]:<5.1f}        {s['machine_busy_percent']:5.1f}", file=sys.stderr)
+    two = scaling.get(2)
+    most = scaling[max(counts)]
+    out = {"bench": "tee_throughput", "partitions": partitions, "peer_detection": True, "cores": psutil.cpu_count(),
+           "runs": {str(n): r for n, r in runs.items()}, "scaling": {str(n): s for n, s in scaling.items()},
+           "one_worker_paced": paced,
+           "ratio_two_to_one": two and two["wall_ratio"],
            "targets": {"batches_per_s": {"value": rate, "target": TARGET_RATE, "ratio": round(rate / TARGET_RATE, 3),
                                          "met": rate >= TARGET_RATE},
+                       "two_workers_wall_ratio": {"value": two and two["wall_ratio"], "target": TARGET_TWO_TO_ONE,
+                                                  "met": bool(two and two["wall_ratio"] >= TARGET_TWO_TO_ONE)},
+                       "cpu_efficiency_most_workers": {"workers": max(counts), "value": most["cpu_efficiency"],
+                                                       "target": TARGET_CPU_EFFICIENCY,
+                                                       "met": most["cpu_efficiency"] >= TARGET_CPU_EFFICIENCY},
                        "latency_p99_s_paced": {"value": paced and paced["latency_p99_s"], "target": TARGET_P99_S,
                                                "at_rate": a.paced,
                                                "met": bool(paced and paced["latency_p99_s"] is not None
@@ -187,9 +253,10 @@ def main(argv=None) -> int:
                                        and paced["latency_p99_s"] <= TARGET_P99_S
                                        and paced["sustained_batches_per_s"] * (paced["publish_s"] + TARGET_P99_S)
                                        >= paced["batches"])}},
-           "note": ("one_worker/two_workers publish as fast as possible (a backlog): their rate is what the "
-                    "workers drain and their latency includes the queue; one_worker_paced publishes at --paced "
-                    "batches/s, its latency is the steady-state end-to-end latency at that rate"),
+           "note": ("the backlog runs publish as fast as possible: their rate is what the workers drain and their "
+                    "latency includes the queue; one_worker_paced publishes at --paced batches/s, its latency is the "
+                    "steady-state end-to-end latency at that rate. On a machine shared with other work, compare "
+                    "batches_per_worker_cpu_s; the wall rates are capped by the cores the workers got"),
            "seconds": round(time.time() - t0, 1)}
     print(json.dumps(out))
     return 0

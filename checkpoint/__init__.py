@@ -13,7 +13,7 @@ Stages, each in its own module and testable alone:
 4. announce (:mod:`.server`): that daemon publishes one :class:`transom.contracts.CheckpointReady`
    to ``transom.checkpoints``, then keeps only the newest ``keep`` complete steps.
 
-``load()`` takes the fastest copy whose sha256 verifies: local memory, peer memory, local disk,
+``load()`` takes the fastest copy whose digest verifies: local memory, peer memory, local disk,
 shared directory. :mod:`.planner` sizes memory (the paper's formulas) and checks a node.
 
 Layout of the shared directory (see :mod:`.layout`)::
@@ -32,7 +32,7 @@ Exception tree::
     CheckpointError(RuntimeError)    saving or loading failed (a failed background persist is
      |                               raised by the next wait()/close())
      +-- CorruptCheckpoint           a committed shard is missing, truncated, has the wrong
-     |                               sha256, or cannot be read; names the file and the problem
+     |                               digest, or cannot be read; names the file and the problem
      +-- NoCheckpoint                the step does not exist or was never committed
      +-- StaleGeneration             a write of a replaced launch (older generation) was refused
      +-- DaemonError                 a TCE daemon refused a request or cannot be reached

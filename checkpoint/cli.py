@@ -7,7 +7,7 @@ when they cannot hold the checkpoints.
 
 ``transom ckpt list --dir D [--verify]`` prints one line per step dir: complete steps (those
 with manifest.json) and incomplete ones, flagged. With ``--verify`` every shard of a complete
-step is checked against its sha256 and size; the exit status is 1 when one fails.
+step is checked against its digest and size; the exit status is 1 when one fails.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--dir", default=os.environ.get("TRANSOM_CKPT_DIR") or None, metavar="DIR",
                    help="checkpoint directory (env TRANSOM_CKPT_DIR)")
     p.add_argument("--verify", action="store_true",
-                   help="check every shard of complete steps against its size and sha256")
+                   help="check every shard of complete steps against its size and digest")
     p.set_defaults(func=_list)
 
     pl = ckpt_sub.add_parser(
@@ -69,9 +69,12 @@ def register(sub) -> None:
     srv.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     srv.add_argument("--transport", default=os.environ.get("TRANSOM_CKPT_TRANSPORT", "auto"),
                      choices=("auto", "mooncake", "tcp"),
-                     help="replication transport (env TRANSOM_CKPT_TRANSPORT; default auto: Mooncake if installed)")
+                     help="replication transport (env TRANSOM_CKPT_TRANSPORT; default auto: Mooncake's RDMA "
+                          "where an RDMA port is active, Transom's TCP transport otherwise)")
     srv.add_argument("--protocol", default="auto", choices=("auto", "tcp", "rdma"),
-                     help="Mooncake protocol (default auto: rdma where /sys/class/infiniband has devices)")
+                     help="Mooncake protocol (default auto: rdma where /sys/class/infiniband has an active port)")
+    srv.add_argument("--stop-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds to finish the staged saves before exiting (default 30)")
     srv.add_argument("--mem-keep", type=int, default=1, help="newest in-memory copies kept per rank (default 1)")
     srv.add_argument("--disk-keep", type=int, default=3, help="newest local-disk steps kept per job (default 3)")
     srv.add_argument("--max-bytes", type=int, default=_env_bytes(), help="shared-memory budget in bytes "

@@ -20,11 +20,20 @@ waits (:attr:`SavePolicy.WAIT`, default) or is dropped and logged (:attr:`SavePo
 failed save is logged and raised by the next :meth:`CheckpointEngine.wait`; it never stops
 training by itself.
 
+Save at the fault: an engine built by :meth:`CheckpointEngine.from_env` (or with ``stop_grace``)
+catches SIGTERM, the controller's stop (a kill is not caught). A SIGTERM that arrives during
+``save()`` lets the snapshot finish; then, or at once when no save runs, the engine waits up to
+``stop_grace`` seconds (``TRANSOM_CKPT_STOP_S``, default 8, inside the local backend's 10 s before
+SIGKILL) for the in-flight save to be replicated, persisted and committed, logs what it got, and
+ends the process with the signal's previous handler (by default: terminated by SIGTERM). The
+node's daemon, stopped with SIGTERM too, drains its queue before it exits (:mod:`.server`).
+
 ``load()`` reads the committed manifests of ``directory`` (newest first) and, for this rank's
 shard, tries its copies fastest first: memory on this node (tier 0), memory on a peer node (1;
 when this rank now runs on a different node than the one that wrote the shard, the replica
 holder is asked before the writer, which is presumably the evicted node), local disk (2), the
-shared directory (3). Every copy's sha256 is checked; a torn or corrupt one is skipped with a
+shared directory (3). Every copy's digest (:mod:`.digest`, XXH3-128 over 16 MiB chunks; sha256
+for checkpoints written before) is checked while it arrives; a torn or corrupt one is skipped with a
 warning and the next is used. :attr:`CheckpointEngine.last_restore` says which copy was used.
 """
 
@@ -39,10 +48,12 @@ from pathlib import Path
 from typing import Any
 
 from transom import contracts
+from transom.agents.intake import phase as declare_phase
 from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
 from . import layout, segments, shardfmt, snapshot, store
+from .digest import StreamDigest, algorithm
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .segments import Segment
 from .snapshot import SnapshotMode
@@ -71,7 +82,7 @@ class CheckpointEngine:
                  generation: int = 0, bootstrap: str | None = None, *, keep: int = 3,
                  policy: SavePolicy | str = SavePolicy.WAIT, runtime: str | os.PathLike | None = None,
                  disk: bool = True, shared: bool = True, wait_timeout: float = 600.0,
-                 snapshot: SnapshotMode | str = SnapshotMode.COPY) -> None:
+                 snapshot: SnapshotMode | str = SnapshotMode.COPY, stop_grace: float | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep < 1:
@@ -109,9 +120,57 @@ class CheckpointEngine:
             log.error("rank %d: %s", rank, exc)       # its saves will be refused; loading is harmless
         self.daemon_addr = self._find_daemon()
         self._conn = Conn(self.daemon_addr)
-        host, port = self.daemon_addr.rsplit(":", 1)
-        self._daemon_sockaddr = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4]
         self._first_of_step: set[int] = set()
+        self._saving = False
+        self._stop_signal: int | None = None
+        self.stop_grace = stop_grace
+        self._prev_handler: Any = None
+        if stop_grace is not None:
+            self._catch_stop()
+
+    # ------------------------------------------------------------------ save at the fault
+    def _catch_stop(self) -> None:
+        import signal
+
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("rank %d: save at stop is off: the engine was built outside the main thread", self.rank)
+            return
+        self._prev_handler = signal.signal(signal.SIGTERM, self._on_stop)
+
+    def _on_stop(self, signum: int, _frame: Any) -> None:
+        self._stop_signal = signum
+        if self._saving:
+            log.warning("rank %d: stopped (signal %d) during a save: finishing it first", self.rank, signum)
+            return                        # save() ends with _stop_now()
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        import signal
+
+        signum, t0 = self._stop_signal or signal.SIGTERM, time.perf_counter()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            log.warning("rank %d: stopped (signal %d): waiting up to %.0f s for the in-flight save", self.rank,
+                        signum, self.stop_grace)
+            thread.join(self.stop_grace)
+        if thread is None:
+            log.info("rank %d: stopped (signal %d): no save in flight", self.rank, signum)
+        elif thread.is_alive():
+            log.error("rank %d: stopped (signal %d): the save of step %s is not done after %.1f s: exiting "
+                      "anyway (its daemon keeps going)", self.rank, signum, thread.name.rsplit("-", 1)[-1],
+                      time.perf_counter() - t0)
+        else:
+            log.warning("rank %d: stopped (signal %d): the save of step %s is %s (%.2f s): exiting", self.rank,
+                        signum, thread.name.rsplit("-", 1)[-1],
+                        "committed" if self.committed and self.last_result and self.last_result.get("committed")
+                        else ("done" if self._error is None else f"failed: {self._error}"),
+                        time.perf_counter() - t0)
+        prev = self._prev_handler
+        signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
+        if callable(prev):
+            prev(signum, None)
+        else:
+            os.kill(os.getpid(), signum)   # the default action: the exit status says SIGTERM
 
     def _find_daemon(self) -> str:
         info = segments.registered(self.runtime).get(self.node)
@@ -131,7 +190,8 @@ class CheckpointEngine:
     @classmethod
     def from_env(cls, directory: str | os.PathLike | None = None, **kwargs: Any) -> "CheckpointEngine":
         """Build from the launcher's environment (TRANSOM_CKPT_DIR, RANK, WORLD_SIZE, TRANSOM_JOB,
-        TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME, TRANSOM_CKPT_SNAPSHOT);
+        TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME, TRANSOM_CKPT_SNAPSHOT,
+        TRANSOM_CKPT_STOP_S: seconds a SIGTERM waits for the in-flight save, ``stop_grace``);
         ``kwargs`` override."""
         directory = directory or env_str("TRANSOM_CKPT_DIR")
         if not directory:
@@ -140,7 +200,8 @@ class CheckpointEngine:
             job=env_str("TRANSOM_JOB", "local"), rank=env_int("RANK", 0),
             world_size=env_int("WORLD_SIZE", 1), node=env_str("TRANSOM_NODE", socket.gethostname()),
             generation=env_int("TRANSOM_GENERATION", 0), bootstrap=env_str("TRANSOM_BOOTSTRAP"),
-            runtime=env_str("TRANSOM_CKPT_RUNTIME"), snapshot=env_str("TRANSOM_CKPT_SNAPSHOT", "copy"))
+            runtime=env_str("TRANSOM_CKPT_RUNTIME"), snapshot=env_str("TRANSOM_CKPT_SNAPSHOT", "copy"),
+            stop_grace=float(env_str("TRANSOM_CKPT_STOP_S", "8")))
         args.update(kwargs)
         return cls(directory, **args)
 
@@ -163,6 +224,17 @@ class CheckpointEngine:
                 return False
             log.info("rank %d: checkpoint of step %d waits for the previous save (policy wait)", self.rank, step)
             self._thread.join()
+        self._saving = True
+        previous = declare_phase("checkpoint")     # the agent and the TEE see a save in progress, not a hang
+        try:
+            return self._save(step, state)
+        finally:
+            declare_phase(previous)
+            self._saving = False
+            if self._stop_signal is not None:
+                self._stop_now()
+
+    def _save(self, step: int, state: Any) -> bool:
         t0 = time.perf_counter()
         plan = shardfmt.plan(state)                                      # stage 1: snapshot
         seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
@@ -209,7 +281,8 @@ class CheckpointEngine:
                      "fork (a child cannot see device memory); CPU tensors are snapshotted copy-on-write",
                      self.rank)
         shardfmt.write_into(seg.view(plan.size), plan, only=parent)
-        job = snapshot.ForkJob(seg.addr, plan.size, child, self._daemon_sockaddr, encode_msg(msg))
+        conn = Conn(self.daemon_addr, timeout=10)         # authenticated here: no crypto in the child
+        job = snapshot.ForkJob(seg.addr, plan.size, child, conn.sock.fileno(), encode_msg(msg))
         try:
             return snapshot.fork_copy(job, lock)
         except OSError as exc:
@@ -220,6 +293,8 @@ class CheckpointEngine:
             self._conn.call(msg)
             os.close(lock)
             return -1
+        finally:
+            conn.close()                 # the child has its own copy of the connection
 
     def reserve(self, state: Any) -> int:
         """Have the daemon create (and this rank map) a segment big enough for ``state`` now, so
@@ -303,14 +378,20 @@ class CheckpointEngine:
         self.close()
 
     # ------------------------------------------------------------------ load
-    def load(self, step: int | None = None, *, rank: int | None = None, **_: Any) -> tuple[int, Any] | None:
+    def load(self, step: int | None = None, *, rank: int | None = None, template: Any = None,
+             **_: Any) -> tuple[int, Any] | None:
         """This rank's state of a committed step, as ``(step, state)``, from its fastest good copy.
 
         Without ``step``: the newest committed step with a good copy (a step without one is
         skipped with a warning), or None. With ``step``: that step, or :class:`NoCheckpoint`
         (absent, not committed) / :class:`CorruptCheckpoint` (no copy verifies). ``rank``: another
         rank's shard instead (data-parallel replicas: one rank saves the model, every rank loads it).
+        ``template``: a state of DTensors laid out as the job runs now; they are filled in place
+        from the saved pieces, re-sharded when the step was saved by another world size
+        (:mod:`.sharded`).
         """
+        if template is not None:
+            return self._load_template(step, template)
         rank = self.rank if rank is None else rank
         if step is not None:
             return step, self._load_step(step, rank)
@@ -321,7 +402,30 @@ class CheckpointEngine:
                 log.warning("rank %d: skipping checkpoint step %d: %s", self.rank, s, exc)
         return None
 
-    def _manifest(self, step: int) -> contracts.CheckpointReady:
+    def _load_template(self, step: int | None, template: Any) -> tuple[int, Any] | None:
+        from . import sharded
+
+        for s in ([step] if step is not None else list(reversed(layout.complete_steps(self.directory)))):
+            try:
+                man = self._manifest(s, reshard=True)
+                cache: dict[int, Any] = {}
+
+                def load_rank(r: int, s: int = s) -> Any:
+                    if r not in cache:
+                        cache[r] = self._load_step(s, r, reshard=True)
+                    return cache[r]
+                state = sharded.fill(template, load_rank, man.world_size, self.rank)
+                if man.world_size != self.world_size:
+                    log.info("rank %d: step %d saved by %d ranks re-sharded onto %d (read the shards of ranks %s)",
+                             self.rank, s, man.world_size, self.world_size, sorted(cache))
+                return s, state
+            except (CorruptCheckpoint, NoCheckpoint) as exc:
+                if step is not None:
+                    raise
+                log.warning("rank %d: skipping checkpoint step %d: %s", self.rank, s, exc)
+        return None
+
+    def _manifest(self, step: int, reshard: bool = False) -> contracts.CheckpointReady:
         sdir = layout.step_dir(self.directory, step)
         if not sdir.is_dir():
             raise NoCheckpoint(f"no checkpoint of step {step} in {self.directory}")
@@ -332,9 +436,9 @@ class CheckpointEngine:
                                f"(no {layout.MANIFEST}: not every rank's shard was committed)") from None
         except (OSError, contracts.ContractError) as exc:
             raise CorruptCheckpoint(str(sdir / layout.MANIFEST), f"unreadable manifest: {exc}") from None
-        if man.world_size != self.world_size:
+        if man.world_size != self.world_size and not reshard:
             raise NoCheckpoint(f"checkpoint step {step} in {sdir} was written by {man.world_size} "
-                               f"ranks, this job has {self.world_size} (resharding is not supported)")
+                               f"ranks, this job has {self.world_size} (load(template=...) re-shards DTensor state)")
         return man
 
     def _candidates(self, step: int, man: contracts.CheckpointReady, shard: contracts.Shard) -> list:
@@ -352,8 +456,8 @@ class CheckpointEngine:
             out.append((3, "shared", contracts.Copy(shard.rank, "shared", contracts.Tier.SHARED, here)))
         return out
 
-    def _load_step(self, step: int, rank: int) -> Any:
-        man = self._manifest(step)
+    def _load_step(self, step: int, rank: int, reshard: bool = False) -> Any:
+        man = self._manifest(step, reshard)
         shard = next((s for s in man.shards if s.rank == rank), None)
         if shard is None:
             raise NoCheckpoint(f"checkpoint step {step} has no shard of rank {rank}")
@@ -400,7 +504,7 @@ class CheckpointEngine:
                shard: contracts.Shard):
         if tier == 0:
             got = self._conn.call({"op": "lookup", "job": self.job, "rank": shard.rank, "step": step,
-                                   "sha256": shard.sha256})
+                                   "digest": shard.checksum})
             if not got["found"]:
                 return None
             seg = Segment.open(got["path"], writable=False)
@@ -427,8 +531,7 @@ def _locator_addr(location: str) -> str:
 def _check(digest: str, size: int, shard: contracts.Shard, where: str) -> None:
     if size != shard.size:
         raise CorruptCheckpoint(where, f"{size} bytes, manifest says {shard.size}")
-    if digest != shard.sha256:
-        raise CorruptCheckpoint(where, f"sha256 mismatch: copy has {digest}, manifest says {shard.sha256}")
+    store.check_digest(digest, shard, where)
 
 
 def _copy_verified(src: memoryview, shard: contracts.Shard, where: str):
@@ -436,7 +539,7 @@ def _copy_verified(src: memoryview, shard: contracts.Shard, where: str):
     if len(src) != shard.size:
         raise CorruptCheckpoint(where, f"{len(src)} bytes, manifest says {shard.size}")
     buf = segments.alloc_buffer(shard.size)
-    dst, hasher, step = memoryview(buf), layout.StreamHasher(), 64 << 20
+    dst, hasher, step = memoryview(buf), StreamDigest(algorithm(shard.checksum)), 64 << 20
     for lo in range(0, shard.size, step):
         dst[lo:lo + step] = src[lo:lo + step]
         hasher.feed(dst[lo:lo + step])
@@ -448,8 +551,9 @@ def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard
     """The shard from a peer daemon's memory; hashed as it arrives, refused unless it verifies."""
     conn = Conn(addr, timeout=5)
     try:
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        send_msg(conn.sock, {"op": "read", "job": job, "rank": rank, "step": step, "sha256": shard.sha256})
+        # no SO_RCVBUF: setting it turns off the kernel's autotuning and is capped at
+        # net.core.rmem_max (208 KiB by default), a window several times too small
+        send_msg(conn.sock, {"op": "read", "job": job, "rank": rank, "step": step, "digest": shard.checksum})
         head = recv_msg(conn.sock)
         if not head or not head.get("found"):
             return None
@@ -457,7 +561,7 @@ def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard
         if head["size"] != shard.size:
             raise CorruptCheckpoint(where, f"{head['size']} bytes, manifest says {shard.size}")
         buf = segments.alloc_buffer(head["size"])
-        hasher = layout.StreamHasher()
+        hasher = StreamDigest(algorithm(shard.checksum))
         recv_exact_into(conn.sock, memoryview(buf)[:head["size"]], hasher.feed)
     finally:
         conn.close()

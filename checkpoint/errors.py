@@ -10,7 +10,7 @@ class CheckpointError(RuntimeError):
 
 
 class CorruptCheckpoint(CheckpointError):
-    """A committed shard fails verification: missing, truncated, wrong sha256, or unreadable.
+    """A committed shard fails verification: missing, truncated, wrong digest, or unreadable.
 
     The message names the file and what is wrong; ``path`` holds the file.
     """

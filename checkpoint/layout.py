@@ -3,7 +3,7 @@
 ::
 
     DIR/step-00000100/rank-00003.safetensors  one rank's shard (:mod:`.shardfmt`), the shared copy
-    DIR/step-00000100/rank-00003.json         the shard manifest: name, size, sha256, generation,
+    DIR/step-00000100/rank-00003.json         the shard manifest: name, size, digest, generation,
                                               every copy of the shard (memory, disk, shared), ...
     DIR/step-00000100/manifest.json      the committed step: a contracts.CheckpointReady, encoded
 

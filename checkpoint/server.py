@@ -2,10 +2,10 @@
 
 Ranks of the node write their shard into a shared-memory segment the daemon hands out
 (``acquire``), then tell it the shard is there (``staged``); from then on a crash of the
-training process loses nothing. For every staged shard the daemon runs, in order, on its
-pipeline thread:
+training process loses nothing. For every staged shard the daemon runs, on its pipeline thread
+(stages 2 and 3 at once, on threads of their own: the shard is ready after the slowest of them):
 
-1. hash        sha256 of the shard bytes (the same bytes are every copy, see :mod:`.shardfmt`)
+1. hash        the shard's digest (:mod:`.digest`) of the bytes (the same bytes are every copy, see :mod:`.shardfmt`)
 2. replicate   into the ring neighbour daemon's memory (:mod:`.transport`); never on this node
 3. persist     to local disk (``--disk-dir``) and, if the rank asked, the job's shared directory;
                a write that fails (ENOSPC, EIO, ...) is logged once with the path and errno and
@@ -38,7 +38,8 @@ save, a replica or a commit stamped with an older one (:class:`.errors.StaleGene
 the ranks and daemon of a host that was cut off and came back cannot touch the new generation.
 
 Requests (JSON messages, :mod:`.wire`): reserve, forget, acquire, staged, abort, wait, lookup, read, replica_put,
-replica_alloc, replica_done, replica_abort, capacity, stats, resolve.
+replica_alloc, replica_done, replica_abort, capacity, stats, resolve; every connection first passes
+the greeting and, with a shared secret, the HMAC challenge of :mod:`.wire`.
 """
 
 from __future__ import annotations
@@ -62,18 +63,20 @@ from typing import Any
 from transom import contracts, registry
 from transom.contracts import ServiceKind
 from transom.log import get
+from transom.security import ckpt_secret
 
 from . import layout, segments, store
+from .digest import DEFAULT as DIGEST, StreamDigest, algorithm, digest_of
 from .errors import StaleGeneration
-from .layout import sha256_of
 from .segments import Segment, safe_name
 from .transport import Replicator, make_replicator
-from .wire import DaemonError, recv_exact_into, recv_msg, send_file, send_msg
+from .wire import DaemonError, greet, recv_exact_into, recv_msg, send_file, send_msg
 
 __all__ = ["CheckpointServer", "Slot", "main"]
 
 log = get("checkpoint.server")
 _MiB = 1 << 20
+_TEST_DELAY_S = float(os.environ.get("TRANSOM_CKPT_TEST_DELAY_S") or 0)
 
 
 @dataclass
@@ -85,7 +88,7 @@ class Slot:
     state: str = "free"           # free -> staging -> held -> free
     step: int = -1
     size: int = 0
-    sha256: str = ""
+    digest: str = ""              # ALG:HEX (:mod:`.digest`)
     origin: str = ""              # node that wrote the shard
     generation: int = 0
 
@@ -118,8 +121,11 @@ class CheckpointServer:
     def __init__(self, node: str, runtime: str | os.PathLike | None = None, *, disk_dir: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, transport: str = "auto", protocol: str = "auto",
                  mem_keep: int = 1, disk_keep: int = 3, max_bytes: int | None = None,
-                 bootstrap: str | None = None, register: bool = True, advertise: str | None = None) -> None:
+                 bootstrap: str | None = None, register: bool = True, advertise: str | None = None,
+                 secret: bytes | None | bool = True) -> None:
         self.node = node
+        # every connection is authenticated when the daemons share a secret (TRANSOM_CKPT_SECRET)
+        self.secret = ckpt_secret() if secret is True else (secret or None)
         self.runtime = segments.runtime_dir(runtime)
         self.seg_dir = self.runtime / safe_name(node)
         self.disk_dir = Path(disk_dir or os.environ.get("TRANSOM_CKPT_LOCAL_DIR")
@@ -154,6 +160,7 @@ class CheckpointServer:
         self.port = self.tcp.server_address[1]
         self.addr = f"[{self.advertise}]:{self.port}" if ":" in self.advertise else f"{self.advertise}:{self.port}"
         self._register = register
+        self.stopping = False
         self._threads = [threading.Thread(target=self.tcp.serve_forever, name="ckpt-serve", daemon=True),
                          threading.Thread(target=self._pipeline, name="ckpt-pipeline", daemon=True)]
 
@@ -169,10 +176,16 @@ class CheckpointServer:
                     ServiceKind.CKPT_DAEMON, self.node, addr=self.advertise, port=self.port, meta=meta)).start()
             segments.register(self.runtime, self.node, {        # then this host's ranks may find it
                 "addr": self.addr, "pid": os.getpid(), "host": os.uname().nodename, **meta})
-        log.info("TCE daemon of %s at %s (runtime %s, disk %s, replication %s, peers from %s)", self.node, self.addr,
-                 self.runtime, self.disk_dir, self.replicator.name,
+        if not self.secret and not self.addr.startswith(("127.", "localhost")):
+            log.warning("TCE daemon of %s listens on %s WITHOUT authentication: anyone who reaches the port "
+                        "can read and drop checkpoints; set TRANSOM_CKPT_SECRET (docs/security.md)",
+                        self.node, self.addr)
+        log.info("TCE daemon of %s at %s (runtime %s, disk %s, replication %s, peers from %s, %s)", self.node,
+                 self.addr, self.runtime, self.disk_dir, self.replicator.name,
                  f"the registry on {self.bootstrap} (cluster {registry.cluster_name()})" if self._reader
-                 else f"the runtime dir {self.runtime} (one host)")
+                 else f"the runtime dir {self.runtime} (one host)",
+                 "connections authenticated (TRANSOM_CKPT_SECRET)" if self.secret else
+                 "connections NOT authenticated: set TRANSOM_CKPT_SECRET")
         return self
 
     def close(self) -> None:
@@ -246,9 +259,9 @@ class CheckpointServer:
             if newest is not None and s.step < newest:
                 s.state = "free"
 
-    def _find(self, job: str, rank: int, step: int, sha256: str | None) -> Slot | None:
+    def _find(self, job: str, rank: int, step: int, digest: str | None) -> Slot | None:
         cands = [s for s in self.slots.values() if s.state == "held" and s.job == job and s.rank == rank
-                 and s.step == step and (sha256 is None or s.sha256 == sha256)]
+                 and s.step == step and (digest is None or s.digest == digest)]
         return max(cands, key=lambda s: s.kind == "own", default=None)
 
     # ------------------------------------------------------------------ peers, generations
@@ -303,6 +316,17 @@ class CheckpointServer:
     # ------------------------------------------------------------------ requests
     def _handle(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            refused = greet(sock, self.secret)
+        except (OSError, ValueError):
+            return
+        if refused is not None:
+            try:
+                peer = "%s:%s" % sock.getpeername()[:2]
+            except OSError:
+                peer = "?"
+            log.warning("%s: refused a connection from %s: %s", self.node, peer, refused)
+            return
         while True:
             try:
                 msg = recv_msg(sock)
@@ -342,6 +366,8 @@ class CheckpointServer:
                                "origin": s.origin} for s in self.slots.values()], "used": self._used()}
 
     def _op_acquire(self, _sock, msg) -> dict:
+        if self.stopping:
+            return {"error": f"the TCE daemon of {self.node} is stopping: no new save is taken"}
         self._check_generation(msg["job"], msg.get("generation"), f"the save of step {msg['step']} of rank {msg['rank']}")
         with self.lock:
             self._release_old("own", msg["job"], msg["rank"], msg.get("ckpt_dir"))
@@ -406,22 +432,22 @@ class CheckpointServer:
 
     def _op_lookup(self, _sock, msg) -> dict:
         with self.lock:
-            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("sha256"))
+            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("digest"))
             if slot is None:
                 return {"found": False}
-            return {"found": True, "path": str(slot.seg.path), "size": slot.size, "sha256": slot.sha256,
+            return {"found": True, "path": str(slot.seg.path), "size": slot.size, "digest": slot.digest,
                     "kind": slot.kind, "origin": slot.origin}
 
     def _op_read(self, sock, msg) -> None:
         with self.lock:
-            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("sha256"))
+            slot = self._find(msg["job"], msg["rank"], msg["step"], msg.get("digest"))
             if slot is not None:
                 slot.state = "reading"        # not reused while it is being sent
         if slot is None:
             send_msg(sock, {"found": False})
             return None
         try:
-            send_msg(sock, {"found": True, "size": slot.size, "sha256": slot.sha256, "kind": slot.kind})
+            send_msg(sock, {"found": True, "size": slot.size, "digest": slot.digest, "kind": slot.kind})
             send_file(sock, str(slot.seg.path), slot.size)
         finally:
             with self.lock:
@@ -438,18 +464,19 @@ class CheckpointServer:
             slot.generation = msg.get("generation", 0)
             return slot
 
-    def _finish_replica(self, slot: Slot, msg) -> dict:
-        digest = sha256_of(slot.seg.view(slot.size))
+    def _finish_replica(self, slot: Slot, msg, digest: str | None = None) -> dict:
+        if digest is None:
+            digest = digest_of(slot.seg.view(slot.size), algorithm(msg["digest"]))
         with self.lock:
-            if digest != msg["sha256"]:
+            if digest != msg["digest"]:
                 slot.state = "free"
-                return {"error": f"replica of rank {msg['rank']} step {msg['step']} arrived with sha256 "
-                                 f"{digest}, sender says {msg['sha256']}: dropped"}
+                return {"error": f"replica of rank {msg['rank']} step {msg['step']} arrived with digest "
+                                 f"{digest}, sender says {msg['digest']}: dropped"}
             for other in self.slots.values():        # an older replica of the same step is stale now
                 if other is not slot and other.state == "held" and other.kind == "replica" and \
                         (other.job, other.rank, other.step) == (slot.job, slot.rank, slot.step):
                     other.state = "free"
-            slot.sha256, slot.state = digest, "held"
+            slot.digest, slot.state = digest, "held"
         return {"path": str(slot.seg.path), "node": self.node}
 
     def _op_replica_put(self, sock, msg) -> dict:
@@ -459,14 +486,16 @@ class CheckpointServer:
             _drain(sock, msg["size"])         # the bytes follow the request: read them, then refuse
             raise
         t0 = time.perf_counter()
+        hasher = StreamDigest(algorithm(msg["digest"]))     # verified while it arrives
         try:
-            recv_exact_into(sock, slot.seg.view(slot.size))
+            recv_exact_into(sock, slot.seg.view(slot.size), hasher.feed)
         except OSError:
+            hasher.hexdigest()
             with self.lock:
                 slot.state = "free"
             raise
         dt = time.perf_counter() - t0
-        return {**self._finish_replica(slot, msg), "transfer_s": dt}
+        return {**self._finish_replica(slot, msg, hasher.hexdigest()), "transfer_s": dt}
 
     def _op_replica_alloc(self, _sock, msg) -> dict:
         if self.mooncake is None:
@@ -488,8 +517,11 @@ class CheckpointServer:
         while True:
             item = self.queue.get()
             if item is None:
+                self.queue.task_done()
                 return
             slot, msg = item
+            if _TEST_DELAY_S:
+                time.sleep(_TEST_DELAY_S)         # tests: a save that is surely still in flight
             res = self.results[(msg["job"], msg["rank"], msg["step"])]
             try:
                 res.info = self._run_stages(slot, msg)
@@ -499,6 +531,7 @@ class CheckpointServer:
                           msg["rank"], msg["step"], res.error)
             finally:
                 res.done.set()
+                self.queue.task_done()
 
     def _run_stages(self, slot: Slot, msg: dict) -> dict:
         job, rank, step, gen = msg["job"], msg["rank"], msg["step"], msg.get("generation", 0)
@@ -512,54 +545,78 @@ class CheckpointServer:
                 with self.lock:
                     slot.state = "free"          # not a copy of anything: the segment is reused
                 raise
-        sha = sha256_of(data)                                           # 1. hash
+        dig = digest_of(data, DIGEST)                                   # 1. hash
         with self.lock:
-            slot.sha256, slot.state, slot.generation, slot.origin = sha, "held", gen, self.node
+            slot.digest, slot.state, slot.generation, slot.origin = dig, "held", gen, self.node
         t["hash_s"] = time.perf_counter() - t0
         copies = [contracts.Copy(rank, self.node, contracts.Tier.MEMORY, f"{self.addr}#{slot.seg.path}")]
-        meta = {"job": job, "rank": rank, "step": step, "size": size, "sha256": sha, "origin": self.node,
+        meta = {"job": job, "rank": rank, "step": step, "size": size, "digest": dig, "origin": self.node,
                 "generation": gen, "ckpt_dir": msg.get("ckpt_dir")}
-        t1 = time.perf_counter()                                        # 2. replicate
-        peer, where, t["transfer_s"] = self._replicate(slot, meta)
-        if peer is not None:
-            t["replicate_s"] = time.perf_counter() - t1
-            copies.append(contracts.Copy(rank, peer["node"], contracts.Tier.MEMORY, f"{peer['addr']}#{where}"))
-        t2 = time.perf_counter()                                        # 3. persist
+        # 2. replicate and 3. persist run at once (each is bound by its own device: the link, the
+        # local disk, the shared file system), so the checkpoint is ready after the slowest of them
         unpersisted: list[str] = []
-        if msg.get("disk", True):
-            ddir = layout.step_dir(self.disk_dir / safe_name(job), step)
-            where = ddir / layout.shard_name(rank)
-            try:
-                ddir.mkdir(parents=True, exist_ok=True)
-                store.write_bytes(where, data)
-                copies.append(contracts.Copy(rank, self.node, contracts.Tier.DISK, str(where)))
-            except OSError as exc:
-                unpersisted.append(self._persist_failed(job, rank, step, where, exc))
-        t["persist_s"] = time.perf_counter() - t2
-        ready = None
-        if msg.get("ckpt_dir"):                                         # 4. commit
-            self._claim(msg["ckpt_dir"], job, gen, f"the commit of step {step} of rank {rank}")
-            sdir = layout.step_dir(msg["ckpt_dir"], step)
+        sdir = layout.step_dir(msg["ckpt_dir"], step) if msg.get("ckpt_dir") else None
+        if sdir is not None:
             replaced = store.uncommit_older(sdir) if msg.get("first_of_step", True) else None
             if replaced is not None:
                 log.info("step %d was committed by generation %s; generation %d replaces it", step, replaced, gen)
+
+        def replicate() -> contracts.Copy | None:
+            t1 = time.perf_counter()
+            peer, where, t["transfer_s"] = self._replicate(slot, meta)
+            if peer is None:
+                return None
+            t["replicate_s"] = time.perf_counter() - t1
+            return contracts.Copy(rank, peer["node"], contracts.Tier.MEMORY, f"{peer['addr']}#{where}")
+
+        def persist(where: Path, tier: contracts.Tier, node: str, key: str) -> contracts.Copy | None:
+            t1 = time.perf_counter()
+            try:
+                where.parent.mkdir(parents=True, exist_ok=True)
+                store.write_bytes(where, data)
+            except OSError as exc:
+                unpersisted.append(self._persist_failed(job, rank, step, where, exc))
+                return None
+            finally:
+                t[key] = time.perf_counter() - t1
+            return contracts.Copy(rank, node, tier, str(where.resolve()) if tier == contracts.Tier.SHARED
+                                  else str(where))
+
+        jobs = [replicate]
+        if msg.get("disk", True):
+            ddir = layout.step_dir(self.disk_dir / safe_name(job), step)
+            jobs.append(lambda: persist(ddir / layout.shard_name(rank), contracts.Tier.DISK, self.node, "persist_s"))
+        if sdir is not None and msg.get("shared", True):
+            jobs.append(lambda: persist(sdir / layout.shard_name(rank), contracts.Tier.SHARED, "shared",
+                                        "shared_s"))
+        results: list[Any] = [None] * len(jobs)
+
+        def run(i: int) -> None:
+            try:
+                results[i] = jobs[i]()
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the pipeline thread
+                results[i] = exc
+        threads = [threading.Thread(target=run, args=(i,), name=f"ckpt-stage-{i}") for i in range(1, len(jobs))]
+        for th in threads:
+            th.start()
+        run(0)
+        for th in threads:
+            th.join()
+        for got in results:
+            if isinstance(got, BaseException):
+                raise got
+            if got is not None:
+                copies.append(got)
+        t["persist_s"] = max(t.get("persist_s", 0.0), t.get("shared_s", 0.0))
+        ready = None
+        if sdir is not None:                                            # 4. commit
+            self._claim(msg["ckpt_dir"], job, gen, f"the commit of step {step} of rank {rank}")
             t3 = time.perf_counter()
-            shared = bool(msg.get("shared", True))
-            if shared:
-                where = sdir / layout.shard_name(rank)
-                try:
-                    sdir.mkdir(parents=True, exist_ok=True)
-                    store.write_bytes(where, data)
-                except OSError as exc:
-                    unpersisted.append(self._persist_failed(job, rank, step, where, exc))
-                    shared = False
-                else:
-                    copies.append(contracts.Copy(rank, "shared", contracts.Tier.SHARED, str(where.resolve())))
             # the shard manifest (small) must be written: without it the step cannot commit at all
             store.persist_shard(sdir, job=job, step=step, rank=rank, world_size=msg["world_size"],
-                                node=self.node, generation=gen, data=data, sha256=sha, copies=tuple(copies),
+                                node=self.node, generation=gen, data=data, digest=dig, copies=tuple(copies),
                                 write_file=False)
-            t["persist_s"] += time.perf_counter() - t3
+            t["commit_s"] = time.perf_counter() - t3
             ready = store.try_commit(sdir, job=job, step=step, world_size=msg["world_size"], generation=gen,
                                      rank=rank)
         if ready is not None:                                           # 5. announce
@@ -571,7 +628,7 @@ class CheckpointServer:
                 log.info("deleted checkpoint steps %s (keeping the newest %d)", deleted, msg.get("keep", 3))
         self._prune_disk(job)
         t["total_s"] = time.perf_counter() - t0
-        return {"sha256": sha, "committed": ready is not None, "unpersisted": unpersisted,
+        return {"digest": dig, "committed": ready is not None, "unpersisted": unpersisted,
                 "copies": [c.__dict__ | {"tier": c.tier.value} for c in copies], **t}
 
     def _replicate(self, slot: Slot, meta: dict) -> tuple[dict | None, str, float]:
@@ -633,14 +690,36 @@ class CheckpointServer:
         for p in steps[:-self.disk_keep]:
             shutil.rmtree(p, ignore_errors=True)
 
-    def serve(self) -> None:
-        """Run until SIGTERM or SIGINT, then remove every segment and unregister."""
+    def drain(self, timeout: float) -> bool:
+        """Save at the fault: take no new save, let the staged ones finish every stage (hash,
+        replicate, persist, commit) for up to ``timeout`` s while requests (``staged``, ``wait``,
+        ``read``) are still served; True when nothing was left."""
+        self.stopping = True
+        t0 = time.monotonic()
+        pending = self.queue.unfinished_tasks
+        if pending:
+            log.warning("%s: stopping: persisting %d staged save(s) first (at most %.0f s)", self.node, pending,
+                        timeout)
+        while self.queue.unfinished_tasks and time.monotonic() - t0 < timeout:
+            time.sleep(0.02)
+        left = self.queue.unfinished_tasks
+        if left:
+            log.error("%s: stopping after %.1f s with %d save(s) not persisted (raise --stop-timeout)",
+                      self.node, time.monotonic() - t0, left)
+        elif pending:
+            log.warning("%s: stopping: %d staged save(s) persisted in %.2f s", self.node, pending,
+                        time.monotonic() - t0)
+        return not left
+
+    def serve(self, stop_timeout: float = 30.0) -> None:
+        """Run until SIGTERM or SIGINT, then drain (:meth:`drain`), remove every segment and unregister."""
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         self.start()
         stop.wait()
         log.info("TCE daemon of %s stopping", self.node)
+        self.drain(stop_timeout)
         self.close()
 
 
@@ -659,5 +738,5 @@ def main(args: argparse.Namespace) -> int:
     CheckpointServer(args.node, args.runtime, disk_dir=args.disk_dir, host=args.host, port=args.port,
                      transport=args.transport, protocol=args.protocol, mem_keep=args.mem_keep,
                      disk_keep=args.disk_keep, max_bytes=args.max_bytes, bootstrap=args.bootstrap,
-                     advertise=args.advertise).serve()
+                     advertise=args.advertise).serve(args.stop_timeout)
     return 0

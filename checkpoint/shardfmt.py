@@ -1,7 +1,7 @@
 """One rank's shard as bytes: a safetensors file whose metadata carries the non-tensor state.
 
 The same bytes are the staging segment in shared memory, the peer replica, the local-disk file
-and the shared-path file, so one sha256 vouches for every copy of a shard.
+and the shared-path file, so one digest vouches for every copy of a shard.
 
 Layout (the safetensors format, readable by ``safetensors.safe_open``)::
 
@@ -36,7 +36,7 @@ import torch
 from .errors import CheckpointError, CorruptCheckpoint
 from .layout import sha256_of
 
-__all__ = ["TensorRef", "ShardPlan", "plan", "write_into", "decode", "sha256_of"]
+__all__ = ["TensorRef", "DTensorRef", "LocalShard", "ShardPlan", "plan", "write_into", "decode", "sha256_of"]
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -57,6 +57,26 @@ class TensorRef:
     index: int
 
 
+@dataclass(frozen=True)
+class DTensorRef:
+    """Placeholder for a DTensor (FSDP2, tensor parallel): its local tensor is tensor ``index``; it
+    covers ``[offset, offset + local shape)`` of a tensor of ``global_shape``."""
+
+    index: int
+    global_shape: tuple
+    offset: tuple
+
+
+@dataclass
+class LocalShard:
+    """What a saved DTensor decodes to: this rank's piece of the global tensor. ``load(template=)``
+    (:mod:`.sharded`) turns the pieces of every rank into the DTensors of the template."""
+
+    tensor: torch.Tensor
+    global_shape: tuple
+    offset: tuple
+
+
 @dataclass
 class ShardPlan:
     header: bytes                      # u64 length + padded JSON
@@ -69,7 +89,27 @@ class ShardPlan:
         return self.size - len(self.header)
 
 
+def _dtensor_ref(obj: Any, tensors: list[torch.Tensor]) -> DTensorRef:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = obj.to_local().detach()
+    shape, offset = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise CheckpointError(f"DTensor of global shape {tuple(obj.shape)}: local tensor {tuple(local.shape)} is not "
+                              f"the piece {tuple(shape)} its placements {obj.placements} give (uneven sharding "
+                              f"is not supported)")
+    tensors.append(local)
+    return DTensorRef(len(tensors) - 1, tuple(obj.shape), tuple(int(o) for o in offset))
+
+
+def _is_dtensor(obj: Any) -> bool:
+    cls = type(obj)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
 def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if _is_dtensor(obj):
+        return _dtensor_ref(obj, tensors)
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         if t.layout != torch.strided or t.is_quantized:
@@ -165,6 +205,7 @@ def write_into(buf: memoryview | bytearray, p: ShardPlan, only: list[int] | None
 
 class _Unpickler(pickle.Unpickler):
     _ALLOWED = {("collections", "OrderedDict"), ("transom.checkpoint.shardfmt", "TensorRef"),
+                ("transom.checkpoint.shardfmt", "DTensorRef"),
                 ("transom.checkpoint.shardfmt", "_odict_with_meta"),
                 ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytes"),
                 ("builtins", "bytearray"), ("builtins", "complex"), ("builtins", "slice"),
@@ -179,6 +220,8 @@ class _Unpickler(pickle.Unpickler):
 def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, TensorRef):
         return tensors[obj.index]
+    if isinstance(obj, DTensorRef):
+        return LocalShard(tensors[obj.index], tuple(obj.global_shape), tuple(obj.offset))
     if isinstance(obj, dict):
         for k, v in obj.items():
             obj[k] = _rebuild(v, tensors)

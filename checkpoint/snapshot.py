@@ -31,6 +31,7 @@ import enum
 import fcntl
 import json
 import os
+import signal
 import socket
 import struct
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ class ForkJob:
     seg_addr: int                    # the segment mapping (same address in the child)
     size: int                        # shard bytes
     copies: list[tuple[int, int, int]]   # (dst, src, nbytes) for the child's memmoves
-    daemon: tuple[str, int]          # numeric host, port of the node's daemon
+    sock_fd: int                     # a connection to the node's daemon, authenticated by the parent
     request: bytes                   # the length-prefixed ``staged`` request
 
 
@@ -120,13 +121,18 @@ def _child(job: ForkJob) -> int:
     # Runs in the forked child: only the calling thread exists here. Plain syscalls and memmove:
     # no torch (its thread pools are gone), no logging (a lock may have been held at the fork).
     try:
+        # the controller's stop (SIGTERM to the rank's process group) must not cut the snapshot short:
+        # the parent finishes the save (save at the fault); SIGKILL still ends this child
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:
+            pass                          # not the main thread of the child: keep the default
         lo = job.seg_addr
         hi = job.seg_addr + -(-job.size // _PAGE) * _PAGE
         _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE)    # one syscall, not a fault per page
         for dst, src, n in job.copies:
             _memmove(dst, src, n)
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.connect(job.daemon)
+        s = socket.socket(fileno=job.sock_fd)
         s.sendall(job.request)
         head = b""
         while len(head) < 4:
@@ -149,7 +155,8 @@ def _child(job: ForkJob) -> int:
 
 def fork_copy(job: ForkJob, lock_fd: int) -> int:
     """Fork a child that copies ``job`` and hands the shard to the daemon; return its pid.
-    ``lock_fd`` (the segment's flock) goes with the child: the parent's copy is closed here."""
+    ``lock_fd`` (the segment's flock) and ``job.sock_fd`` go with the child: the caller closes its
+    copies of them after this returns (``lock_fd`` is closed here)."""
     pid = os.fork()
     if pid == 0:
         code = 4

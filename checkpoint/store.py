@@ -1,7 +1,7 @@
 """Stages 2 and 3, persist and commit, and the verified read that load() builds on.
 
 - :func:`persist_shard`: write a shard's bytes (:mod:`.shardfmt`, safetensors) to a temp file in
-  the step dir, fsync, rename to ``rank-XXXXX.safetensors``; then its size, sha256 and every copy
+  the step dir, fsync, rename to ``rank-XXXXX.safetensors``; then its size, digest (:mod:`.digest`) and every copy
   of it (memory on two nodes, local disk, shared) go into ``rank-XXXXX.json``, written the same way.
 - :func:`uncommit_older`: a step re-saved by a later launch loses its old manifest first.
 - :func:`try_commit`: once every rank's shard manifest of the step exists (same generation and
@@ -28,10 +28,11 @@ from typing import Any
 from transom import contracts
 
 from . import layout
+from .digest import StreamDigest, algorithm
 from .errors import CorruptCheckpoint, StaleGeneration
 
-__all__ = ["claim_generation", "newest_generation", "GENERATION_FILE", "persist_shard", "write_bytes", "uncommit_older", "try_commit", "verify_shard", "read_verified",
-           "read_shard"]
+__all__ = ["claim_generation", "newest_generation", "GENERATION_FILE", "persist_shard", "write_bytes", "uncommit_older",
+           "try_commit", "verify_shard", "read_verified", "read_shard", "check_digest"]
 
 
 GENERATION_FILE = ".generation"
@@ -85,7 +86,7 @@ def newest_generation(directory: str | os.PathLike, job: str) -> int:
 
 
 def persist_shard(sdir: Path, *, job: str, step: int, rank: int, world_size: int, node: str,
-                  generation: int, data: memoryview, sha256: str,
+                  generation: int, data: memoryview, digest: str,
                   copies: tuple[contracts.Copy, ...] = (), write_file: bool = True) -> contracts.Shard:
     """Write this rank's shard bytes (unless ``write_file`` is false: the bytes live elsewhere) and
     its shard manifest, with every copy of it, into ``sdir``; return the shard record."""
@@ -95,10 +96,10 @@ def persist_shard(sdir: Path, *, job: str, step: int, rank: int, world_size: int
         write_bytes(sdir / name, data)
         copies = (*copies, contracts.Copy(rank=rank, node="shared", tier=contracts.Tier.SHARED,
                                           location=str((sdir / name).resolve())))
-    shard = contracts.Shard(rank=rank, name=name, size=len(data), sha256=sha256)
+    shard = contracts.Shard(rank=rank, name=name, size=len(data), digest=digest)
     record = {"v": contracts.SCHEMA_VERSION, "job": job, "step": step, "rank": rank,
               "world_size": world_size, "node": node, "generation": generation, "ts": time.time(),
-              "name": shard.name, "size": shard.size, "sha256": shard.sha256,
+              "name": shard.name, "size": shard.size, "digest": shard.digest,
               "copies": [{"rank": c.rank, "node": c.node, "tier": c.tier.value, "location": c.location}
                          for c in copies]}
     layout.atomic_write_bytes(sdir / layout.rank_manifest_name(rank), contracts.encode(record))
@@ -147,7 +148,7 @@ def try_commit(sdir: Path, *, job: str, step: int, world_size: int, generation: 
         if d is None or d.get("generation") != generation or d.get("world_size") != world_size \
                 or d.get("step") != step:
             return None
-        shards.append(contracts.Shard(rank=r, name=d["name"], size=d["size"], sha256=d["sha256"]))
+        shards.append(contracts.Shard.from_dict(d, f"shard manifest of rank {r}"))
         copies += [contracts.Copy.from_dict(c) for c in d.get("copies", ())]
     lock = sdir / f".commit-g{generation:05d}.lock"
     try:
@@ -170,14 +171,14 @@ def try_commit(sdir: Path, *, job: str, step: int, world_size: int, generation: 
 
 
 def verify_shard(sdir: Path, shard: contracts.Shard) -> Path:
-    """Check the shard file against its manifest entry (size, then sha256); return its path."""
+    """Check the shard file against its manifest entry (size, then digest); return its path."""
     read_verified(sdir / shard.name, shard)
     return sdir / shard.name
 
 
 def read_verified(path: Path, shard: contracts.Shard):
     """The bytes of a shard file (a writable buffer, hashed while it is read), refused with
-    :class:`CorruptCheckpoint` unless size and sha256 match."""
+    :class:`CorruptCheckpoint` unless size and digest match."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -188,7 +189,7 @@ def read_verified(path: Path, shard: contracts.Shard):
     from .segments import alloc_buffer
 
     buf = alloc_buffer(size)
-    hasher = layout.StreamHasher()
+    hasher = StreamDigest(algorithm(shard.checksum))
     with open(path, "rb", buffering=0) as f:
         mv, got = memoryview(buf)[:size], 0
         while got < size:
@@ -199,9 +200,15 @@ def read_verified(path: Path, shard: contracts.Shard):
             hasher.feed(mv[got:got + k])
             got += k
     digest = hasher.hexdigest()
-    if digest != shard.sha256:
-        raise CorruptCheckpoint(str(path), f"sha256 mismatch: file has {digest}, manifest says {shard.sha256}")
+    check_digest(digest, shard, str(path))
     return buf
+
+
+def check_digest(digest: str, shard: contracts.Shard, where: str) -> None:
+    """Refuse a copy whose digest is not the manifest's (one message for every tier)."""
+    if digest != shard.checksum:
+        raise CorruptCheckpoint(where, f"digest mismatch ({algorithm(shard.checksum)}): copy has "
+                                       f"{digest.split(':', 1)[-1]}, manifest says {shard.checksum.split(':', 1)[-1]}")
 
 
 def read_shard(sdir: Path, shard: contracts.Shard, **_: Any) -> Any:

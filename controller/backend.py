@@ -24,6 +24,7 @@ class RankStatus:
     rank: int
     running: bool
     exit_code: int | None      # None while running; negative: killed by that signal
+    node: str | None = None    # where the rank ran, when the platform chose (Slurm); None: the launch's nodes[rank]
 
 
 class LaunchRecord:

@@ -334,7 +334,8 @@ class Controller:
             if failed or all(not s.running for s in statuses):
                 codes = {s.rank: (s.exit_code if s.exit_code is not None else 0) for s in statuses
                          if not s.running}
-                self.apply(job.job, RanksExited(job.launched_generation, codes, time.time()))
+                self.apply(job.job, RanksExited(job.launched_generation, codes, time.time(),
+                                                {s.rank: s.node for s in statuses if s.node}))
 
     # ------------------------------------------------------------------ loop
     def run(self, *, exit_when_done: bool = False) -> int:

@@ -206,15 +206,16 @@ class SlurmBackend(Backend):
         if handle is None:
             return []
         running = self._queued(handle["step_name"])
+        placed = {r: p.get("node") for r, p in self.placement(job, generation).items()}
         out = []
         for rank in range(len(handle["nodes"])):
             exit_file = gen_dir / f"rank-{rank}.exit"
             if exit_file.exists():
-                out.append(RankStatus(rank, False, int(exit_file.read_text().split()[0])))
+                out.append(RankStatus(rank, False, int(exit_file.read_text().split()[0]), placed.get(rank)))
             elif running:
-                out.append(RankStatus(rank, True, None))
+                out.append(RankStatus(rank, True, None, placed.get(rank)))
             else:
-                out.append(RankStatus(rank, False, -int(signal.SIGKILL)))
+                out.append(RankStatus(rank, False, -int(signal.SIGKILL), placed.get(rank)))
         return out
 
     def stop(self, job: str, generation: int, timeout: float = 10.0) -> None:

@@ -235,6 +235,7 @@ class RanksExited:
     generation: int
     codes: Mapping[int, int]    # rank -> exit code, for every rank once all have exited or one failed
     ts: float = 0.0
+    nodes: Mapping[int, str] = field(default_factory=dict)   # rank -> node where the backend knows (Slurm: srun's order)
 
 
 @dataclass(frozen=True)
@@ -535,7 +536,8 @@ def decide(job: Job, event: Event) -> Decision:
             new = job.moved(JobState.COMPLETED)
             return Decision(new, (), "completed", {}, {"generation": job.generation, "last_step": job.last_step})
         rank = min(failed)
-        why = f"rank {rank} on {job.nodes[rank]} exited with code {failed[rank]}"
+        node = event.nodes.get(rank) or job.nodes[rank]
+        why = f"rank {rank} on {node} exited with code {failed[rank]}"
         return _recover(job, evict=None, why=why, now=event.ts,
-                        cause={"kind": FaultKind.RANK_EXIT.value, "node": job.nodes[rank], "rank": rank})
+                        cause={"kind": FaultKind.RANK_EXIT.value, "node": node, "rank": rank})
     raise TypeError(f"unknown event {event!r}")

@@ -5,6 +5,16 @@ Wiring (app id ``transom-tee``, at-least-once, raw bytes in and out)::
     transom.metrics --agent "tee"--> contracts.decode --ok--> engine.process --> transom.faults
                                                       \\--ContractError--> transom.deadletter
     timer, every 1 s -----------------------------------> engine.check_heartbeats --> transom.faults
+    engine.windows() (closed soft windows) --key job--> transom.peer-windows
+    transom.peer-windows --agent "tee-peers"--> engine.peer_window --> transom.faults
+
+Peers, repartitioned (the Faust way: a second agent on an internal topic keyed by the new key): the
+metrics are keyed by node, so one worker reads all of a node's batches and runs the per-node rules,
+the heartbeat check, the ECOD detector and the peers detector's window building there; each node
+window it closes goes, as a :class:`~transom.contracts.PeerWindow` summary keyed by job, to
+``transom.peer-windows``, and whichever worker owns the job's partition of that topic judges every
+node of the job together (:meth:`TEEEngine.peer_window`, :mod:`.jobwindows`). With one worker or
+twelve, a job's windows are judged with all its nodes, by a detector of the job's own.
 
 With ``TEEConfig.clock == "event"`` (``transom tee --clock event``, for replays) the engine's
 clock is the sample time instead: each batch is processed at its own time, and the heartbeats of a
@@ -50,6 +60,8 @@ __all__ = ["APP_ID", "make_app", "partition_clocks", "run_worker"]
 APP_ID = "transom-tee"
 #: The agent takes metric batches in lists of up to this many, or what arrived within TAKE_WITHIN seconds.
 TAKE, TAKE_WITHIN = 1000, 0.05
+#: Event clock: most bytes fetched from one partition at a time.
+REPLAY_FETCH_BYTES = 64 * 1024
 log = get("tee")
 
 
@@ -68,12 +80,17 @@ def partition_clocks(marks: Mapping[int, float], behind: Iterable[int]) -> dict[
 def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     """Build the Faust app that feeds ``engine`` from ``bootstrap`` (host:port[,host:port])."""
     signer = fault_signer()                                       # None: faults go unsigned
-    app = faust_app(APP_ID, bootstrap, datadir=datadir, service="TEE", reads="metrics")
+    event_clock = engine.config.clock == "event"
+    # event clock (a replay read at full speed): small fetches, so that the partitions, read in turn,
+    # stay close in sample time (a 1 MB fetch of one partition holds minutes of its nodes' batches)
+    app = faust_app(APP_ID, bootstrap, datadir=datadir, service="TEE", reads="metrics",
+                    **({"consumer_max_fetch_size": REPLAY_FETCH_BYTES} if event_clock else {}))
     metrics = app.topic(contracts.METRICS, key_type=bytes, value_type=bytes)
     faults = app.topic(contracts.FAULTS, key_type=bytes, value_type=bytes)
     deadletter = app.topic(contracts.DEADLETTER, key_type=bytes, value_type=bytes)
+    peer_windows = app.topic(contracts.PEER_WINDOWS, key_type=bytes, value_type=bytes)
     nodes_of: dict[int, set[str]] = defaultdict(set)   # metrics partition -> nodes seen on it
-    event_clock = engine.config.clock == "event"
+    jobs_of: dict[int, set[str]] = defaultdict(set)    # peer-windows partition -> jobs judged from it
     watermarks: dict[int, float] = {}                    # event clock: partition -> newest sample time
     checked: dict[int, int] = {}                         # event clock: partition -> second last checked
     positions: dict[int, int] = {}                       # event clock: partition -> offset last processed
@@ -98,9 +115,10 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             headers = signer.headers(contracts.FAULTS, key, value) if signer else None
             await faults.send(key=key, value=value, headers=headers)
 
-    async def reject(raw: Any, key: bytes | None, reason: str, partition: int, offset: int) -> None:
-        log.warning("dead-lettered %s partition %d offset %d: %s", contracts.METRICS, partition, offset, reason)
-        letter = contracts.DeadLetter.of(raw if isinstance(raw, bytes) else None, topic=contracts.METRICS,
+    async def reject(raw: Any, key: bytes | None, reason: str, partition: int, offset: int,
+                     topic: str = contracts.METRICS) -> None:
+        log.warning("dead-lettered %s partition %d offset %d: %s", topic, partition, offset, reason)
+        letter = contracts.DeadLetter.of(raw if isinstance(raw, bytes) else None, topic=topic,
                                          reason=reason, component="tee", partition=partition, offset=offset)
         await deadletter.send(key=key, value=contracts.encode(letter))
 
@@ -140,6 +158,29 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                     await reject(event.value, event.key, reason, msg.partition, msg.offset)
                 elif found:
                     await emit(found)
+            for w in engine.windows():    # the node windows the list closed, to the worker of their job
+                await peer_windows.send(key=w.job.encode(), value=contracts.encode(w))
+
+    @app.agent(peer_windows, name="tee-peers")
+    async def tee_peers(stream):
+        async for events in stream.take_events(TAKE, within=TAKE_WITHIN):
+            for event in events:
+                msg = event.message
+                try:
+                    w = contracts.decode(contracts.PEER_WINDOWS, event.value)
+                except contracts.ContractError as err:
+                    await reject(event.value, event.key, str(err), msg.partition, msg.offset, contracts.PEER_WINDOWS)
+                    continue
+                jobs_of[msg.partition].add(w.job)
+                try:
+                    found = engine.peer_window(w, now=w.closed_ts if event_clock else None)
+                except Exception as exc:   # a detector bug must not stop the stream: keep the input
+                    log.exception("the peers detector failed on a window of %s (job %s)", w.node, w.job)
+                    await reject(event.value, event.key, f"tee failed to judge the window: {exc!r}", msg.partition,
+                                 msg.offset, contracts.PEER_WINDOWS)
+                    continue
+                if found:
+                    await emit(found)
 
     @app.timer(1.0)
     async def heartbeats():
@@ -154,11 +195,15 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 watermarks.pop(tp.partition, None)
                 positions.pop(tp.partition, None)
                 checked.pop(tp.partition, None)
+            elif tp.topic == contracts.PEER_WINDOWS:
+                engine.forget_jobs(jobs_of.pop(tp.partition, ()))
 
     @app.on_partitions_assigned.connect
     async def on_assigned(sender, assigned, **_):
         mine = sorted(tp.partition for tp in assigned if tp.topic == contracts.METRICS)
-        log.info("TEE assigned %s partitions %s", contracts.METRICS, mine)
+        jobs = sorted(tp.partition for tp in assigned if tp.topic == contracts.PEER_WINDOWS)
+        log.info("TEE assigned %s partitions %s, %s partitions %s", contracts.METRICS, mine, contracts.PEER_WINDOWS,
+                 jobs)
 
     return app
 
@@ -170,7 +215,7 @@ class _BoundedWorker(BoundedWorker):
 def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None) -> int:
     """Run one TEE worker in this process until SIGINT/SIGTERM; return its exit status."""
     loop = new_event_loop("TEE")   # a bad TRANSOM_EVENT_LOOP stops here, before anything starts
-    engine = TEEEngine(config)   # builds the detectors (imports pyod) before joining the group
+    engine = TEEEngine(config, split_peers=True)   # builds the detectors (imports pyod) before joining the group
     restored = engine.restore(emitted_faults(bootstrap))   # a predecessor's faults are not sent again
     with tempfile.TemporaryDirectory(prefix="transom-tee-") as tmp:
         app = make_app(bootstrap, engine, datadir=datadir or tmp)
@@ -187,6 +232,7 @@ def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None)
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         else:
             code = 0
-        log.info("TEE stopped (%d batches, %d faults, %d repeats dropped)", engine.counts["batches"],
-                 engine.counts["faults"], engine.counts["repeats"])
+        log.info("TEE stopped (%d batches, %d faults, %d repeats dropped, %d peer windows too late for their "
+                 "job's)", engine.counts["batches"], engine.counts["faults"], engine.counts["repeats"],
+                 engine.job_windows.late if engine.job_windows is not None else 0)
         return code

@@ -17,12 +17,29 @@ __all__ = ["TEEConfig"]
 
 @dataclass(frozen=True)
 class TEEConfig:
-    #: A live rank whose step has not advanced for longer than
-    #: ``max(hang_timeout, hang_step_factor * median recent step_time)`` seconds of sample time
-    #: is hung.
+    #: Step limit: a rank whose step has not advanced for longer than
+    #: ``max(hang_timeout, hang_step_factor * median recent step_time)`` seconds of sample time is
+    #: hung when something shows it is the one stuck (its heartbeat stopped, the kernel says it is
+    #: stopped, its peers stepped on without it, or its GPUs idle while its peers' spin); see
+    #: :mod:`.hangs`. A job that stands still as a whole is paused, up to the pause limit below.
     hang_timeout: float = 10.0
     #: How many median step times without progress count as a hang (slow steps need more slack).
     hang_step_factor: float = 5.0
+    #: A rank heard from by nothing (no report, no heartbeat) for this long is stuck (x4 in a
+    #: declared phase, where a long C call may hold the GIL).
+    hang_stale_s: float = 5.0
+    #: Pause limit: a job standing still as a whole with no rank standing out is paused for up to
+    #: ``max(hang_pause_floor_s, hang_pause_margin * the longest pause it survived)`` seconds ...
+    hang_pause_floor_s: float = 180.0
+    hang_pause_margin: float = 1.5
+    #: ... or, while a rank declares a phase (``report(phase=...)``), that phase's ceiling
+    #: (``default`` for phases not named). A mapping in YAML, pairs here.
+    hang_phase_ceilings: tuple = (("checkpoint", 900.0), ("eval", 3600.0), ("data", 900.0), ("compile", 1800.0),
+                                  ("startup", 1200.0), ("restore", 1200.0), ("default", 900.0))
+    #: GPU utilisation (mean of a node's GPUs, %) at or above which a node's GPUs spin (ranks
+    #: waiting in a collective), and at or below which they idle.
+    hang_busy_util: float = 85.0
+    hang_idle_util: float = 30.0
     #: A node from which nothing has arrived for this long (the TEE's own clock, so skewed node
     #: clocks do not matter) is lost.
     heartbeat_timeout: float = 6.0
@@ -46,8 +63,14 @@ class TEEConfig:
     ecod_contamination: float = 0.005
     #: Soft-fault detectors the engine runs: "peers" (per-window, each GPU against its own history and
     #: each node against its job's peers, :mod:`.peers`) and/or "ecod" (per-sample ECOD over a node's
-    #: own mean GPU vector, :mod:`.detectors`).
+    #: own mean GPU vector, :mod:`.detectors`) and/or "temporal" (the scorer bench/tee_external grades, per
+    #: node against its own history, :mod:`.temporal`).
     soft_detectors: tuple = ("peers",)
+    #: Temporal detector (``soft_detectors`` "temporal", :mod:`.temporal`): rows of a node's history
+    #: before its scorer is fitted, rows scored together, and scores in a row over the threshold per fault.
+    temporal_history: int = 600
+    temporal_every: int = 10
+    temporal_consecutive: int = 5
     #: pyod model of the peers detector, per fault family: ecod, copod, iforest, hbos, lof or combo.
     soft_detector: str = "ecod"
     #: Seconds (sample time) of one soft-detection window.
@@ -72,6 +95,11 @@ class TEEConfig:
     #: suggested action evict (the controller replaces it when it has a spare); a smaller drop is a
     #: WARNING to observe.
     straggler_evict_drop: float = 0.2
+    #: TEE workers: a job's window is judged once every node of the job sent it, or once another node of
+    #: the job is this many windows further (a node gone silent is not waited for longer); see
+    #: :mod:`.jobwindows`. 0: 3 windows on the wall clock; 60 on the event clock, where a replay read at
+    #: full speed puts partitions minutes of sample time apart (one fetch holds hundreds of batches).
+    soft_peer_wait: int = 0
     #: Anomalous windows in a row before a soft fault.
     soft_consecutive: int = 2
     #: Clean windows in a row after a soft fault before its resolution event.
@@ -88,11 +116,21 @@ class TEEConfig:
     dedup_capacity: int = 100_000
 
     def __post_init__(self) -> None:
-        for f in ("hang_timeout", "hang_step_factor", "heartbeat_timeout", "heartbeat_horizon"):
+        ceilings = self.hang_phase_ceilings
+        pairs = tuple(ceilings.items()) if isinstance(ceilings, Mapping) else tuple(tuple(p) for p in ceilings)
+        for pair in pairs:
+            if (len(pair) != 2 or not isinstance(pair[0], str) or isinstance(pair[1], bool)
+                    or not isinstance(pair[1], (int, float)) or not pair[1] > 0):
+                raise ConfigError(f"TEE setting hang_phase_ceilings={ceilings!r}: expected phase names with a "
+                                  "positive number of seconds each")
+        object.__setattr__(self, "hang_phase_ceilings", pairs)
+        for f in ("hang_timeout", "hang_step_factor", "heartbeat_timeout", "heartbeat_horizon", "hang_stale_s",
+                  "hang_pause_floor_s", "hang_pause_margin", "hang_busy_util", "hang_idle_util"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive number of seconds")
-        for f in ("ecod_min_samples", "ecod_window", "ecod_refit_every", "ecod_consecutive", "dedup_capacity"):
+        for f in ("ecod_min_samples", "ecod_window", "ecod_refit_every", "ecod_consecutive", "dedup_capacity",
+                  "temporal_history", "temporal_every", "temporal_consecutive"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")
@@ -106,6 +144,9 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")
+        if isinstance(self.soft_peer_wait, bool) or not isinstance(self.soft_peer_wait, int) or self.soft_peer_wait < 0:
+            raise ConfigError(f"TEE setting soft_peer_wait={self.soft_peer_wait!r}: expected an integer >= 0 "
+                              "(0: automatic)")
         for f in ("soft_cold_z", "straggler_evict_drop"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -115,9 +156,9 @@ class TEEConfig:
         if self.soft_detector not in ("ecod", "copod", "iforest", "hbos", "lof", "combo"):
             raise ConfigError(f"TEE setting soft_detector={self.soft_detector!r}: expected one of ecod, copod, "
                               "iforest, hbos, lof, combo")
-        if isinstance(self.soft_detectors, str) or not set(self.soft_detectors) <= {"peers", "ecod"}:
+        if isinstance(self.soft_detectors, str) or not set(self.soft_detectors) <= {"peers", "ecod", "temporal"}:
             raise ConfigError(f"TEE setting soft_detectors={self.soft_detectors!r}: expected a list of "
-                              "'peers' and/or 'ecod'")
+                              "'peers', 'ecod' and/or 'temporal'")
         object.__setattr__(self, "soft_detectors", tuple(self.soft_detectors))
         if not 0.5 < self.soft_quantile < 1:
             raise ConfigError(f"TEE setting soft_quantile={self.soft_quantile!r}: expected a share between 0.5 and 1")

@@ -9,9 +9,22 @@ Contract::
         ...
 
 The same spec gives the same batches and labels in any process (everything is drawn from ``seed``).
-Nodes form data-parallel jobs of ``job_size`` nodes, 8 GPUs each; values move like a busy H100
-node (as :mod:`transom.agents.simulated`, same DCGM field names), plus job-wide phases (every
-node of a job pauses for a checkpoint now and then), which a detector must not take for a fault.
+Nodes form synchronous data-parallel jobs of ``job_size`` nodes, 8 GPUs each; values move like a
+busy H100 node (as :mod:`transom.agents.simulated`, same DCGM field names), with the ordinary life
+of a real job (``ordinary``, :attr:`Corpus.ordinary` lists it), which a detector must not take for
+a fault:
+
+- job-wide synchronous checkpoints every ``checkpoint_every_s`` (15 s, no step progress, GPUs idle)
+  and other job-wide pauses of 10-120 s (evaluation without a phase marker, a data reload);
+- evaluation phases (60-300 s: slower steps, utilisation about 65 %; half declare ``phase=eval``);
+- slow first steps: 20-90 s without a step at the start and after a restore, then slower steps;
+- one-node data-loader hiccups (1-3 s: that node idles, the job stands still with it);
+- single-bit ECC ticks (``ECC_SBE_VOL_TOTAL`` rises by one now and then).
+
+Faults act on the whole job where a real one would: a hang freezes every rank's step (the hung
+node's GPUs idle, the waiting ranks' spin at 100 % at low power, and its rank's heartbeat stops);
+a straggler, power cap or hot node slows the whole job (its peers' utilisation falls as they wait).
+Half of the jobs come from agents that report ``heartbeat_age_s``, half from ones that do not.
 
 The fault mix follows the real GPU-cluster trace in ``shared/data/infinitehbd_faults``
 (:func:`trace_mix`): each trace description maps onto a :class:`FaultClass`; every class gets at
@@ -27,6 +40,7 @@ Command: ``python -m transom.streams.corpus --help`` writes a corpus as JSON lin
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import os
@@ -42,7 +56,7 @@ from transom.contracts import DCGM, SCHEMA_VERSION, MetricBatch
 
 from .classes import FaultClass
 
-__all__ = ["CorpusSpec", "Injection", "Corpus", "trace_mix", "SEVERITIES", "NIC_FIELDS", "REASON_SW_POWER",
+__all__ = ["CorpusSpec", "Injection", "Ordinary", "Corpus", "trace_mix", "SEVERITIES", "NIC_FIELDS", "REASON_SW_POWER",
            "REASON_THERMAL", "main"]
 
 CLOCKS_EVENT_REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
@@ -145,6 +159,7 @@ class CorpusSpec:
     seconds_per_trace_day: float = 240.0
     checkpoint_every_s: float = 900.0  # job-wide pauses: every node of a job idles together
     trace: str | None = None
+    ordinary: bool = True              # ordinary life (pauses, evals, slow starts, hiccups, SBE ticks)
 
 
 @dataclass(frozen=True)
@@ -162,6 +177,20 @@ class Injection:
         d["cls"] = self.cls.value
         return d
 
+
+@dataclass(frozen=True)
+class Ordinary:
+    """One ordinary event (not a fault): ``node`` None for the whole ``job``."""
+
+    kind: str          # startup, pause, eval, restore (job-wide); hiccup, sbe (one node)
+    job: str
+    node: str | None
+    start: float
+    end: float
+    phase: str = ""    # the phase the ranks declare ("" = none)
+
+
+_JOB_WIDE = frozenset({"startup", "pause", "eval", "restore"})
 
 T0 = 1_750_000_000.0
 
@@ -181,7 +210,11 @@ class Corpus:
         self.duration = int(spec.hours * 3600)
         self.node_ids = [f"n{spec.seed:03d}-{i:04d}" for i in range(spec.nodes)]
         self.job_of = {n: f"job{spec.seed:03d}-{i // spec.job_size:03d}" for i, n in enumerate(self.node_ids)}
+        self.nodes_of: dict[str, list[str]] = {}
+        for n in self.node_ids:
+            self.nodes_of.setdefault(self.job_of[n], []).append(n)
         self.shares, self.durations, self.trace_summary = trace_mix(spec.trace)
+        self.ordinary = self._ordinary() if spec.ordinary else []
         self.injections = self._schedule()
 
     # ------------------------------------------------------------------ schedule
@@ -194,6 +227,10 @@ class Corpus:
         todo = [c for c in classes for _ in range(want[c])]
         rng.shuffle(todo)
         busy: dict[str, list[tuple[float, float]]] = {n: [] for n in self.node_ids}
+        for o in self.ordinary:          # faults keep clear of the job-wide ordinary events (clean labels)
+            if o.kind in _JOB_WIDE:
+                for node in self.nodes_of[o.job]:
+                    busy[node].append((o.start - self.t0, o.end - self.t0))
         out: list[Injection] = []
         for cls in todo:
             lo, hi = _DURATION[cls]
@@ -212,6 +249,31 @@ class Corpus:
             out.append(Injection(node, cls, self.t0 + round(start), self.t0 + round(end), sev,
                                  gpu=int(rng.integers(s.gpus)), detail={"level": float(SEVERITIES[cls][sev - 1])}))
         out.sort(key=lambda i: i.start)
+        return out
+
+    def _ordinary(self) -> list["Ordinary"]:
+        """Ordinary events of every job and node, drawn from the seed (see the module docstring)."""
+        s = self.spec
+        rng = np.random.default_rng([s.seed, 4])
+        out: list[Ordinary] = []
+        hours = s.hours
+        for job in sorted(self.nodes_of):
+            first = float(rng.uniform(20, 90))
+            out.append(Ordinary("startup", job, None, self.t0, self.t0 + round(first)))
+            for kind, per_hour, lo, hi in (("pause", 1.0, 10, 120), ("eval", 0.7, 60, 300), ("restore", 0.3, 20, 90)):
+                for _ in range(int(rng.poisson(per_hour * hours))):
+                    dur = float(rng.uniform(lo, hi))
+                    start = float(rng.uniform(s.warmup_s, max(s.warmup_s + 1, self.duration - dur)))
+                    declared = kind == "eval" and bool(rng.random() < 0.5)
+                    out.append(Ordinary(kind, job, None, self.t0 + round(start), self.t0 + round(start + dur),
+                                        phase="eval" if declared else ""))
+        for node in self.node_ids:
+            for kind, per_hour, lo, hi in (("hiccup", 6.0, 1, 3), ("sbe", 2.0, 1, 1)):
+                for _ in range(int(rng.poisson(per_hour * hours))):
+                    start = float(rng.uniform(0, self.duration - 5))
+                    out.append(Ordinary(kind, self.job_of[node], node, self.t0 + round(start),
+                                        self.t0 + round(start) + int(rng.integers(lo, hi + 1))))
+        out.sort(key=lambda o: (o.start, o.job, o.node or ""))
         return out
 
     # ------------------------------------------------------------------ batches
@@ -245,6 +307,8 @@ class Corpus:
         live: list[Injection] = []
         k = 0
         index = {nid: i for i, nid in enumerate(self.node_ids)}
+        tl = self._timeline(phase, index)
+        beats = {j: k % 2 == 0 for k, j in enumerate(sorted(self.nodes_of))}   # agents that report heartbeats
         for t in range(start_s, stop_s):
             ts = self.t0 + t
             rng = np.random.default_rng([s.seed, 3, t])
@@ -254,9 +318,22 @@ class Corpus:
             temp_add = temp_off + rng.normal(0, 0.7, (n, g))
             bw = 4e10 * (1 + rng.normal(0, 0.02, (n, 2)))
             for i, node in enumerate(self.node_ids):
-                job = self.job_of[node]
-                if (t + phase[job]) % s.checkpoint_every_s < 15:   # job-wide checkpoint pause
-                    util[i] *= 0.1
+                j = tl[self.job_of[node]]
+                nu = j["node_util"].get(i)
+                f = j["util_l"][t] * (nu[t] if nu is not None else 1.0)
+                hung, slow = j["hung_l"][t], j["slow_l"][t]
+                if hung >= 0:               # a hang: the waiting ranks spin in the collective, the hung one idles
+                    util[i] = 0.0 if i == hung else 100.0
+                    power[i] = 90.0 if i == hung else 150.0
+                    continue
+                if slow >= 0:               # every GPU but the slow one waits for it at the all-reduce
+                    f2 = np.full(g, f * j["wait"][t])
+                    if i == slow:
+                        f2[int(j["slow_gpu"][t])] = f
+                    util[i] = util[i] * f2
+                    power[i] = 90.0 + util[i] / 100.0 * 480.0
+                elif f != 1.0:
+                    util[i] = util[i] * f
                     power[i] = 90.0 + util[i] / 100.0 * 480.0
             while k < len(pending) and pending[k].start <= ts:
                 live.append(pending[k])
@@ -279,6 +356,8 @@ class Corpus:
                     continue
                 job = self.job_of[node]
                 samples = []
+                sbe = tl[job]["sbe"].get(i)
+                sbe = float(bisect.bisect_right(sbe, t)) if sbe is not None else 0.0
                 for gi in range(g):
                     if e.get("lost") == gi:
                         samples.append(_sample("gpu", {DCGM.GPU_LOST: 1.0}, gi))
@@ -287,6 +366,7 @@ class Corpus:
                             DCGM.GPU_UTIL: U[i][gi], DCGM.GPU_TEMP: T[i][gi], DCGM.POWER_USAGE: P[i][gi],
                             DCGM.SM_CLOCK: float(S[i][gi]), DCGM.FB_USED: 71000.0, CLOCKS_EVENT_REASONS: R[i][gi],
                             DCGM.ECC_DBE_VOL_TOTAL: e.get("dbe", {}).get(gi, 0.0),
+                            DCGM.ECC_SBE_VOL_TOTAL: sbe if gi == 0 else 0.0,
                             ROW_REMAP_FAILURE: e.get("remap", {}).get(gi, 0.0)}, gi))
                 for gi, code in e.get("xid", {}).items():
                     samples.append(_sample("gpu", {DCGM.XID_ERRORS: code}, gi, ts=ts - 0.3))
@@ -300,13 +380,67 @@ class Corpus:
                         "port_rcv_bytes_per_s": B[i][p] * up, "link_downed": 0.0},
                         1, tags={"device": f"mlx5_{p}", "port": "1", "kind": "ib"}))
                 st = step_time[job]
-                step = int((e["frozen"] if "frozen" in e else t) / st)
-                samples.append(_sample("train", {"step": float(step), "step_time": st, "loss": 2.0, "alive": 1.0,
-                                                 "loss_nonfinite": 1.0 if e.get("nan") else 0.0},
-                                       0, tags={"job": job, "generation": "0"}))
+                j = tl[job]
+                rate = j["rate_l"][t]
+                step = int(j["progress_l"][t] / st)
+                fields = {"step": float(step), "step_time": round(st / rate, 3) if rate > 0.05 else st, "loss": 2.0,
+                          "alive": 1.0, "loss_nonfinite": 1.0 if e.get("nan") else 0.0}
+                if beats[job]:
+                    fields["heartbeat_age_s"] = float(ts - e["hung_since"]) if "hung_since" in e else 0.1 * (1 + t % 7)
+                tags = {"job": job, "generation": "0"}
+                if j["declared_l"][t]:
+                    tags["phase"] = "eval"
+                samples.append(_sample("train", fields, 0, tags=tags))
                 samples.append(_sample("host", {"cpu_percent": 30.0}))
                 yield {"node": node, "ts": ts, "seq": seqs[node], "samples": samples, "job": job, "v": SCHEMA_VERSION}
                 seqs[node] += 1
+
+    def _timeline(self, phase: Mapping[str, float], index: Mapping[str, int]) -> dict[str, dict]:
+        """Per job and second: step rate and progress, utilisation factors, the hung and the slow node."""
+        s, D = self.spec, self.duration
+        sec = np.arange(D)
+        out: dict[str, dict] = {}
+        for job in self.nodes_of:
+            ck = (sec + phase[job]) % s.checkpoint_every_s < 15        # synchronous checkpoints
+            j = {"rate": np.where(ck, 0.0, 1.0), "util": np.where(ck, 0.1, 1.0), "declared": np.zeros(D, bool),
+                 "hung": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
+                 "node_util": {}, "sbe": {}}
+            out[job] = j
+        for o in self.ordinary:
+            j = out[o.job]
+            a, b = int(o.start - self.t0), min(D, int(o.end - self.t0))
+            if o.kind == "pause":
+                j["rate"][a:b], j["util"][a:b] = 0.0, 0.03
+            elif o.kind in ("startup", "restore"):
+                j["rate"][a:b], j["util"][a:b] = 0.0, 0.15
+                j["rate"][b:b + 60] = np.minimum(j["rate"][b:b + 60], 1 / 1.5)   # slow first steps
+            elif o.kind == "eval":
+                j["rate"][a:b] = np.minimum(j["rate"][a:b], 1 / 1.6)
+                j["util"][a:b] = np.minimum(j["util"][a:b], 0.68)
+                j["declared"][a:b] = bool(o.phase)
+            elif o.kind == "hiccup":
+                j["rate"][a:b] = 0.0
+                j["node_util"].setdefault(index[o.node], np.ones(D))[a:b] = 0.1
+            elif o.kind == "sbe":
+                j["sbe"].setdefault(index[o.node], []).append(a)
+        for inj in self.injections:
+            j = out[self.job_of[inj.node]]
+            a, b = int(inj.start - self.t0), min(D, int(inj.end - self.t0))
+            lvl = inj.detail["level"]
+            if inj.cls is FaultClass.HANG:
+                j["rate"][a:b], j["hung"][a:b] = 0.0, index[inj.node]
+            elif inj.cls in (FaultClass.STRAGGLER, FaultClass.POWER_CAP, FaultClass.THERMAL):
+                f = {FaultClass.STRAGGLER: lvl, FaultClass.POWER_CAP: 0.5 + 0.5 * lvl,
+                     FaultClass.THERMAL: 1 - 0.012 * lvl}[inj.cls]
+                j["rate"][a:b] *= f
+                j["wait"][a:b] = np.minimum(j["wait"][a:b], f)
+                j["slow"][a:b], j["slow_gpu"][a:b] = index[inj.node], inj.gpu
+        for j in out.values():
+            j["progress"] = np.concatenate([[0.0], np.cumsum(j["rate"])])[:D]
+            j["sbe"] = {i: sorted(v) for i, v in j["sbe"].items()}
+            for k in ("rate", "progress", "util", "hung", "slow", "declared"):   # plain lists: fast per-second reads
+                j[k + "_l"] = j[k].tolist()
+        return out
 
     def _apply(self, inj: Injection, i: int, ts: float, util, power, sm, temp_add, reasons, bw, e: dict) -> None:
         """Apply one live injection to node ``i``'s arrays (and its effects dict ``e``)."""
@@ -348,9 +482,7 @@ class Corpus:
             if since < 60.0 and since % period < 1.0:
                 e.setdefault("down", set()).add(gpu % 2)
         elif c is FaultClass.HANG:
-            e["frozen"] = inj.start - self.t0
-            util[i, :] = 100.0
-            power[i, :] = 150.0
+            e["hung_since"] = inj.start       # its heartbeat stops; the job-wide effects are in _timeline
         elif c is FaultClass.NAN_LOSS:
             e["nan"] = True
 

@@ -9,6 +9,14 @@ Contract::
     engine.flush(now) -> list[FaultEvent]          # decide soft windows still open (end of a replay)
     engine.restore(faults, now) -> int             # what an earlier worker already emitted (on start)
 
+Split peers (``split_peers=True``, the TEE workers): the peers detector's closed windows are not
+decided in ``process`` but collected as summaries; ``windows()`` hands them out (for the job's
+worker, through ``transom.peer-windows``) and ``peer_window(summary)`` is that worker's side: it
+holds a job's summaries until the job's window is complete (:mod:`.jobwindows`) and decides them
+with a detector of the job's own (its models fitted on that job's clean history), so that what is
+decided for a job does not depend on which other jobs share its worker, nor on how many workers
+there are.
+
 Merging: a fault of the same class (``evidence["class"]``) on the same node and device (GPU, port)
 whose trigger lies within ``cooldown_s`` (sample time) of the last one is merged into it (counted in
 ``counts["merged"]``, not emitted), so an XID 48 and the DBE counter that moves with it, or a
@@ -35,20 +43,23 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Callable, Iterable, Mapping
 
-from transom.contracts import FaultEvent, MetricBatch
+from transom.contracts import FaultEvent, MetricBatch, PeerWindow
 from transom.log import get
 
 from .config import TEEConfig
 from .classes import HARD
-from .rules import (EccRule, GpuLostRule, HangRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule,
-                    Rule, XidRule)
+from .hangs import HangDetector
+from .rules import (EccRule, GpuLostRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule, Rule,
+                    XidRule)
 
 __all__ = ["TEEEngine"]
 
-#: Classes whose rules already report once per condition (a new condition is a new fault).
-_ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost"})
+#: Classes whose rules already report once per condition (a new condition is a new fault: a second
+#: NaN after a finite loss, a link that flaps again after a quiet window, goes down again after it came up).
+_ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost", "link_flap", "link_down"})
 
 log = get("tee")
 
@@ -57,12 +68,12 @@ class TEEEngine:
     """Hard-fault rules and soft-fault detectors over each node's window."""
 
     def __init__(self, config: TEEConfig | None = None, *, clock: Callable[[], float] = time.time,
-                 anomaly: bool = True) -> None:
+                 anomaly: bool = True, split_peers: bool = False) -> None:
         self.config = config or TEEConfig()
         self.clock = clock
-        self.rules: list[Rule] = [XidRule(), GpuLostRule(), NanLossRule(), HangRule(self.config), EccRule(),
+        self._hang = HangDetector(self.config)
+        self.rules: list[Rule] = [XidRule(), GpuLostRule(), NanLossRule(), self._hang, EccRule(),
                                   RowRemapRule(), LinkRule(self.config)]
-        self._hang = self.rules[3]
         self.peers = None
         if anomaly and "ecod" in self.config.soft_detectors:
             from .detectors import GpuAnomalyDetector
@@ -71,6 +82,16 @@ class TEEEngine:
             from .peers import PeerDetector
             self.peers = PeerDetector(self.config)
             self.rules.append(self.peers)
+        if anomaly and "temporal" in self.config.soft_detectors:
+            from .temporal import TemporalDetector
+            self.rules.append(TemporalDetector(self.config))
+        self.job_windows = None
+        self._job_peers: dict[str, object] = {}         # split peers, job side: job -> its PeerDetector
+        if self.peers is not None and split_peers:
+            from .jobwindows import JobWindows
+            self.peers.outbox = []
+            wait = self.config.soft_peer_wait or (60 if self.config.clock == "event" else 3)
+            self.job_windows = JobWindows(wait)
         self.heartbeat = HeartbeatRule(self.config)
         self._nodes: dict[str, NodeState] = {}
         self._emitted: OrderedDict[str, None] = OrderedDict()
@@ -103,12 +124,48 @@ class TEEEngine:
             self._hard_at[batch.node] = batch.ts    # soft symptoms of an ongoing hard fault are explained
         return self._new(found)
 
+    def windows(self) -> list[PeerWindow]:
+        """Split peers, node side: the windows closed since the last call, each with its node's last
+        hard-fault trigger (the job's worker cannot see the node's hard faults otherwise)."""
+        if self.peers is None or not self.peers.outbox:
+            return []
+        out = [replace(w, hard_ts=self._hard_at.get(w.node)) for w in self.peers.outbox]
+        self.peers.outbox.clear()
+        return out
+
+    def peer_window(self, w: PeerWindow, now: float | None = None) -> list[FaultEvent]:
+        """Split peers, job side: take one node's window summary; return the faults of the job's windows
+        it completed."""
+        if self.job_windows is None:
+            return []
+        now = self.clock() if now is None else now
+        found: list[FaultEvent] = []
+        for r in self.job_windows.add(w):
+            if r.hard_ts is not None:
+                self._hard_at[r.node] = max(self._hard_at.get(r.node, r.hard_ts), r.hard_ts)
+            found += self._peers_of(r.job).take(r, now)
+        return self._new(found)
+
+    def _peers_of(self, job: str):
+        detector = self._job_peers.get(job)
+        if detector is None:
+            detector = self._job_peers[job] = type(self.peers)(self.config)
+        return detector
+
+    def forget_jobs(self, jobs: Iterable[str]) -> None:
+        """Split peers, job side: these jobs' windows are another worker's now."""
+        if self.job_windows is not None:
+            jobs = list(jobs)
+            self.job_windows.forget(jobs)
+            for job in jobs:
+                self._job_peers.pop(job, None)
+
     def _hard_ongoing(self, state: NodeState, ts: float) -> bool:
         if state.node not in self._hard_at:
             return False
         if any(getattr(link, "reported_down", False) for link in state.links.values()):
             return True
-        return any(ts - p.since > self._hang.limit(p) for p in state.ranks.values())
+        return self._hang.ongoing(state.node, ts)
 
     def _explained(self, f: FaultEvent) -> bool:
         """Whether soft fault ``f`` is a symptom of the node's last hard fault: its anomaly began while
@@ -133,7 +190,14 @@ class TEEEngine:
         """Decide the soft-detection windows still waiting for peers."""
         if self.peers is None:
             return []
-        return self._new(self.peers.flush(self.clock() if now is None else now))
+        now = self.clock() if now is None else now
+        found: list[FaultEvent] = []
+        if self.job_windows is not None:
+            for r in self.job_windows.flush():
+                found += self._peers_of(r.job).take(r, now)
+            for detector in self._job_peers.values():
+                found += detector.flush(now)
+        return self._new(found + self.peers.flush(now))
 
     def restore(self, faults: Iterable[FaultEvent], now: float | None = None) -> int:
         """Remember ``faults`` as already emitted (by an earlier worker); return how many were taken.

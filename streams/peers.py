@@ -28,10 +28,31 @@ clean median, so that a detector fitted on very quiet history does not fire on n
 Cold start: until the models are fitted (``soft_min_history`` clean vectors per family, minutes of
 a fresh TEE), a node of a job with at least 3 nodes reporting the same window is anomalous when a
 family feature lies ``soft_cold_z`` noise floors off the job's median (detector ``peers.cold``), so
-a blatant straggler in a job's first minutes is not left running. And at any time, in such a job, a
+a blatant straggler in a job's first minutes is not left running; once fitted, a family feature that
+far off is anomalous even when the joint model scores the vector under its threshold (``peers.z``). And at any time, in such a job, a
 GPU whose SM clock is ``straggler_evict_drop`` or more below the job's median is anomalous whatever
 the model says (detector ``peers.rule``): a model refitted on history that already holds slow
 windows can learn to accept them.
+A window in which the node's training step did not move (a checkpoint, a pause, a hang) is neither
+judged nor added to the baselines: soft faults are slowdowns of a running job, and a long pause
+would otherwise teach the baselines idle temperatures and power.
+
+Waiting is not a cause: in a synchronous job one slow node makes every other node idle at the
+all-reduce, so their utilisation (and power) fall while their clocks hold. A hit on a node whose
+utilisation fell 10 % or more below its own baseline while its SM clock did not (and, for the NIC
+family, without NIC errors of its own) is dropped (``waiting`` counts them): it suffers the slowdown.
+The node that causes it is the one of a job of 3+ whose GPUs keep their utilisation while two
+thirds or more of the others' fall 15 % or more (detector ``peers.wait``): a straggler at full
+clocks, reported as a WARNING to observe (work that only rank 0 does looks the same). A waiting
+node's windows do not enter its baselines (for up to 15 minutes; longer, it is the new normal), so
+that when the job speeds up again its temperatures and power are not taken for a rise.
+Where the detector runs: fed directly (one process, the offline bench), every window is decided
+here. In the TEE workers (:mod:`.app`) a job's nodes are spread over the workers by node, so the
+detector is split: the worker reading a node's metrics builds its windows and, with ``outbox`` set
+(a list), puts each closed one there as a :class:`~transom.contracts.PeerWindow` summary (medians,
+reasons, error rate: what the features are made of) instead of deciding it; the worker that owns the
+job (``transom.peer-windows`` is keyed by job) feeds the summaries to :meth:`PeerDetector.take`,
+which keeps the per-node baselines and runs and decides exactly as here.
 ``soft_consecutive`` anomalous windows make a fault; ``soft_clear`` clean windows after it make a
 resolution event (``resolved=True``, same fault id). The class comes from the evidence: NIC
 features -> link_degraded; a hot GPU -> thermal; a slow GPU whose clock-event reasons show a power
@@ -49,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from transom.contracts import DCGM, Action, FaultEvent, MetricBatch, Severity, Source, stable_id
+from transom.contracts import DCGM, Action, FaultEvent, MetricBatch, PeerWindow, Severity, Source, stable_id
 
 from .classes import KIND_OF, FaultClass
 from .config import TEEConfig
@@ -65,6 +86,9 @@ _REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
 _POWER_CAP_BITS = 0x4 | 0x8 | 0x100
 _THERMAL_BITS = 0x20 | 0x40          # SW and HW thermal slowdown
 _CLOCK = 1                           # FEATURES.index("clock_drop")
+_WAIT_UTIL = 0.1                     # a utilisation drop of this share (of its own baseline) is waiting
+_WAIT_PEERS = 0.15                   # peers whose utilisation fell this much wait for the one that did not
+_WAIT_LEARN = 90                     # windows of waiting (15 min at 10 s) before they become the baseline
 
 
 def _median(values) -> float:
@@ -119,8 +143,29 @@ class _Window:
     reasons: dict = field(default_factory=lambda: defaultdict(int))
     nic_err: list = field(default_factory=list)
     nic_bw: dict = field(default_factory=lambda: defaultdict(list))
+    steps: list = field(default_factory=list)      # training steps seen (none: no training reports)
     first_ts: float = 0.0
     last_ts: float = 0.0
+
+    def summary(self, node: str, job: str, now: float) -> PeerWindow:
+        """What the features of this window are made of (medians, reasons, mean error rate)."""
+        return PeerWindow(node=node, job=job, index=self.index, first_ts=self.first_ts, last_ts=self.last_ts,
+                          closed_ts=now, gpu={str(gi): {k: _median(v) for k, v in f.items()}
+                                              for gi, f in self.gpu.items()},
+                          reasons={str(gi): r for gi, r in self.reasons.items()},
+                          nic_err=sum(self.nic_err) / len(self.nic_err) if self.nic_err else None,
+                          nic_bw={dev: _median(v) for dev, v in self.nic_bw.items()})
+
+    @classmethod
+    def of(cls, w: PeerWindow) -> "_Window":
+        """The window a summary stands for (each median as its one value: the features come out the same)."""
+        win = cls(index=w.index, first_ts=w.first_ts, last_ts=w.last_ts)
+        for gi, f in w.gpu.items():
+            win.gpu[int(gi)].update({k: [v] for k, v in f.items()})
+        win.reasons.update({int(gi): r for gi, r in w.reasons.items()})
+        win.nic_err = [] if w.nic_err is None else [w.nic_err]
+        win.nic_bw.update({dev: [v] for dev, v in w.nic_bw.items()})
+        return win
 
 
 @dataclass
@@ -132,6 +177,7 @@ class _NodeSoft:
     clean: int = 0
     open_fault: FaultEvent | None = None
     last_features: np.ndarray | None = None
+    waited: int = 0                  # windows in a row not learned because the node waited
 
 
 class PeerDetector:
@@ -148,7 +194,11 @@ class PeerDetector:
         self.center = np.zeros(len(FEATURES))
         self.spread = _FLOOR.copy()
         self.since_fit = 10**9
+        self.waiting = 0               # hits dropped: the node only waited on a slow peer
         self.pending: dict[tuple[str, int], dict[str, tuple]] = defaultdict(dict)   # (job, window) -> node -> ...
+        #: Node side of a split detector: closed windows go here as summaries instead of being decided.
+        self.outbox: list[PeerWindow] | None = None
+        self.remote: dict[str, NodeState] = {}      # job side: node -> its soft state (baselines, runs)
 
     # ------------------------------------------------------------------ feed
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
@@ -160,7 +210,11 @@ class PeerDetector:
         out: list[FaultEvent] = []
         if ns.window.index != index:
             if ns.window.index >= 0 and ns.window.gpu:
-                out += self._close(state, ns, batch.job or state.job or batch.node, now)
+                job = batch.job or state.job or batch.node
+                if self.outbox is not None:
+                    self.outbox.append(ns.window.summary(state.node, job, now))
+                else:
+                    out += self._close(state, ns, job, now)
             ns.window = _Window(index=index, first_ts=batch.ts)
         win = ns.window
         win.last_ts = batch.ts
@@ -169,10 +223,13 @@ class PeerDetector:
             if DCGM.GPU_TEMP not in f or s.index is None:
                 continue
             g = win.gpu[s.index]
-            for name in (DCGM.GPU_TEMP, DCGM.SM_CLOCK, DCGM.POWER_USAGE):
+            for name in (DCGM.GPU_TEMP, DCGM.SM_CLOCK, DCGM.POWER_USAGE, DCGM.GPU_UTIL):
                 if name in f:
                     g[name].append(float(f[name]))
             win.reasons[s.index] |= int(f.get(_REASONS, 0))
+        for s in batch.of(Source.TRAIN):
+            if "step" in s.fields:
+                win.steps.append(s.fields["step"])
         for s in batch.of(Source.NIC):
             f = s.fields
             if f.get("link_up", 1) != 1:
@@ -210,6 +267,10 @@ class PeerDetector:
                 d = (b - m) / max(b, 1.0)
                 if d > pdrop:
                     pdrop, worst["power"] = d, {"gpu": gi, "value": m, "baseline": b}
+        utils = [devs[(gi, DCGM.GPU_UTIL)] for gi in win.gpu if (gi, DCGM.GPU_UTIL) in devs]
+        if utils:          # the node's mean utilisation against its own baseline: do its GPUs wait?
+            m, b = sum(u[0] for u in utils) / len(utils), sum(u[1] for u in utils) / len(utils)
+            worst["util"] = {"value": round(m, 1), "baseline": round(b, 1), "drop": round((b - m) / max(b, 1.0), 3)}
         err = sum(win.nic_err) / len(win.nic_err) if win.nic_err else 0.0
         bw_drop = 0.0
         for dev, vals in win.nic_bw.items():
@@ -225,16 +286,41 @@ class PeerDetector:
         return x, worst, medians
 
     def _close(self, state: NodeState, ns: _NodeSoft, job: str, now: float) -> list[FaultEvent]:
-        x, worst, medians = self._raw_features(ns)
-        key = (job, ns.window.index)
-        peers = self.pending[key]
-        peers[state.node] = (x, worst, medians, ns, state)
+        steps = ns.window.steps
+        if not (steps and min(steps) == max(steps)):   # a window without a step (a pause, a hang) is not judged,
+            x, worst, medians = self._raw_features(ns)  # nor learned from: a slowdown needs a running job
+            self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state)
         # peers: decide when the job's other nodes closed the same window, or alone (one-node jobs, or
         # peers owned by another worker) once a later window of this node closes
         out: list[FaultEvent] = []
         for k in [k for k in self.pending if k[0] == job and k[1] < ns.window.index]:
             out += self._decide(k, self.pending.pop(k), now)
         return out
+
+    def take(self, w: PeerWindow, now: float) -> list[FaultEvent]:
+        """Job side: decide with a window that the node's worker summarised (see the module doc)."""
+        state = self.remote.get(w.node)
+        if state is None:
+            state = self.remote[w.node] = NodeState(w.node)
+        state.job = w.job
+        ns = state.detectors.get(self.name)
+        if ns is None:
+            ns = state.detectors[self.name] = _NodeSoft()
+        # the job's earlier windows first, while every node's window is the one being judged (their
+        # evidence and trigger time are that window's, whatever order the summaries came in)
+        out: list[FaultEvent] = []
+        for k in sorted(k for k in self.pending if k[0] == w.job and k[1] < w.index):
+            out += self._decide(k, self.pending.pop(k), now)
+        ns.window = _Window.of(w)
+        return out + self._close(state, ns, w.job, now)
+
+    def forget_jobs(self, jobs) -> None:
+        """Job side: these jobs are judged by another worker now (their partition moved)."""
+        jobs = set(jobs)
+        for node in [n for n, st in self.remote.items() if st.job in jobs]:
+            del self.remote[node]
+        for k in [k for k in self.pending if k[0] in jobs]:
+            del self.pending[k]
 
     def flush(self, now: float) -> list[FaultEvent]:
         """Decide every window still waiting for peers (end of a replay)."""
@@ -265,6 +351,7 @@ class PeerDetector:
                 fam_scores[fam] = sc
         # cold start: no model yet, but a job of 3+ nodes gives a median to stand out from
         cold = not ready and cfg.soft_cold_z > 0 and len(peers) >= 3
+        culprit, culprit_gap = self._keeps_working(peers)
         for j, (row, (node, (x, worst, medians, ns, state))) in enumerate(zip(rel, peers.items())):
             z = Z[j]
             fam_hit = None
@@ -273,6 +360,10 @@ class PeerDetector:
                 if ready:
                     s, thr, mode = float(fam_scores[fam][j]), self.thresholds[fam], "model"
                     hit = s > thr and zmax >= cfg.soft_min_z
+                    if not hit and cfg.soft_cold_z > 0 and zmax >= cfg.soft_cold_z:
+                        # one feature far out alone (a slow GPU whose peers' power fell as they wait for it):
+                        # a joint model can score it under its threshold
+                        s, thr, mode, hit = zmax, float(cfg.soft_cold_z), "z", True
                 elif cold:
                     s, thr, mode = zmax, float(cfg.soft_cold_z), "cold"
                     hit = zmax >= thr
@@ -286,6 +377,11 @@ class PeerDetector:
             if len(peers) >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop \
                     and (fam_hit is None or fam_hit[0] == "nic"):
                 fam_hit = ("gpu", drop, float(z[_CLOCK]), float(cfg.straggler_evict_drop), "rule")
+            if fam_hit is not None and fam_hit[4] != "rule" and self._waiting(x, worst, fam_hit[0]):
+                fam_hit = None          # a node whose GPUs wait on a slow peer suffers the slowdown, it is no cause
+                self.waiting += 1
+            if fam_hit is None and node == culprit:
+                fam_hit = ("gpu", float(culprit_gap), float(culprit_gap / 0.05), _WAIT_PEERS, "wait")
             scores[node] = fam_hit
             if fam_hit is not None:
                 flagged.add(node)
@@ -295,10 +391,43 @@ class PeerDetector:
                 continue
             for fam, cols in FAMILIES.items():
                 self.history[fam].append(row[list(cols)])
+            if worst.get("util", {}).get("drop", 0.0) >= _WAIT_UTIL and ns.waited < _WAIT_LEARN:
+                ns.waited += 1      # waiting on a slow peer is not this node's normal: its baselines keep
+                continue            # (unless it lasts: then it is the job's new normal)
+            ns.waited = 0
             for k, m in medians.items():
                 ns.base[k].append(m)
         self.since_fit += 1
         return out
+
+    @staticmethod
+    def _waiting(x, worst: dict, fam: str) -> bool:
+        """Whether a node's GPU or NIC symptoms are those of waiting on a slow peer: its utilisation fell
+        (>= 10 % of its own baseline) while its SM clock did not, and no NIC errors (link_degraded needs
+        errors or a bandwidth drop of its own, not the job's)."""
+        drop = worst.get("util", {}).get("drop", 0.0)
+        if drop < _WAIT_UTIL or x[_CLOCK] >= _WAIT_UTIL or fam == "thermal":
+            return False
+        return fam == "gpu" or x[3] < _FLOOR[3]
+
+    @staticmethod
+    def _keeps_working(peers: dict) -> tuple[str | None, float]:
+        """The one node of a job of 3+ whose GPUs keep their utilisation while at least two thirds of the
+        others' fall by ``_WAIT_PEERS`` or more (they wait for it at the all-reduce): the straggler, even
+        when its clocks look healthy. None when no single node stands out that way."""
+        if len(peers) < 3:
+            return None, 0.0
+        drops = {n: p[1].get("util", {}).get("drop") for n, p in peers.items()}
+        if any(d is None for d in drops.values()):
+            return None, 0.0
+        keep = [n for n, d in drops.items() if d < _WAIT_UTIL / 2]
+        if len(keep) != 1:
+            return None, 0.0
+        others = [d for n, d in drops.items() if n != keep[0]]
+        waiting = sum(1 for d in others if d >= _WAIT_PEERS)
+        if waiting * 3 < 2 * len(others):
+            return None, 0.0
+        return keep[0], float(_median(others))
 
     def _fit(self) -> None:
         cfg = self.config
@@ -363,14 +492,17 @@ class PeerDetector:
         evidence = {"class": cls.value, "family": fam, "score": round(score, 4),
                     "threshold": round(threshold, 4), "z": round(zmax, 2),
                     "model": {"model": cfg.soft_detector, "cold": "cold start: z off the job's median",
-                              "rule": f"SM clock {cfg.straggler_evict_drop:.0%} or more below the job's median"}[mode],
+                              "rule": f"SM clock {cfg.straggler_evict_drop:.0%} or more below the job's median",
+                              "wait": "its GPUs keep working while most peers' utilisation fell (they wait for it)",
+                              "z": "one feature soft_cold_z spreads or more off the job's clean median"}[mode],
                     "top_features": {n: feats[n] for n in top}, "devices": worst,
                     "window_s": cfg.soft_window_s, "window": [win.first_ts, win.last_ts],
                     "since_ts": ns.run_start, "peers": n_peers,
                     "baseline": "each device's own clean history" + (", relative to the job's median" if n_peers >= 3 else "")}
         dev = worst.get({"thermal": "thermal", "gpu": "clock", "nic": "nic_bw"}[fam], {})
         where = f"GPU {dev['gpu']}" if "gpu" in dev else f"port {dev.get('device', '?')}"
-        detector = {"model": f"pyod.{cfg.soft_detector}.peers", "cold": "peers.cold", "rule": "peers.rule"}[mode]
+        detector = {"model": f"pyod.{cfg.soft_detector}.peers", "cold": "peers.cold", "rule": "peers.rule",
+                    "wait": "peers.wait", "z": "peers.z"}[mode]
         f = fault(KIND_OF[cls], severity, action,
                   fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
                   job=state.job, detector=detector, observed_ts=win.last_ts, now=now,

@@ -15,7 +15,7 @@ rule           fires on                         severity  action   fault id from
 XidRule        GPU sample, XID_ERRORS > 0       table     table    node, gpu, code, sample ts
 GpuLostRule    GPU sample, GPU_LOST == 1        critical  evict    node, gpu, sample ts (once/gpu)
 NanLossRule    train sample, loss_nonfinite==1  critical  restart  job, gen, node, rank, step
-HangRule       train sample alive, step frozen  critical  restart  job, gen, node, rank, progress ts
+(hang)         see :mod:`.hangs` (a hang told from a pause)
 HeartbeatRule  silent for heartbeat_timeout     critical  evict    node, last batch ts
 EccRule        ECC_DBE_VOL_TOTAL rises (or >0)  critical  evict    node, gpu, "ecc_dbe", sample ts
 RowRemapRule   ROW_REMAP_FAILURE == 1           critical  evict    node, gpu, "row_remap", sample ts
@@ -31,7 +31,6 @@ an XID 48 and the DBE counter that moves with it merge into one fault in the eng
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol
@@ -42,18 +41,8 @@ from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch,
 from .classes import FaultClass
 from .config import TEEConfig
 
-__all__ = ["NodeState", "RankProgress", "Rule", "fault", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
-           "NanLossRule", "HangRule", "HeartbeatRule", "EccRule", "RowRemapRule", "LinkRule"]
-
-
-@dataclass
-class RankProgress:
-    """Where one training rank (job, generation, rank) stands, in sample time."""
-
-    step: float
-    since: float                       # ts of the sample that first showed ``step``
-    last_seen: float
-    step_times: deque = field(default_factory=lambda: deque(maxlen=20))
+__all__ = ["NodeState", "Rule", "fault", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
+           "NanLossRule", "HeartbeatRule", "EccRule", "RowRemapRule", "LinkRule"]
 
 
 @dataclass
@@ -67,7 +56,6 @@ class NodeState:
     lost_reported_for: float | None = None   # last_batch_ts a NODE_LOST was emitted for
     lost_gpus: set[int] = field(default_factory=set)
     nan_ranks: set[tuple[str, str, int]] = field(default_factory=set)
-    ranks: dict[tuple[str, str, int], RankProgress] = field(default_factory=dict)
     detectors: dict[str, Any] = field(default_factory=dict)   # per-node state of soft detectors
     ecc_dbe: dict[int, float] = field(default_factory=dict)   # gpu -> last DBE count seen
     remap_failed: set[int] = field(default_factory=set)
@@ -181,16 +169,19 @@ class GpuLostRule:
 # --------------------------------------------------------------------------- training rules
 
 class NanLossRule:
-    """``loss_nonfinite == 1`` on a train sample: the loss diverged; once per job, generation, rank."""
+    """``loss_nonfinite == 1`` on a train sample: the loss diverged. Once per occurrence: a rank that
+    reports a finite loss again and later a NaN again (a second divergence) is a new fault."""
 
     name = "nan_loss"
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         out = []
         for s in batch.of(Source.TRAIN):
-            if s.fields.get("loss_nonfinite") != 1:
-                continue
             key = _train_key(s, batch)
+            if s.fields.get("loss_nonfinite") != 1:
+                if "loss" in s.fields:
+                    state.nan_ranks.discard(key)      # finite again: the next NaN is a new fault
+                continue
             if key in state.nan_ranks:
                 continue
             state.nan_ranks.add(key)
@@ -204,73 +195,6 @@ class NanLossRule:
                 now=now, evidence={"step": step, "generation": generation, "field": "loss_nonfinite", "value": 1},
                 summary=f"Rank {rank} of job {job} on {batch.node} reported a NaN/Inf loss at step {step}.",
             ))
-        return out
-
-
-class HangRule:
-    """A live rank whose step stands still for too long (in sample time) is hung.
-
-    The limit is ``max(hang_timeout, hang_step_factor x median recent step_time)``, so jobs with
-    slow steps get proportionally more slack. Progress is any change of ``step``; a sample with
-    ``alive == 0`` forgets the rank (its exit is not a hang).
-    """
-
-    name = "hang"
-    _FORGET_AFTER = 3600.0   # drop ranks not seen for this long (sample time)
-
-    def __init__(self, config: TEEConfig) -> None:
-        self.config = config
-
-    def limit(self, progress: RankProgress) -> float:
-        if not progress.step_times:
-            return self.config.hang_timeout
-        return max(self.config.hang_timeout, self.config.hang_step_factor * statistics.median(progress.step_times))
-
-    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
-        out = []
-        for s in batch.of(Source.TRAIN):
-            key = _train_key(s, batch)
-            if s.fields.get("alive") == 0:
-                state.ranks.pop(key, None)
-                continue
-            step = s.fields.get("step")
-            if step is None:
-                continue
-            ts = _ts(s, batch)
-            seen = max(ts, batch.ts)
-            progress = state.ranks.get(key)
-            if progress is None or step != progress.step:
-                if progress is None:
-                    progress = state.ranks[key] = RankProgress(step=step, since=ts, last_seen=seen)
-                else:
-                    progress.step, progress.since, progress.last_seen = step, ts, seen
-                step_time = s.fields.get("step_time")
-                if step_time is not None and step_time > 0:
-                    progress.step_times.append(float(step_time))
-                continue
-            progress.last_seen = max(progress.last_seen, seen)
-            if s.fields.get("alive") != 1:
-                continue
-            stalled, limit = seen - progress.since, self.limit(progress)
-            if stalled <= limit or state.hung_at.get(key) == step:   # hung_at: an earlier worker reported it
-                continue
-            job, generation, rank = key
-            median = statistics.median(progress.step_times) if progress.step_times else None
-            out.append(fault(
-                FaultKind.HANG, Severity.CRITICAL, Action.RESTART,
-                fault_id=stable_id(job, generation, "hang", batch.node, rank, progress.since),
-                node=batch.node, job=job or batch.job, rank=rank, detector="rule.hang", observed_ts=seen,
-                now=now, score=stalled, threshold=limit,
-                evidence={"step": step, "generation": generation, "last_progress_ts": progress.since,
-                          "stalled_s": round(stalled, 3), "limit_s": round(limit, 3),
-                          "hang_timeout_s": self.config.hang_timeout, "median_step_time_s": median,
-                          "pid": s.tags.get("pid")},
-                summary=(f"Rank {rank} of job {job} on {batch.node} is alive but has been at step {step:g} "
-                         f"for {stalled:.0f}s (limit {limit:.0f}s)."),
-            ))
-        cutoff = batch.ts - self._FORGET_AFTER
-        for key in [k for k, p in state.ranks.items() if p.last_seen < cutoff]:
-            del state.ranks[key]
         return out
 
 
@@ -387,12 +311,14 @@ class _LinkState:
     reported_down: bool = False
     downs: deque = field(default_factory=lambda: deque(maxlen=64))   # ts of each up->down transition
     flap_reported_at: float = -1e18
+    flapping: bool = False          # a flap episode reported and not over (no down for a whole window)
 
 
 class LinkRule:
     """NIC/IB port state (``link_up``): down for longer than ``link_down_hold_s`` is LINK_DOWN (and a
     resolution event when it comes back); ``link_flap_count`` down transitions within
-    ``link_flap_window_s`` is LINK_FLAP (once per window). Only ports seen up are watched: a port
+    ``link_flap_window_s`` is LINK_FLAP (once per episode: a port that stays up for a whole window
+ends it, and its next burst of downs is a new fault). Only ports seen up are watched: a port
     down since the TEE first saw it (no cable, unused) and one administratively down
     (``admin_up == 0``) raise nothing."""
 
@@ -428,8 +354,10 @@ class LinkRule:
                 st.up, st.down_since = False, ts
                 st.downs.append(ts)
                 recent = [d for d in st.downs if d > ts - cfg.link_flap_window_s]
-                if len(recent) >= cfg.link_flap_count and ts - st.flap_reported_at > cfg.link_flap_window_s:
-                    st.flap_reported_at = ts
+                if st.flapping and len(st.downs) >= 2 and st.downs[-2] <= ts - cfg.link_flap_window_s:
+                    st.flapping = False        # a whole window without a down ended the last episode
+                if len(recent) >= cfg.link_flap_count and not st.flapping:
+                    st.flap_reported_at, st.flapping = ts, True
                     out.append(fault(
                         FaultKind.NODE_LOST, Severity.WARNING, Action.EVICT,
                         fault_id=stable_id(batch.node, "link_flap", *key, recent[0]), node=batch.node,

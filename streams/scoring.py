@@ -4,7 +4,7 @@ Contract::
 
     scorer = TemporalScorer(ScorerConfig()).fit(history)   # history: (n, d) array, rows in time order
     scorer.score(X)          # (m,) scores for rows of X in time order (causal: row i sees rows <= i)
-    scorer.threshold         # a score quantile of the history (``quantile``), chosen without labels
+    scorer.threshold         # chosen without labels: POT on a held-out validation split of the history
     scorer.contributions(x)  # per feature, how far x lies from the history (for evidence)
 
 The score is an ensemble of members (``members``; pyod names or ``knn`` / ``pca``, each of them
@@ -21,6 +21,13 @@ independent samples: a small sample rarely holds the history's few odd rows (the
 labelled and may hold faults), and the average removes the luck of one draw. The defaults (one
 kNN member over values and residuals, k=5, 4 samples of 1000 rows, residual window 10, span 5)
 are the one configuration ``bench/tee_external.py`` scores on both SMD and ASD.
+
+Threshold (``threshold_rule``): "pot" (default) holds out the last ``validation`` share of the
+history, fits the members on the rest, scores the held-out rows (out of sample, as new data will
+be) and sets the threshold by peaks over threshold (:func:`pot_threshold`: a generalised Pareto
+tail fitted to the scores above their ``pot_level`` quantile, read at risk ``pot_risk``; the
+first step of SPOT, Siffer et al. KDD 2017, as OmniAnomaly thresholds SMD). "quantile": the
+``quantile`` of the in-sample history scores. No label is used either way.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import numpy as np
 
 from transom.config import ConfigError
 
-__all__ = ["ScorerConfig", "TemporalScorer", "ewma", "residuals", "PYOD_MODELS"]
+__all__ = ["ScorerConfig", "TemporalScorer", "ewma", "residuals", "pot_threshold", "PYOD_MODELS"]
 
 #: Member names that map onto pyod models (built with their defaults and ``contamination``).
 PYOD_MODELS = {"ecod": "pyod.models.ecod.ECOD", "iforest": "pyod.models.iforest.IForest",
@@ -63,9 +70,17 @@ class ScorerConfig:
     #: the threshold is this quantile of the smoothed history scores (0.98: a fault found early
     #: matters more than a few more alarms to look at; see bench/tee_external.py)
     quantile: float = 0.98
-    #: multiplies the quantile (margin for the unseen)
+    #: multiplies the threshold (margin for the unseen)
     margin: float = 1.0
     seed: int = 0
+    #: "pot": peaks over threshold on held-out history scores; "quantile": ``quantile`` of in-sample scores
+    threshold_rule: str = "pot"
+    #: share of the history (its newest rows) held out to choose the threshold on
+    validation: float = 0.3
+    #: POT: the initial threshold is this quantile of the held-out scores ...
+    pot_level: float = 0.98
+    #: ... and the threshold the score exceeded with this probability under the fitted tail
+    pot_risk: float = 1e-2
 
     def __post_init__(self) -> None:
         for m in self.members:
@@ -77,6 +92,13 @@ class ScorerConfig:
             raise ConfigError("scorer members: expected at least one")
         if not 0.5 < self.quantile < 1:
             raise ConfigError(f"scorer quantile={self.quantile!r}: expected a share between 0.5 and 1")
+        if self.threshold_rule not in ("pot", "quantile"):
+            raise ConfigError(f"scorer threshold_rule={self.threshold_rule!r}: expected pot or quantile")
+        if not 0 < self.validation < 0.9:
+            raise ConfigError(f"scorer validation={self.validation!r}: expected a share between 0 and 0.9")
+        if not 0.5 < self.pot_level < 1 or not 0 < self.pot_risk < 0.1:
+            raise ConfigError(f"scorer pot_level={self.pot_level!r}, pot_risk={self.pot_risk!r}: expected a level "
+                              "between 0.5 and 1 and a risk between 0 and 0.1")
         for f in ("k", "knn_sample", "knn_bags", "smooth", "residual_window"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"scorer {f}={getattr(self, f)!r}: expected a positive integer")
@@ -90,6 +112,23 @@ def ewma(s: np.ndarray, span: int) -> np.ndarray:
     from scipy.signal import lfilter
     a = 2.0 / (span + 1)
     return lfilter([a], [1.0, a - 1.0], s, zi=[(1 - a) * s[0]])[0]
+
+
+def pot_threshold(scores: np.ndarray, risk: float = 1e-3, level: float = 0.98) -> float:
+    """Peaks over threshold: fit a generalised Pareto distribution to the excesses of ``scores`` over
+    their ``level`` quantile and return the score exceeded with probability ``risk`` under it."""
+    from scipy.stats import genpareto
+    s = np.asarray(scores, dtype=float)
+    s = s[np.isfinite(s)]
+    t = float(np.quantile(s, level))
+    peaks = s[s > t] - t
+    if len(peaks) < 10 or float(peaks.std()) <= 0:
+        return float(np.quantile(s, 1 - risk))
+    gamma, _, sigma = genpareto.fit(peaks, floc=0)
+    r = risk * len(s) / len(peaks)
+    if abs(gamma) < 1e-6:
+        return t - sigma * float(np.log(r))
+    return t + sigma / gamma * (r ** -gamma - 1)
 
 
 def _base(member: str) -> str:
@@ -177,6 +216,20 @@ class TemporalScorer:
         H = np.asarray(history, dtype=float)
         if H.ndim != 2 or len(H) < 10:
             raise ValueError(f"history must be a 2-d array of at least 10 rows, got shape {H.shape}")
+        cfg = self.config
+        if cfg.threshold_rule == "pot" and len(H) >= 200:
+            cut = int(len(H) * (1 - cfg.validation))
+            self._fit(H[:cut])
+            w = cfg.residual_window + 5 * cfg.smooth      # warm the residuals and the smoothing up
+            held = self.score(H[max(0, cut - w):])[cut - max(0, cut - w):]
+            self.validation_scores = held
+            self.threshold = pot_threshold(held, cfg.pot_risk, cfg.pot_level) * cfg.margin
+            return self
+        self._fit(H)
+        self.threshold = float(np.quantile(self.history_scores, cfg.quantile)) * cfg.margin
+        return self
+
+    def _fit(self, H: np.ndarray) -> None:
         lo, hi = H.min(0), H.max(0)
         self.keep = (hi - lo) > 1e-9
         if not self.keep.any():
@@ -198,8 +251,6 @@ class TemporalScorer:
             self.norms.append((med, max(q - med, 1e-12)))
             total += (s - med) / (q - med if q > med else 1e-12)
         self.history_scores = total
-        self.threshold = float(np.quantile(total, cfg.quantile)) * cfg.margin
-        return self
 
     def _view(self, member: str, X: np.ndarray) -> np.ndarray:
         if member.endswith("_resid"):

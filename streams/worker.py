@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import threading
+from typing import Any
 
 import faust
 
@@ -51,9 +52,10 @@ def new_event_loop(service: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def faust_app(app_id: str, bootstrap: str, *, datadir: str, service: str, reads: str) -> faust.App:
+def faust_app(app_id: str, bootstrap: str, *, datadir: str, service: str, reads: str, **settings: Any) -> faust.App:
     """The Faust app ``app_id`` on ``bootstrap`` (host:port[,host:port]); ``service`` and ``reads`` name
-    who needs lz4 for what in the error raised when aiokafka cannot decompress it."""
+    who needs lz4 for what in the error raised when aiokafka cannot decompress it; ``settings``: more
+    Faust settings."""
     credentials = KafkaSecurity.from_env().faust_credentials()   # TLS / SASL, or None for PLAINTEXT
     from aiokafka.codec import has_lz4
     if not has_lz4():   # transom's producers compress with lz4; without it the fetcher crashes later
@@ -64,8 +66,9 @@ def faust_app(app_id: str, bootstrap: str, *, datadir: str, service: str, reads:
         app_id, broker=brokers, value_serializer="raw", key_serializer="raw",
         processing_guarantee="at_least_once", topic_allow_declare=False, topic_disable_leader=True,
         web_enabled=False, store="memory://", datadir=datadir, autodiscover=False,
+        producer_acks=-1,        # acks=all: a fault event is written once every in-sync replica has it
         broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
-        broker_credentials=credentials,
+        broker_credentials=credentials, **settings,
     )
 
 

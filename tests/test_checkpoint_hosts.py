@@ -156,7 +156,7 @@ def test_writes_of_an_older_generation_are_refused(hosts, tmp_path):
     # a replica stamped with the old generation is refused by B, and the refusal reaches the sender
     conn = Conn(b.addr)
     try:
-        send_msg(conn.sock, {"op": "replica_put", "job": job, "rank": 0, "step": 13, "size": 3, "sha256": "0" * 64,
+        send_msg(conn.sock, {"op": "replica_put", "job": job, "rank": 0, "step": 13, "size": 3, "digest": "sha256:" + "0" * 64,
                              "origin": "hostA", "generation": 1})
         conn.sock.sendall(b"abc")
         reply = recv_msg(conn.sock)

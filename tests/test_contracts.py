@@ -73,3 +73,29 @@ def test_no_other_module_names_a_topic():
         if '"transom.metrics"' in path.read_text() or "'transom.metrics'" in path.read_text():
             offenders.append(str(path))
     assert offenders == []
+
+
+_BATCH = '{"v":1,"node":"n0","ts":%s,"seq":%s,"samples":[{"source":"gpu","index":%s,"fields":{"x":%s}%s}]}'
+
+
+@pytest.mark.parametrize("raw,reason", [
+    (_BATCH % ("1.0", "0", "0", "1e999", ""), "out of range"),
+    (_BATCH % ("1.0", "0", "0", "-1e999", ""), "out of range"),
+    (_BATCH % ("1e999", "0", "0", "1", ""), "out of range"),
+    (_BATCH % ("1.0", "0", "0", "1", ',"ts":1e999'), "out of range"),
+    (_BATCH % ("1.0", "0", "0", "1", ',"ts":-5'), "'ts' must be a positive epoch time"),
+    (_BATCH % ("1.0", "-1", "0", "1", ""), "'seq' must not be negative"),
+    (_BATCH % ("1.0", "0", "-2", "1", ""), "'index' must not be negative"),
+    (_BATCH % ("1.0", "0", "0", "1" + "0" * 400, ""), "metric 'x' must be a finite number"),
+])
+def test_out_of_range_numbers_are_refused_with_reason(raw, reason):
+    """Infinity, negative counters and impossible times go to the dead letter, not to the rules."""
+    with pytest.raises(c.ContractError, match=reason):
+        c.decode(c.METRICS, raw.encode())
+
+
+def test_non_finite_values_are_refused_when_built_from_a_dict():
+    d = {"v": 1, "node": "n0", "ts": 1.0, "seq": 0,
+         "samples": [{"source": "gpu", "fields": {"ok": 1.0, "x": float("inf")}}]}
+    with pytest.raises(c.ContractError, match="metric 'x' must be a finite number"):
+        c.MetricBatch.from_dict(d)

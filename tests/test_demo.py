@@ -1,5 +1,9 @@
 """End to end: `transom demo` runs the whole loop and heals the job after an injected XID 79 (on the test
-bed's hosts where the machine can make namespaces, else on this one host)."""
+bed's hosts where the machine can make namespaces, else on this one host).
+
+``--scheduler slurm`` (the loop on the hosts test bed under a real Slurm cluster) is checked here
+for its wiring only: the scenario itself is tests/test_slurm_bed.py's.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ import uuid
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
 def test_demo_recovers_from_xid79_and_completes(tmp_path):
     run_dir = tmp_path / "demo"
     cluster = f"demo-test-{uuid.uuid4().hex[:8]}"       # every process the demo starts inherits it
@@ -69,3 +74,25 @@ def _started_by(cluster: str) -> list[str]:
         except psutil.Error:
             continue
     return found
+
+
+def test_demo_scheduler_slurm_wiring(monkeypatch, capsys, tmp_path):
+    """The option, the controller's arguments on the bed, and a one-line refusal where no cluster can be made."""
+    from transom import demo_slurm
+    from transom.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--scheduler", "slurm", "--run-dir", str(tmp_path / "run")])
+    assert args.scheduler == "slurm"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--scheduler", "pbs"])
+    assert "invalid choice: 'pbs'" in capsys.readouterr().err
+    got = demo_slurm.controller_args("198.18.7.1:9092", tmp_path / "jobs", {"node0": "198.18.7.3:7100"},
+                                     ["--exit-when-done"])
+    assert got == ["controller", "--bootstrap", "198.18.7.1:9092", "--backend", "slurm", "--run-dir",
+                   str(tmp_path / "jobs"), "--node", "node0=198.18.7.3:7100", "--exit-when-done"]
+    demo_slurm.BedStack(tmp_path / "idle").stop()                  # nothing started: nothing to stop
+    monkeypatch.setattr(demo_slurm, "available", lambda: (False, "Slurm is not installed (slurmctld missing)"))
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "demo: --scheduler slurm cannot run here: Slurm is not installed (slurmctld missing)"
+    assert not (tmp_path / "run").exists()                          # refused before anything was made

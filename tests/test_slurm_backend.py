@@ -48,7 +48,8 @@ def test_rank_zero_runs_on_the_master_addr_node_when_srun_reorders_the_nodes(slu
     asked = ("node4", "node1", "node2", "node3")         # a spare replaced node0: srun sorts node1 first
     slurm.launch("job", 1, asked, tuple(DUMP_ENV), None)
     wait_until(lambda: (st := slurm.status("job", 1)) and all(not r.running for r in st), 60, "the step to end")
-    assert [r.exit_code for r in slurm.status("job", 1)] == [0, 0, 0, 0]
+    assert [(r.exit_code, r.node) for r in slurm.status("job", 1)] == \
+        [(0, "node1"), (0, "node2"), (0, "node3"), (0, "node4")]               # where each rank ran
     envs = {r: json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(4)}
     on = {r: e["SLURMD_NODENAME"] for r, e in envs.items()}
     assert on == {0: "node1", 1: "node2", 2: "node3", 3: "node4"}        # srun's order, not the one asked

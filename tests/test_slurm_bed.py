@@ -1,14 +1,16 @@
 """Transom's Slurm backend against a real Slurm cluster on the hosts test bed (transom/slurmbed.py).
 
-Six hosts: ``ctl`` runs slurmctld, node0..node4 a slurmd, a node agent with a simulated GPU each.
+Seven hosts: ``ctl`` runs slurmctld, node0..node5 a slurmd, a node agent with a simulated GPU each.
 The broker listens on the bed's root address; the TEE and the controller run here, in the root
-namespace, as on a login node. A 4-rank job with one spare runs as Slurm batch jobs. The ranks are
+namespace, as on a login node. A 4-rank job with two spares runs as Slurm batch jobs. The ranks are
 light (no torch): each does a real rendezvous, rank 0 listening on ``MASTER_ADDR:MASTER_PORT`` (a
 bind that fails unless ``MASTER_ADDR`` is its own host) and the others connecting to it, then
 reports steps to its node's agent. An XID 79 injected on node0's simulated GPU goes agent -> TEE ->
 controller, which drains node0 in Slurm and relaunches on the spare: the new node list
 ``node4,node1,node2,node3`` is one srun reorders, so rank 0 runs on node1 and ``MASTER_ADDR`` must
-follow it.
+follow it. Then node1's whole host is killed (its slurmd, agent, rank 0 and the batch script die
+with it): the TEE finds it lost (no heartbeat), the controller drains it in Slurm (which also finds
+it not responding) and relaunches on the second spare: ``node4,node5,node2,node3``, rank 0 on node2.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transom.slurmbed import SlurmBed, available
 from util import topic_values, until_alive, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
-NODES = [f"node{i}" for i in range(5)]
+NODES = [f"node{i}" for i in range(6)]
 INTAKE = 7100
 RANK = """
 import json, os, socket, time
@@ -57,7 +59,7 @@ json.dump({"host": socket.gethostname(), "node": os.environ["TRANSOM_NODE"], "ma
            "resume": os.environ.get("TRANSOM_RESUME_STEP")},
           open(os.path.join(os.environ["OUT"], f"gen{gen}-rank{rank}.json"), "w"))
 step = int(os.environ.get("TRANSOM_RESUME_STEP") or 0)
-for i in range(10**6 if step == 0 else 5):
+for i in range(10**6 if int(gen) < 2 else 5):    # the third generation ends
     step += 1
     report(step=step, loss=1.0 / step, step_time_s=0.5)
     time.sleep(0.5)
@@ -77,7 +79,7 @@ def stop(*procs) -> None:
                 p.wait()
 
 
-def test_real_slurm_drains_the_faulty_node_and_the_job_resumes_on_the_spare_with_rank0_at_master_addr(bed, tmp_path):
+def test_real_slurm_drains_the_faulty_node_then_a_lost_host_and_the_job_resumes_on_spares_with_rank0_at_master_addr(bed, tmp_path):
     ok, reason = available()
     if not ok:
         pytest.skip(f"real Slurm unavailable: {reason}")
@@ -121,16 +123,26 @@ def test_real_slurm_drains_the_faulty_node_and_the_job_resumes_on_the_spare_with
             inject = b.python("node0", ["-m", "transom.cli", "inject", "--agent", f"127.0.0.1:{INTAKE}", "xid79",
                                         "--gpu", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             assert inject.wait(30) == 0, inject.stdout.read()
-            assert ctl.wait(80) == 0, (tmp_path / "controller.log").read_text()[-3000:]
+            gen1 = [out / f"gen1-rank{r}.json" for r in range(4)]
+            until_alive(ctl, lambda: all(p.exists() for p in gen1), 90, "generation 1's rendezvous")
+            b.kill("node1")                         # the whole host: slurmd, agent, rank 0, the batch script
+            assert ctl.wait(150) == 0, (tmp_path / "controller.log").read_text()[-3000:]
             events = [e for e in topic_values(bs, c.LIFECYCLE) if e.job == job]
         finally:
             stop(*reversed(procs))
         state, why = slurm.node_state("node0")
         assert "DRAIN" in state and "xid" in why.lower(), (state, why)         # left drained for an operator
-        assert all("DRAIN" not in slurm.node_state(n)[0] for n in NODES[1:])
-    assert [e.detail["generation"] for e in events if e.name == "launched"] == [0, 1]
+        state, why = slurm.node_state("node1")
+        assert "DRAIN" in state or "DOWN" in state, (state, why)               # the lost host: out of service
+        assert all("DRAIN" not in slurm.node_state(n)[0] for n in NODES[2:])
+    assert [e.detail["generation"] for e in events if e.name == "launched"] == [0, 1, 2]
+    # node1 out: by the TEE's node_lost (no heartbeat), or, should Slurm end the job first, by the
+    # pre-check of the restart (its node not responding): the same relaunch on the second spare
+    evicted = [e.detail["evicted"] for e in events if e.name == "relaunching" and e.detail.get("evicted")]
+    evicted += [n for e in events if e.name == "precheck_failed" for n in e.detail.get("failed", {})]
+    assert evicted == ["node0", "node1"], [(e.name, e.detail) for e in events]
     assert events[-1].name == "completed", [e.name for e in events]
-    runs = {g: {r: json.loads((out / f"gen{g}-rank{r}.json").read_text()) for r in range(4)} for g in (0, 1)}
+    runs = {g: {r: json.loads((out / f"gen{g}-rank{r}.json").read_text()) for r in range(4)} for g in (0, 1, 2)}
     for g, ranks in runs.items():
         assert all(v["host"] == v["node"] for v in ranks.values()), ranks        # TRANSOM_NODE is where it ran
         assert {v["master"] for v in ranks.values()} == {b.addr(ranks[0]["host"])}, ranks   # rank 0 at MASTER_ADDR
@@ -138,3 +150,6 @@ def test_real_slurm_drains_the_faulty_node_and_the_job_resumes_on_the_spare_with
     assert {v["host"] for v in runs[1].values()} == {"node1", "node2", "node3", "node4"}      # on the spare
     assert runs[1][0]["host"] == "node1"                    # srun's order, not the list node4,node1,...
     assert {v["resume"] for v in runs[1].values()} == {"10"}
+    assert {v["host"] for v in runs[2].values()} == {"node2", "node3", "node4", "node5"}      # the second spare
+    assert runs[2][0]["host"] == "node2"                    # srun's order again, not node4,node5,node2,node3
+    assert {v["resume"] for v in runs[2].values()} == {"10"}

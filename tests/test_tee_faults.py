@@ -232,3 +232,65 @@ def test_a_straggler_that_begins_minutes_after_a_hang_of_its_node_is_its_own_fau
     found = [f for f in _job_minutes(engine, 420, slow="node2", at=320) if not f.resolved]
     assert [(f.node, f.kind) for f in found] == [("node2", c.FaultKind.STRAGGLER)]
     assert engine.counts["explained"] == 0
+
+
+def test_a_fault_that_ends_and_comes_back_is_a_new_event(engine):
+    """Every occurrence: a second NaN after finite losses, and a link that flaps again after a quiet
+    window, are new faults (merging is for one ongoing fault only)."""
+    def train(step, nan):
+        fields = {"step": step, "alive": 1, "loss_nonfinite": 1} if nan else {"step": step, "alive": 1, "loss": 2.0}
+        return c.Sample(c.Source.TRAIN, fields, index=0, tags={"job": "job1", "generation": "0"})
+
+    found = []
+    for t in range(300):
+        nan = 10 <= t < 13 or 210 <= t < 212            # the same generation, 200 s apart
+        up = 0 if (30 <= t < 40 or 150 <= t < 160) and t % 3 == 0 else 1   # two bursts of downs
+        found += engine.process(batch(T0 + t, gpu(0), ib(up), train(t, nan)), now=T0 + t)
+    nans = [f for f in found if f.kind == c.FaultKind.NAN_LOSS]
+    flaps = [f for f in found if f.evidence.get("class") == "link_flap"]
+    assert [f.evidence["step"] for f in nans] == [10, 210]
+    assert [f.observed_ts - T0 for f in flaps] == [36, 156]
+    assert len({f.fault_id for f in nans + flaps}) == 4
+
+
+def _slowed_job(engine, seconds, at, nodes=4, culprit="node2"):
+    """A job whose nodes all wait, from ``at`` on, for ``culprit``: its GPUs keep full utilisation,
+    clocks and power; every other node's utilisation (and power) falls as it idles at the all-reduce."""
+    rng = np.random.default_rng(9)
+    out = []
+    for t in range(seconds):
+        for n in range(nodes):
+            node = f"node{n}"
+            wait = t >= at and node != culprit
+            gpus = [gpu(i, **{c.DCGM.SM_CLOCK: 1980.0 - abs(rng.normal(0, 20)), c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7),
+                              c.DCGM.GPU_UTIL: (60.0 if wait else 95.0) + rng.normal(0, 2),
+                              c.DCGM.POWER_USAGE: (380.0 if wait else 560.0) + rng.normal(0, 12)}) for i in range(2)]
+            out += engine.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
+    return [f for f in out if not f.resolved]
+
+
+def test_the_node_whose_gpus_do_not_wait_is_named_and_its_waiting_peers_are_not(engine):
+    """A straggler at full clocks (its peers wait for it, their utilisation drops) is found on its own
+    node within a minute, as a warning to observe (rank-0-only work looks the same); no peer is named."""
+    found = _slowed_job(engine, 400, at=300)
+    assert [(f.node, f.kind, f.detector, f.action) for f in found] == \
+        [("node2", c.FaultKind.STRAGGLER, "peers.wait", c.Action.OBSERVE)]
+    assert found[0].detected_ts <= T0 + 300 + 60
+
+
+
+def test_the_engine_runs_the_benchs_temporal_scorer_on_the_live_stream():
+    """soft_detectors "temporal": the scorer bench/tee_external grades, fitted on a node's own history
+    (POT threshold on a held-out part of it), flags a node that leaves its normal, as one observe event."""
+    engine = TEEEngine(TEEConfig(soft_detectors=("temporal",), temporal_history=400))
+    rng = np.random.default_rng(11)
+    found = []
+    for t in range(700):
+        hot = 5.0 if 560 <= t < 640 else 0.0
+        g = [gpu(i, **{c.DCGM.GPU_TEMP: 62 + hot + rng.normal(0, 0.5), c.DCGM.POWER_USAGE: 500 + rng.normal(0, 8),
+                       c.DCGM.GPU_UTIL: 95 + rng.normal(0, 1)}) for i in range(2)]
+        train = c.Sample(c.Source.TRAIN, {"step": t, "alive": 1}, index=0, tags={"job": "job1"})
+        found += engine.process(batch(T0 + t, *g, train), now=T0 + t)
+    opened = [f for f in found if not f.resolved]
+    assert [(f.kind, f.action, f.detector) for f in opened] == [(c.FaultKind.ANOMALY, c.Action.OBSERVE, "scorer.temporal")]
+    assert 560 <= opened[0].observed_ts - T0 <= 600 and "temp" in opened[0].evidence["top_columns"]

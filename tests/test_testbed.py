@@ -65,6 +65,12 @@ def serve(b, host, port=7000):
     return proc
 
 
+def outputs(b, host, *commands: str) -> list[str]:
+    """Run shell ``commands`` on ``host`` in one shell; the stripped output of each."""
+    out = b.sh(host, "; echo @@; ".join(commands)).stdout
+    return [part.strip() for part in out.split("@@")]
+
+
 def stop(proc) -> int:
     """Kill a process started on a bed host; its exit status."""
     proc.kill()
@@ -95,18 +101,16 @@ def leftovers(index: int) -> list[str]:
 
 def test_hosts_have_their_own_name_memory_and_pids(bed):
     b = bed(["alpha", "beta"])
-    assert b.sh("alpha", "hostname").stdout.strip() == "alpha"
-    assert b.sh("beta", "hostname").stdout.strip() == "beta"
-    assert b.sh("beta", "getent hosts alpha").stdout.split()[0] == b.addr("alpha")
-    assert b.sh("beta", "ls /sys/class/net").stdout.split() == ["eth0", "lo"]      # its own /sys
-    # /dev/shm and /tmp are the host's own
-    b.sh("alpha", "echo x > /dev/shm/transom-bed-shm && echo y > /tmp/transom-bed-tmp", check=True)
-    assert b.sh("alpha", "cat /dev/shm/transom-bed-shm").stdout == "x\n"
-    assert b.sh("beta", "ls -A /dev/shm").stdout == ""
-    assert b.sh("beta", "ls /tmp/transom-bed-tmp").returncode != 0
-    assert not os.path.exists("/dev/shm/transom-bed-shm") and not os.path.exists("/tmp/transom-bed-tmp")
     with tempfile.NamedTemporaryFile(dir="/dev/shm") as mine, tempfile.NamedTemporaryFile(dir="/tmp") as mine2:
-        assert b.sh("alpha", f"ls {mine.name} {mine2.name}").returncode != 0   # nor this machine's
+        assert outputs(b, "alpha", "hostname", "echo x > /dev/shm/transom-bed-shm; echo y > /tmp/transom-bed-tmp",
+                       "cat /dev/shm/transom-bed-shm", f"ls {mine.name} {mine2.name} 2>/dev/null") \
+            == ["alpha", "", "x", ""]                               # this machine's /dev/shm and /tmp are not there
+    hostname, hosts, net, shm, tmp = outputs(b, "beta", "hostname", "getent hosts alpha", "ls /sys/class/net",
+                                             "ls -A /dev/shm", "ls /tmp/transom-bed-tmp 2>/dev/null")
+    assert hostname == "beta" and hosts.split()[0] == b.addr("alpha")
+    assert net.split() == ["eth0", "lo"]                               # its own /sys
+    assert shm == "" and tmp == ""                                     # alpha's /dev/shm and /tmp are alpha's
+    assert not os.path.exists("/dev/shm/transom-bed-shm") and not os.path.exists("/tmp/transom-bed-tmp")
     # PIDs: a process sees itself as a low PID of its host; another host cannot see it
     sleeper = b.run("alpha", ["sleep", "300"])
     try:

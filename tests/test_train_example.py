@@ -185,7 +185,7 @@ def test_ranks_agree_on_an_older_step_when_one_ranks_newest_shard_is_corrupt(tra
         tmp_path, ckpt, 2, ["--steps", "50", "--ckpt-every", "10"], job=trained["job"], generation=1))
     assert codes == [0, 0], run.explain(codes)
     assert "resumed from step 30 gen 1" in run.output(0), run.explain(codes)
-    assert f"{shard}: sha256 mismatch" in run.output(1), run.explain(codes)
+    assert f"{shard}: digest mismatch" in run.output(1), run.explain(codes)
     assert complete_steps(ckpt) == [30, 40, 50]
     assert read_manifest(step_dir(ckpt, 40)).generation == 1, "the corrupt step 40 was replaced"
 

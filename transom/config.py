@@ -21,6 +21,9 @@ class ConfigError(ValueError):
 ENV: Mapping[str, str] = {
     "TRANSOM_BOOTSTRAP": "Kafka bootstrap servers, host:port[,host:port]; unset: start the embedded broker",
     "TRANSOM_LOG_LEVEL": "log level of every service (DEBUG, INFO, WARNING)",
+    "TRANSOM_TOPIC_PARTITIONS": "partition counts of Transom's topics, TOPIC=N[,TOPIC=N] (transom/topics.py)",
+    "TRANSOM_REPLICATION_FACTOR": "replicas of every topic partition, or auto (3 with 3+ brokers, else the broker count)",
+    "TRANSOM_MIN_INSYNC_REPLICAS": "in-sync replicas an acks=all write needs, or auto (2 with 3+ replicas, else 1)",
     "TRANSOM_NODE": "this node's id (agent; set by the launcher for training ranks)",
     "TRANSOM_JOB": "job id (set by the launcher for training ranks)",
     "TRANSOM_AGENT_ADDR": "host:port of the local agent's training intake (UDP)",
@@ -71,6 +74,10 @@ ENV: Mapping[str, str] = {
                            "unset: TRANSOM_SIGNING_KEY is used; a launcher refuses to start without either)",
     "TRANSOM_CLUSTER_KEY_FILE": "file whose first line is the cluster key (instead of TRANSOM_CLUSTER_KEY)",
     "TRANSOM_RUN_DIR": "controller and launcher: directory for rank logs and launch records (default: runs)",
+    "TRANSOM_CKPT_STOP_S": "rank: seconds a SIGTERM waits for the in-flight checkpoint save (default 8)",
+    "TRANSOM_CKPT_SECRET": "checkpoint daemons and ranks: shared secret (at least 16 characters); set: every "
+                           "connection to a TCE daemon is authenticated (HMAC challenge); unset: OFF",
+    "TRANSOM_CKPT_SECRET_FILE": "file whose first line is the checkpoint secret (instead of TRANSOM_CKPT_SECRET)",
 }
 
 

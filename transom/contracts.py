@@ -20,6 +20,7 @@ transom.lifecycle      job id      :class:`LifecycleEvent` (compacted; carries a
 transom.deadletter     orig. key   :class:`DeadLetter`
 transom.registry       CL/KIND/NODE :class:`Registration` (compacted; a null value, the tombstone,
                                    says the service left cleanly; see :mod:`transom.registry`)
+transom.peer-windows   job id      :class:`PeerWindow` (the TEE's internal repartition topic)
 =====================  ==========  ================================================
 """
 
@@ -39,7 +40,7 @@ import orjson      # 3-4x faster parsing of metric batches (the TEE reads thousa
 
 __all__ = [
     "SCHEMA_VERSION", "ContractError", "TopicSpec", "TOPICS",
-    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER",
+    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER", "PEER_WINDOWS", "PeerWindow",
     "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
     "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
     "REGISTRY", "ServiceKind", "Registration", "UNROUTABLE", "registry_key",
@@ -54,6 +55,8 @@ CHECKPOINTS = "transom.checkpoints"
 LIFECYCLE = "transom.lifecycle"
 DEADLETTER = "transom.deadletter"
 REGISTRY = "transom.registry"
+#: The TEE's own repartition topic: per-node window summaries keyed by job (see streams/app.py).
+PEER_WINDOWS = "transom.peer-windows"
 
 
 class ContractError(ValueError):
@@ -71,13 +74,15 @@ class TopicSpec:
 #: Metrics are partitioned by node so a node's samples stay in order and one TEE worker owns
 #: a node's window; the lifecycle topic is compacted and keyed by job (each value carries the
 #: job's full snapshot, so compaction keeps what a restarted controller needs).
+#: Partition counts here are the defaults; :mod:`transom.topics` takes others from configuration.
 TOPICS: tuple[TopicSpec, ...] = (
-    TopicSpec(METRICS, 4, {"retention.ms": str(24 * 3600 * 1000)}),
+    TopicSpec(METRICS, 12, {"retention.ms": str(24 * 3600 * 1000)}),
     TopicSpec(FAULTS, 2),
     TopicSpec(CHECKPOINTS, 2),
     TopicSpec(LIFECYCLE, 1, {"cleanup.policy": "compact"}),
     TopicSpec(DEADLETTER, 1),
     TopicSpec(REGISTRY, 1, {"cleanup.policy": "compact"}),
+    TopicSpec(PEER_WINDOWS, 12, {"retention.ms": str(3600 * 1000)}),
 )
 
 
@@ -195,6 +200,13 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def _finite_sum(values: Any) -> bool:
+    try:
+        return math.isfinite(sum(values))
+    except OverflowError:           # an integer beyond float's range
+        return False
+
+
 def stable_id(*parts: Any) -> str:
     """A short id that is the same for the same parts, in any process: for de-duplication."""
     text = "\x1f".join(str(p) for p in parts)
@@ -221,10 +233,15 @@ class Sample:
         fields_ = d.get("fields")
         if type(fields_) is not dict:          # the common case is decided without a call
             fields_ = _get(d, "fields", Mapping, what=what)
-        if not set(map(type, fields_.values())) <= _PLAIN_NUMBERS:     # fast check; the loop names the culprit
+        values = fields_.values()
+        if not set(map(type, values)) <= _PLAIN_NUMBERS:     # fast check; the loop names the culprit
             for name, value in fields_.items():
                 if isinstance(value, bool) or not isinstance(value, _NUM):
                     raise ContractError(f"{what}: metric '{name}' must be a number, got {type(value).__name__}")
+        if not _finite_sum(values):     # a finite sum means every value is finite (one C call)
+            for name, value in fields_.items():
+                if not _finite_sum((value,)):
+                    raise ContractError(f"{what}: metric '{name}' must be a finite number, got {value}")
         tags = d.get("tags")
         if tags is None:
             tags = {}
@@ -238,10 +255,14 @@ class Sample:
         # validated above: build the frozen instance without its __init__'s five object.__setattr__ calls
         # (the TEE decodes a dozen samples per node batch, thousands of batches a second)
         index, ts = d.get("index"), d.get("ts")
-        if index is not None and type(index) is not int:
+        if index is not None and (type(index) is not int or index < 0):
             index = _get(d, "index", int, what=what, optional=True)
-        if ts is not None and type(ts) not in _PLAIN_NUMBERS:
+            if index < 0:
+                raise ContractError(f"{what}: field 'index' must not be negative, got {index}")
+        if ts is not None and (type(ts) not in _PLAIN_NUMBERS or not math.isfinite(ts) or ts <= 0):
             ts = _get(d, "ts", _NUM, what=what, optional=True)
+            if not math.isfinite(ts) or ts <= 0:
+                raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
         obj = object.__new__(cls)
         obj.__dict__.update(source=source if source is not None else _enum(Source, d, "source", what=what),
                             fields=fields_ if owned and type(fields_) is dict else dict(fields_), index=index,
@@ -289,8 +310,11 @@ class MetricBatch:
         if not math.isfinite(ts) or ts <= 0:
             raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
         samples = _get(d, "samples", list, what=what)
+        seq = _get(d, "seq", int, what=what)
+        if seq < 0:
+            raise ContractError(f"{what}: field 'seq' must not be negative, got {seq}")
         return cls(
-            node=node, ts=float(ts), seq=_get(d, "seq", int, what=what),
+            node=node, ts=float(ts), seq=seq,
             samples=tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=owned) for i, s in enumerate(samples)),
             job=_get(d, "job", str, what=what, optional=True),
         )
@@ -357,20 +381,33 @@ class FaultEvent:
 
 @dataclass(frozen=True)
 class Shard:
+    """One rank's shard of a step. ``digest`` is ``ALG:HEX`` (transom.checkpoint.digest); shards
+    written before it existed carry only ``sha256``, which :attr:`checksum` reads as ``sha256:HEX``."""
+
     rank: int
     name: str
     size: int
-    sha256: str
+    sha256: str = ""
+    digest: str = ""
+
+    @property
+    def checksum(self) -> str:
+        return self.digest or f"sha256:{self.sha256}"
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "shard") -> "Shard":
         if not isinstance(d, Mapping):
             raise ContractError(f"{what}: must be an object")
-        sha = _get(d, "sha256", str, what=what)
-        if len(sha) != 64:
+        sha = _get(d, "sha256", str, what=what, optional=True, default="")
+        digest = _get(d, "digest", str, what=what, optional=True, default="")
+        if sha and len(sha) != 64:
             raise ContractError(f"{what}: field 'sha256' must be 64 hex digits")
+        if digest and ":" not in digest:
+            raise ContractError(f"{what}: field 'digest' must be ALGORITHM:HEX, got {digest!r}")
+        if not sha and not digest:
+            raise ContractError(f"{what}: needs a 'digest' (or, written by older versions, 'sha256')")
         return cls(rank=_get(d, "rank", int, what=what), name=_get(d, "name", str, what=what),
-                   size=_get(d, "size", int, what=what), sha256=sha)
+                   size=_get(d, "size", int, what=what), sha256=sha, digest=digest)
 
 
 @dataclass(frozen=True)
@@ -602,11 +639,61 @@ class DeadLetter:
                    offset=_get(d, "offset", int, what=what, optional=True))
 
 
+# --------------------------------------------------------------------------- TEE internal
+
+@dataclass(frozen=True)
+class PeerWindow:
+    """One node's closed soft-detection window, summarised by the TEE worker that reads the node's
+    metrics and sent, keyed by job, to the worker that judges the job's peers.
+
+    ``gpu``: GPU index -> DCGM field -> the window's median; ``reasons``: GPU index -> OR of its clock
+    event reasons; ``nic_err``: mean error rate over the node's up ports (None: no port sample);
+    ``nic_bw``: port device -> median receive rate; ``closed_ts``: the node worker's clock when the
+    window closed; ``hard_ts``: trigger time of the node's last hard fault, if any (it explains soft
+    symptoms that begin while it goes on)."""
+
+    node: str
+    job: str
+    index: int
+    first_ts: float
+    last_ts: float
+    closed_ts: float
+    gpu: Mapping[str, Mapping[str, float]]
+    reasons: Mapping[str, int] = field(default_factory=dict)
+    nic_err: float | None = None
+    nic_bw: Mapping[str, float] = field(default_factory=dict)
+    hard_ts: float | None = None
+    v: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PeerWindow":
+        what = "peer window"
+        _check_version(d, what)
+        gpu = _get(d, "gpu", Mapping, what=what)
+        for gi, fields in gpu.items():
+            if not isinstance(fields, Mapping) or not all(isinstance(v, _NUM) and not isinstance(v, bool)
+                                                          for v in fields.values()):
+                raise ContractError(f"{what}: gpu[{gi!r}] must map field names to numbers")
+        return cls(node=_get(d, "node", str, what=what), job=_get(d, "job", str, what=what),
+                   index=_get(d, "index", int, what=what),
+                   first_ts=float(_get(d, "first_ts", _NUM, what=what)),
+                   last_ts=float(_get(d, "last_ts", _NUM, what=what)),
+                   closed_ts=float(_get(d, "closed_ts", _NUM, what=what)),
+                   gpu={str(k): dict(v) for k, v in gpu.items()},
+                   reasons={str(k): int(v) for k, v in _get(d, "reasons", Mapping, what=what, optional=True,
+                                                            default={}).items()},
+                   nic_err=_get(d, "nic_err", _NUM, what=what, optional=True),
+                   nic_bw={str(k): float(v) for k, v in _get(d, "nic_bw", Mapping, what=what, optional=True,
+                                                              default={}).items()},
+                   hard_ts=_get(d, "hard_ts", _NUM, what=what, optional=True))
+
+
 # --------------------------------------------------------------------------- codec
 
 _BY_TOPIC: dict[str, type] = {
     METRICS: MetricBatch, FAULTS: FaultEvent, CHECKPOINTS: CheckpointReady,
     LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter, REGISTRY: Registration,
+    LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter, PEER_WINDOWS: PeerWindow,
 }
 
 
@@ -617,6 +704,13 @@ def encode(event: Any) -> bytes:
 
 def _reject_constant(name: str) -> Any:
     raise ContractError(f"value contains {name}, which is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):      # 1e999 parses as infinity; orjson refuses it, json does not
+        raise ContractError(f"value contains the number {text}, which is out of range (infinite)")
+    return value
 
 
 def decode(topic: str, raw: bytes | str | None) -> Any:
@@ -632,7 +726,7 @@ def decode(topic: str, raw: bytes | str | None) -> Any:
         d = None          # the standard parser below says precisely why (or takes what orjson refuses)
     try:
         if d is None:
-            d = json.loads(raw, parse_constant=_reject_constant)
+            d = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except ContractError:
         raise
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -11,6 +11,10 @@ of its own (agent, checkpoint daemon and launcher; its own network, /tmp and /de
 broker, TEE and controller run on a control host: the parts meet only over the bed's network, as
 on a cluster. Elsewhere it runs on this one host and says so in one line. ``--hosts`` /
 ``--no-hosts`` choose.
+
+With ``--scheduler slurm`` the same loop runs on the hosts test bed under a real Slurm cluster
+(slurmctld, one slurmd per node host; see transom/demo_slurm.py): the ranks are Slurm batch jobs
+and the faulty node is drained in Slurm. It needs root (namespaces) and slurm-wlm and munge.
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", default=None, help="where logs, checkpoints and rank outputs go (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds (default 600)")
     p.add_argument("--hosts", action=argparse.BooleanOptionalAction, default=None,
-                   help="run on the test bed: a control host and five node hosts as namespaces (default: when this "
-                        "machine can make them; --no-hosts: every part on this one host)")
+                   help="run on the test bed: a control host and five node hosts as namespaces, ranks started by "
+                        "each host's launcher (default: when this machine can make them; --no-hosts: every part on "
+                        "this one host)")
+    p.add_argument("--scheduler", choices=("local", "slurm"), default="local",
+                   help="local: ranks as local processes (default); slurm: on the hosts test bed under a real "
+                        "Slurm cluster (needs root, slurm-wlm and munge)")
     p.set_defaults(func=run_demo)
 
 
@@ -70,15 +78,28 @@ def run_demo(args: argparse.Namespace) -> int:
     def interrupted(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
+    scheduler = getattr(args, "scheduler", "local")
+    if scheduler == "slurm":
+        from . import demo_slurm
+        ok, reason = demo_slurm.available()
+        if not ok:
+            print(f"demo: --scheduler slurm cannot run here: {reason}", file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, interrupted)   # so that a SIGTERM still stops what the demo started
     clock = _Clock()
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="transom-demo-"))
     fault_at = args.fault_at or args.steps // 2
-    on_hosts = _on_hosts(args.hosts)
-    stack = LocalStack(run_dir, hosts=on_hosts)
-    where = (f"on the test bed {stack.bed.subnet} (hosts {', '.join(stack.bed.hosts)}; bed tb{stack.bed.index})"
-             if on_hosts else "on this host")
-    print(f"Transom demo {where}: 4 ranks on node0..node3, spare node4; XID 79 on {args.fault_node} at step "
+    if scheduler == "slurm":
+        stack = demo_slurm.BedStack(run_dir)
+        inject = stack.inject
+        where = "Slurm cluster on the test bed (slurmctld on ctl, slurmd on node0..node4)"
+    else:
+        on_hosts = _on_hosts(getattr(args, "hosts", None))
+        stack = LocalStack(run_dir, hosts=on_hosts)
+        inject = stack.inject
+        where = (f"the test bed {stack.bed.subnet}: hosts {', '.join(stack.bed.hosts)}; bed tb{stack.bed.index}"
+                 if on_hosts else "local processes on this host")
+    print(f"Transom demo ({where}): 4 ranks on node0..node3, spare node4; XID 79 on {args.fault_node} at step "
           f"{fault_at}. Logs in {run_dir}/logs", flush=True)
     job = "demo"
     timeline: dict[str, float] = {}
@@ -92,8 +113,7 @@ def run_demo(args: argparse.Namespace) -> int:
         monitor = Monitor(bootstrap)
         stack.start_agents()
         stack.start_tee()
-        clock.say("agents, checkpoint daemons and launchers on node0..node4 (simulated GPUs), TEE on ctl, started"
-                  if on_hosts else "agents (5 nodes, simulated GPUs) and the TEE worker started")
+        clock.say("agents (5 nodes, simulated GPUs) and the TEE worker started")
         ctl = stack.start_controller(job, train_command(args.steps, args.ckpt_every), world_size=4,
                                      extra=["--exit-when-done"])
         clock.say("controller started; job submitted")
@@ -122,7 +142,7 @@ def run_demo(args: argparse.Namespace) -> int:
                                   f"gen {s.tags.get('generation')}")
                         next_progress = time.monotonic() + 5
                     if not injected and step >= fault_at:
-                        stack.inject(args.fault_node, "xid79")
+                        inject(args.fault_node, "xid79")
                         injected = True
                         clock.say(f"INJECT XID 79 on {args.fault_node} (GPU 0)")
             elif topic == contracts.FAULTS and ev.job in (job, None):
@@ -150,6 +170,10 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"demo: timed out after {args.timeout:.0f}s", file=sys.stderr)
             result = 1
         code = ctl.popen.wait(30) if ctl.popen.poll() is None else ctl.popen.returncode
+        if scheduler == "slurm":
+            print("\nSlurm's nodes (scontrol show nodes; a drained node waits for an operator's RESUME)")
+            for line in stack.node_report():
+                print(f"  {line}")
         monitor.close()
         from .report import write_report
         report_path = write_report(bootstrap, job, run_dir / "report.html")

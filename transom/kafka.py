@@ -10,21 +10,23 @@ configured (:func:`transom.security.fault_signer`): two Kafka headers, principal
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic
 
 from . import contracts
 from .config import kafka_security
 from .log import get
 from .security import FaultSigner, fault_signer
+from .topics import Difference, TopicMismatch, TopicSettings, compare
 
 __all__ = ["BrokerUnavailable", "client_config", "make_producer", "make_consumer", "wait_ready",
-           "ensure_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "produce",
+           "ensure_topics", "check_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "produce",
            "SIGNED_TOPICS", "env_signer"]
 
 log = get("kafka")
@@ -82,12 +84,25 @@ def wait_ready(bootstrap: str, timeout: float = 30.0) -> None:
                             f" ({last or 'no brokers in metadata'}); check --bootstrap / TRANSOM_BOOTSTRAP")
 
 
-def ensure_topics(bootstrap: str, specs: Iterable[contracts.TopicSpec] = contracts.TOPICS,
-                  timeout: float = 30.0) -> list[str]:
-    """Create every missing topic with its partitions and config; return those created."""
+def ensure_topics(bootstrap: str, specs: Iterable[contracts.TopicSpec] | None = None,
+                  timeout: float = 30.0, *, settings: TopicSettings | None = None, grow: bool = False) -> list[str]:
+    """Create every missing topic, check the existing ones; return the topics created.
+
+    Partitions come from ``specs`` (default: ``settings.specs()``), replication and
+    ``min.insync.replicas`` from ``settings`` (default: :meth:`TopicSettings.from_env`, see
+    :mod:`transom.topics`). A replication factor the cluster cannot honour is a ``ConfigError``
+    raised before anything is created. Every difference of an existing topic is logged; fewer
+    partitions than configured raises :class:`transom.topics.TopicMismatch` (``grow``: partitions
+    are added instead, where the broker can).
+    """
+    settings = settings or TopicSettings.from_env()
     admin = AdminClient(client_config(bootstrap))
-    existing = set(admin.list_topics(timeout=timeout).topics)
-    new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=dict(s.config))
+    md = admin.list_topics(timeout=timeout)
+    rf, isr = settings.replication(len(md.brokers))
+    specs = [replace(s, config={**s.config, "min.insync.replicas": str(isr)})
+             for s in (settings.specs() if specs is None else specs)]
+    existing = set(md.topics)
+    new = [NewTopic(s.name, num_partitions=s.partitions, replication_factor=rf, config=dict(s.config))
            for s in specs if s.name not in existing]
     created = []
     if new:
@@ -104,7 +119,51 @@ def ensure_topics(bootstrap: str, specs: Iterable[contracts.TopicSpec] = contrac
         if time.monotonic() > deadline:
             raise BrokerUnavailable(f"topics {sorted(wanted)} did not appear within {timeout:.0f}s")
         time.sleep(0.1)
+    old = [s for s in specs if s.name not in created]
+    if old:
+        differences = check_topics(admin, old, rf, timeout)
+        for d in differences:
+            log.log(logging.ERROR if d.severe else logging.WARNING, "%s", d)
+        severe = [d for d in differences if d.severe]
+        if severe and grow:
+            _grow(admin, severe, timeout)
+        elif severe:
+            raise TopicMismatch("; ".join(map(str, severe)))
     return created
+
+
+def check_topics(admin: AdminClient, specs: Iterable[contracts.TopicSpec], replication_factor: int,
+                 timeout: float = 30.0) -> list[Difference]:
+    """How the existing topics of ``specs`` differ from them (partitions, replicas, configs)."""
+    specs = list(specs)
+    md = admin.list_topics(timeout=timeout)
+    configs: dict[str, dict[str, str] | None] = {}
+    try:     # the configs a broker describes (Tansu: the ones set at creation)
+        futs = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, s.name) for s in specs])
+        for res, fut in futs.items():
+            configs[res.name] = {k: v.value for k, v in fut.result(timeout).items()}
+    except KafkaException as exc:
+        log.info("the broker did not describe topic configs (%s): only partitions and replicas checked", exc)
+    out: list[Difference] = []
+    for s in specs:
+        t = md.topics.get(s.name)
+        if t is None or not t.partitions:
+            continue
+        replicas = len(next(iter(t.partitions.values())).replicas)
+        out += compare(s, partitions=len(t.partitions), replicas=replicas, replication_factor=replication_factor,
+                       config=configs.get(s.name))
+    return out
+
+
+def _grow(admin: AdminClient, severe: list[Difference], timeout: float) -> None:
+    grow = [NewPartitions(d.topic, int(d.want)) for d in severe]
+    try:
+        for name, fut in admin.create_partitions(grow, operation_timeout=timeout).items():
+            fut.result(timeout)
+            log.warning("topic %s grown to %s partitions (keys now map to other partitions: node state moves)",
+                        name, next(d.want for d in severe if d.topic == name))
+    except KafkaException as exc:
+        raise TopicMismatch(f"could not add partitions ({exc}); " + "; ".join(map(str, severe))) from None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,10 @@ A bad value raises :class:`~transom.config.ConfigError` naming the key and what 
 setting that the chosen protocol would ignore (a SASL user over ``SSL``, a CA file over
 ``PLAINTEXT``) is refused too, so a half-done configuration never runs silently in plaintext.
 
+**Checkpoint daemons** (off by default; see docs/security.md). With ``TRANSOM_CKPT_SECRET`` or
+``TRANSOM_CKPT_SECRET_FILE`` set, every connection to a TCE daemon starts with an HMAC
+challenge-response both ways (:func:`ckpt_proof`; the protocol is in :mod:`transom.checkpoint.wire`).
+
 **Fault signatures** (off by default). A producer of fault events with a signing key
 (``TRANSOM_FAULT_PRINCIPAL`` + ``TRANSOM_SIGNING_KEY``) attaches two Kafka headers to every fault:
 ``transom-principal`` (its name) and ``transom-signature``: hex HMAC-SHA256 under its key over::
@@ -43,7 +47,8 @@ from typing import Any, Mapping
 from .config import ConfigError
 
 __all__ = ["KafkaSecurity", "PROTOCOLS", "MECHANISMS", "FaultSigner", "FaultVerifier", "fault_signer",
-           "fault_verifier", "PRINCIPAL_HEADER", "SIGNATURE_HEADER", "MIN_KEY_CHARS", "valid_name"]
+           "fault_verifier", "PRINCIPAL_HEADER", "SIGNATURE_HEADER", "MIN_KEY_CHARS", "valid_name", "ckpt_secret",
+           "ckpt_proof"]
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -310,3 +315,21 @@ def fault_verifier(environ: Mapping[str, str] | None = None) -> FaultVerifier | 
     if not principals:
         raise ConfigError(f"{name} is set but lists no principal; expected NAME=KEY[,NAME=KEY...]")
     return FaultVerifier(principals)
+
+
+# --------------------------------------------------------------------------- checkpoint daemons
+
+_CKPT_DOMAIN = b"transom-ckpt-v1\n"
+
+
+def ckpt_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The checkpoint daemons' shared secret from ``TRANSOM_CKPT_SECRET[_FILE]``, or None (auth off)."""
+    env = os.environ if environ is None else environ
+    raw = _secret(env, "TRANSOM_CKPT_SECRET")
+    return None if raw is None else _key("TRANSOM_CKPT_SECRET", raw)
+
+
+def ckpt_proof(key: bytes, role: str, server_nonce: str, client_nonce: str) -> str:
+    """Hex HMAC-SHA256 proving ``role`` ("client" or "server") holds ``key`` for this pair of nonces."""
+    msg = b"".join((_CKPT_DOMAIN, role.encode(), b"\n", server_nonce.encode(), b"\n", client_nonce.encode()))
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()

@@ -211,10 +211,11 @@ def test_a_restored_engine_repeats_nothing_its_predecessor_reported():
     from transom.streams.engine import TEEEngine
 
     t0 = 1_700_000_000.0
-    cfg = TEEConfig(hang_timeout=3.0, soft_detectors=())
+    cfg = TEEConfig(hang_timeout=3.0, hang_stale_s=2.0, soft_detectors=())
 
-    def b(i, *extra, step=None):
-        train = c.Sample(c.Source.TRAIN, {"step": step if step is not None else i, "alive": 1, "step_time": 0.5},
+    def b(i, *extra, step=None):     # from step 3 on, the rank's heartbeat stops too (it is stuck)
+        train = c.Sample(c.Source.TRAIN, {"step": step if step is not None else i, "alive": 1, "step_time": 0.5,
+                                          "heartbeat_age_s": 0 if step is None else i - 3},
                          index=0, tags={"job": "j", "generation": "0"})
         return c.MetricBatch(node="n1", ts=t0 + i, seq=i, job="j", samples=(gpu(0), *extra, train))
 

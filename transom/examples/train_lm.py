@@ -292,7 +292,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="benchmark hook: while D/<node> holds a fraction f, steps take 1/f of their time (default: off)")
     p.add_argument("--steps-file", default=None, metavar="F",
                    help="rank 0 appends 'step generation epoch_seconds' to F after every step (default: none)")
+    p.add_argument("--eval-pause", default=None, metavar="STEP:SECONDS",
+                   help="benchmark hook: after step STEP every rank stands still for SECONDS, as an evaluation "
+                        "pass without a phase marker would (default: none)")
     args = p.parse_args(argv)
+    if args.eval_pause is not None:
+        at, _, secs = args.eval_pause.partition(":")
+        if not (at.isdigit() and secs.replace(".", "", 1).isdigit()):
+            p.error(f"--eval-pause {args.eval_pause!r}: expected STEP:SECONDS, e.g. 200:40")
+        args.eval_pause = (int(at), float(secs))
     if args.steps < 1 or args.ckpt_every < 0 or args.batch_size < 1 or args.seq_len < 2:
         p.error("--steps, --batch-size must be >= 1, --seq-len >= 2, --ckpt-every >= 0")
     if args.width < 1 or args.layers < 1 or args.heads < 1 or args.width % args.heads:
@@ -365,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             last_saved = step
             ckpt["ckpt_stall_s"] = engine.last_snapshot_s
         report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time, **ckpt, **restored)
+        if args.eval_pause and step == args.eval_pause[0]:
+            time.sleep(args.eval_pause[1])       # every rank at the same step: a job-wide pause, no marker
         if steps_out is not None:
             steps_out.write(f"{step} {generation} {time.time():.6f}\n")
             steps_out.flush()

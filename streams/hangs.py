@@ -1,0 +1,272 @@
+"""Hang detection that tells a hang from a pause (no Faust here).
+
+A synchronous job whose steps stop is either paused (every rank checkpoints, evaluates, reloads
+data, compiles, or starts slowly) or hung (one rank is stuck, and every other rank waits for it
+inside a collective). Both look the same in the step counter. What tells them apart:
+
+- **the stuck rank itself**: its heartbeat stopped (``heartbeat_age_s`` from the agent: a
+  SIGSTOPped rank, or one holding the GIL in a C call) or the kernel says it is stopped
+  (``stopped = 1``, only where the agent shares its PID namespace);
+- **the GPUs**: ranks waiting in a collective spin their GPUs at full utilisation; the rank that
+  never arrived leaves its GPUs idle. A pause idles (or keeps busy) every node alike;
+- **its peers**: a rank whose step stands still while the other ranks of its job step on;
+- **what the job declares**: ``report(phase="checkpoint")`` (or eval, data, compile, startup,
+  restore) raises the ceiling for that phase (``hang_phase_ceilings``);
+- **what the job has survived**: a stop with no stuck rank is a pause until
+  ``max(hang_pause_floor_s, hang_pause_margin x the longest pause this job survived)`` (NVRx
+  sets its timeouts from observed intervals the same way), then a job-level hang.
+
+Rules, per rank, in sample time (``stall`` = how long its step has stood still):
+
+===============================================  ==========================================
+condition                                        the hang event names
+===============================================  ==========================================
+stall > step limit and the rank is stuck          that rank and its node (``cause: stuck``)
+stall > step limit, peers stepped on meanwhile    that rank and its node (``cause: behind``)
+stall > step limit, whole job still; this node's  this node's ranks (``cause: not in the
+GPUs idle while at least 2x as many nodes spin    collective``)
+stall > pause ceiling (nothing stands out)        the rank that stopped first (``cause:
+                                                  pause ceiling``), its node only
+===============================================  ==========================================
+
+The step limit is ``max(hang_timeout, hang_step_factor x median step time)``. A hang is reported
+for a rank with the batch of its own node (one event per stall, id from job, generation, node,
+rank, the time its step last moved), with the stuck rank's process state and stack and, as
+evidence, where the waiting ranks are. Ranks are keyed by node too (two nodes may both call a
+rank 0 when the agents do not know the global rank).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from transom.contracts import DCGM, Action, FaultEvent, FaultKind, MetricBatch, Severity, Source, stable_id
+
+from .config import TEEConfig
+from .rules import NodeState, fault
+
+__all__ = ["HangDetector", "RankView", "JobView"]
+
+_FORGET_AFTER = 3600.0    # drop ranks not seen for this long (sample time)
+_PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
+
+
+@dataclass
+class RankView:
+    """Where one rank stands (sample time)."""
+
+    node: str
+    step: float
+    since: float                       # ts of the first sample that showed ``step``
+    last_seen: float
+    step_times: deque = field(default_factory=lambda: deque(maxlen=20))
+    heartbeat_age: float | None = None
+    stopped: bool = False
+    phase: str = ""
+    stack: str = ""
+    state: str = ""
+    pid: str = ""
+
+    @property
+    def stall(self) -> float:
+        return self.last_seen - self.since
+
+    def median_step(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+
+@dataclass
+class JobView:
+    """One job as this worker sees it: its ranks (keyed node, generation, rank) and its nodes' GPUs."""
+
+    ranks: dict[tuple[str, str, int], RankView] = field(default_factory=dict)
+    gpu_util: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean util)
+    longest_pause: float = 0.0         # the longest stall this job survived (sample time)
+    reported: set = field(default_factory=set)     # (node, generation, rank, since) reported hung
+
+
+class HangDetector:
+    """The hang rule of the engine (``observe(state, batch, now)``), with per-job state."""
+
+    name = "hang"
+
+    def __init__(self, config: TEEConfig) -> None:
+        self.config = config
+        self.jobs: dict[str, JobView] = {}
+        self._ceilings = dict(config.hang_phase_ceilings)
+        self._hung: dict[str, list] = {}         # node -> the (job, rank key, since) of its last reported hangs
+        self._swept = 0.0
+
+    # ------------------------------------------------------------------ limits
+
+    def step_limit(self, r: RankView) -> float:
+        median = r.median_step()
+        base = self.config.hang_timeout
+        return base if median is None else max(base, self.config.hang_step_factor * median)
+
+    def pause_limit(self, job: JobView, phase: str) -> float:
+        """How long the whole job may stand still with no rank standing out."""
+        learned = max(self.config.hang_pause_floor_s, self.config.hang_pause_margin * job.longest_pause)
+        if phase:
+            return max(learned, self._ceilings.get(phase, self._ceilings.get("default", 0.0)))
+        return learned
+
+    def stuck(self, r: RankView) -> bool:
+        if r.stopped:
+            return True
+        if r.heartbeat_age is None:
+            return False
+        stale = self.config.hang_stale_s * (4 if r.phase else 1)   # a declared phase may hold the GIL longer
+        return r.heartbeat_age >= stale
+
+    def ongoing(self, node: str, ts: float) -> bool:
+        """Whether a hang of ``node`` is going on at ``ts`` (its soft symptoms are explained by it)."""
+        for job_id, key, since in self._hung.get(node, ()):
+            job = self.jobs.get(job_id)
+            r = job.ranks.get(key) if job is not None else None
+            if r is not None and r.since == since and ts - since > self.step_limit(r):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ observe
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        trains = batch.of(Source.TRAIN)
+        node = batch.node
+        gpus = [s.fields[DCGM.GPU_UTIL] for s in batch.of(Source.GPU) if DCGM.GPU_UTIL in s.fields]
+        if not trains:
+            if gpus and batch.job in self.jobs:
+                self.jobs[batch.job].gpu_util[node] = (batch.ts, sum(gpus) / len(gpus))
+            return []
+        mine: list[tuple[str, tuple[str, str, int], RankView]] = []
+        for s in trains:
+            job_id = s.tags.get("job") or batch.job or ""
+            job = self.jobs.get(job_id)
+            if job is None:
+                job = self.jobs[job_id] = JobView()
+            if gpus:
+                job.gpu_util[node] = (batch.ts, sum(gpus) / len(gpus))
+            key = (node, s.tags.get("generation", "0"), s.index if s.index is not None else -1)
+            if s.fields.get("alive") == 0:
+                job.ranks.pop(key, None)
+                continue
+            step = s.fields.get("step")
+            if step is None:
+                continue
+            ts = float(s.ts) if s.ts is not None else batch.ts
+            seen = max(ts, batch.ts)
+            r = job.ranks.get(key)
+            if r is None:
+                r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen)
+            elif step != r.step:
+                stalled = ts - r.since
+                median = r.median_step() or 0.0
+                if (node, key[1], key[2], r.since) not in job.reported and stalled > max(_PAUSE_MIN * median, 1.0):
+                    job.longest_pause = max(job.longest_pause, stalled)
+                r.step, r.since, r.last_seen = step, ts, seen
+                step_time = s.fields.get("step_time")
+                if step_time is not None and step_time > 0:
+                    r.step_times.append(float(step_time))
+            else:
+                r.last_seen = max(r.last_seen, seen)
+            r.heartbeat_age = s.fields.get("heartbeat_age_s")
+            r.stopped = s.fields.get("stopped") == 1
+            r.phase, r.stack, r.state, r.pid = (s.tags.get("phase", ""), s.tags.get("stack", ""),
+                                                s.tags.get("state", ""), s.tags.get("pid", ""))
+            if s.fields.get("alive") == 1:
+                mine.append((job_id, key, r))
+        out = []
+        for job_id, key, r in mine:
+            f = self._decide(state, batch, now, job_id, key, r)
+            if f is not None:
+                out.append(f)
+        if batch.ts - self._swept < 60.0:
+            return out
+        self._swept = batch.ts
+        cutoff = batch.ts - _FORGET_AFTER
+        for job_id, job in list(self.jobs.items()):
+            for key in [k for k, v in job.ranks.items() if v.last_seen < cutoff]:
+                del job.ranks[key]
+            if not job.ranks and all(ts < cutoff for ts, _ in job.gpu_util.values()):
+                del self.jobs[job_id]
+        return out
+
+    # ------------------------------------------------------------------ decide
+
+    def _decide(self, state: NodeState, batch: MetricBatch, now: float, job_id: str,
+                key: tuple[str, str, int], r: RankView) -> FaultEvent | None:
+        job = self.jobs[job_id]
+        node, generation, rank = key
+        limit = self.step_limit(r)
+        if r.stall <= limit or (node, generation, rank, r.since) in job.reported:
+            return None
+        if state.hung_at.get((job_id, generation, rank)) == r.step:     # an earlier worker reported it
+            return None
+        peers = [(k, v) for k, v in job.ranks.items() if k != key and k[1] == generation]
+        cause = None
+        if self.stuck(r) and not (peers and all(self.stuck(v) for _, v in peers)):
+            cause = "stuck"           # (every rank stuck at once is the whole job frozen: a pause, below)
+        elif any(r.since + limit < v.since <= r.last_seen for _, v in peers):
+            cause = "behind"          # a peer stepped on while this rank was seen standing still
+                                      # (a peer read further ahead in time proves nothing about then)
+        elif self._not_in_collective(job, node, r, peers):
+            if any(k[0] == node and k[2] < rank and v.stall > limit for k, v in peers):
+                return None           # one event per idle node: its lowest rank
+            cause = "not in the collective"
+        else:
+            if any((k[0], k[1], k[2], v.since) in job.reported for k, v in peers):
+                return None           # a rank of this stall is reported hung already: the job waits for it
+            phase = r.phase or next((v.phase for _, v in peers if v.phase), "")
+            ceiling = self.pause_limit(job, phase)
+            first = min([(r.since, key), *((v.since, k) for k, v in peers)])[1]
+            if r.stall <= ceiling or first != key:
+                return None           # one event for the job: the rank that stopped first
+            limit, cause = ceiling, "pause ceiling"
+        job.reported.add((node, generation, rank, r.since))
+        self._hung[node] = [*self._hung.get(node, [])[-7:], (job_id, key, r.since)]
+        return self._event(batch, now, job_id, key, r, job, peers, cause, limit)
+
+    def _not_in_collective(self, job: JobView, node: str, r: RankView, peers) -> bool:
+        """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin."""
+        if not peers or any(v.stall < self.step_limit(v) / 2 for _, v in peers):
+            return False
+        fresh = {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
+        mine = fresh.get(node)
+        if mine is None or mine > self.config.hang_idle_util:
+            return False
+        idle = sum(1 for u in fresh.values() if u <= self.config.hang_idle_util)
+        busy = sum(1 for u in fresh.values() if u >= self.config.hang_busy_util)
+        return busy >= 2 * idle
+
+    def _event(self, batch: MetricBatch, now: float, job_id: str, key, r: RankView, job: JobView, peers,
+               cause: str, limit: float) -> FaultEvent:
+        node, generation, rank = key
+        waiting = [{"node": k[0], "rank": k[2], "stall_s": round(v.stall, 1),
+                    **({"stack": v.stack[:400]} if v.stack else {}),
+                    **({"gpu_util": round(job.gpu_util[k[0]][1], 1)} if k[0] in job.gpu_util else {})}
+                   for k, v in sorted(peers, key=lambda kv: kv[0])[:8]]
+        evidence: dict[str, Any] = {
+            "step": r.step, "generation": generation, "last_progress_ts": r.since, "stalled_s": round(r.stall, 3),
+            "limit_s": round(limit, 3), "cause": cause, "hang_timeout_s": self.config.hang_timeout,
+            "median_step_time_s": r.median_step(), "pid": r.pid or None, "phase": r.phase or None,
+            "heartbeat_age_s": r.heartbeat_age, "stopped": r.stopped, "process_state": r.state or None,
+            "stack": r.stack or None, "longest_pause_survived_s": round(job.longest_pause, 1),
+            "waiting_ranks": waiting,
+        }
+        if node in job.gpu_util:
+            evidence["gpu_util"] = round(job.gpu_util[node][1], 1)
+        how = {"stuck": "is stuck (" + ("stopped" if r.stopped else f"no heartbeat for {r.heartbeat_age or 0:.0f}s") + ")",
+               "behind": "stands still while its peers step on",
+               "not in the collective": "idles its GPUs while its peers spin in a collective",
+               "pause ceiling": f"and the whole job stand still longer than any pause it survived"}[cause]
+        return fault(
+            FaultKind.HANG, Severity.CRITICAL, Action.RESTART,
+            fault_id=stable_id(job_id, generation, "hang", node, rank, r.since), node=node,
+            job=job_id or batch.job, rank=rank, detector="rule.hang", observed_ts=r.last_seen, now=now,
+            score=r.stall, threshold=limit, evidence=evidence,
+            summary=(f"Rank {rank} of job {job_id} on {node} {how}: at step {r.step:g} for {r.stall:.0f}s "
+                     f"(limit {limit:.0f}s)."),
+        )

@@ -1,0 +1,141 @@
+"""The per-node temporal detector of the engine: :class:`~.scoring.TemporalScorer` on the live stream.
+
+The same scorer, configuration and threshold rule that ``bench/tee_external.py`` grades on SMD and
+ASD (``ScorerConfig()``: a bagged kNN over values and residuals, threshold by peaks over threshold
+on a held-out validation split of the node's own history), fed one row per batch of a node:
+
+==========  ==========================================  ==========
+column      what                                        from
+==========  ==========================================  ==========
+util        mean GPU utilisation                        GPU
+temp        mean GPU temperature                        GPU
+power       mean GPU power                              GPU
+clock       mean SM clock                               GPU
+nic_err     symbol + receive errors per second          NIC (sum)
+nic_bw      mean receive rate of the up ports           NIC
+==========  ==========================================  ==========
+
+Rows of batches whose training step did not move (a pause, a hang) are left out of both history and
+scoring (a slowdown needs a running job). Once a node has ``temporal_history`` rows the scorer is
+fitted; from then on every ``temporal_every`` rows are scored together (with the rows before them
+for the residuals and the smoothing), and ``temporal_consecutive`` scores in a row above the
+threshold make one ANOMALY fault (class ``anomaly``), a WARNING to observe: this detector says that
+a node left its own normal, not what is wrong, so it never asks for an eviction. A node is
+refitted after a fault resolves (``soft_clear`` clean blocks). Opt in with
+``soft_detectors=("peers", "temporal")``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from transom.contracts import DCGM, Action, FaultEvent, FaultKind, MetricBatch, Severity, Source, stable_id
+
+from .config import TEEConfig
+from .rules import NodeState, fault
+from .scoring import ScorerConfig, TemporalScorer
+
+__all__ = ["TemporalDetector", "COLUMNS"]
+
+COLUMNS = ("util", "temp", "power", "clock", "nic_err", "nic_bw")
+
+
+@dataclass
+class _NodeTemporal:
+    rows: list = field(default_factory=list)      # history until fitted, then the trailing rows
+    ts: list = field(default_factory=list)
+    scorer: TemporalScorer | None = None
+    fresh: int = 0                                # rows not scored yet
+    run: int = 0
+    run_start: float = 0.0
+    clean: int = 0
+    open_fault: FaultEvent | None = None
+    last_step: float | None = None
+
+
+def row_of(batch: MetricBatch) -> list[float] | None:
+    """The node's feature row of one batch (None without GPU values)."""
+    g = [s.fields for s in batch.of(Source.GPU) if DCGM.GPU_UTIL in s.fields]
+    if not g:
+        return None
+    n = len(g)
+    nic = [s.fields for s in batch.of(Source.NIC) if s.fields.get("link_up", 1) == 1]
+    bw = [f["port_rcv_bytes_per_s"] for f in nic if "port_rcv_bytes_per_s" in f]
+    return [sum(f[DCGM.GPU_UTIL] for f in g) / n, sum(f.get(DCGM.GPU_TEMP, 0.0) for f in g) / n,
+            sum(f.get(DCGM.POWER_USAGE, 0.0) for f in g) / n, sum(f.get(DCGM.SM_CLOCK, 0.0) for f in g) / n,
+            sum(f.get("symbol_error_per_s", 0.0) + f.get("port_rcv_errors_per_s", 0.0) for f in nic),
+            sum(bw) / len(bw) if bw else 0.0]
+
+
+class TemporalDetector:
+    name = "temporal"
+
+    def __init__(self, config: TEEConfig, scorer: ScorerConfig | None = None) -> None:
+        self.config = config
+        self.scorer_config = scorer or ScorerConfig()
+        self._warm = self.scorer_config.residual_window + 5 * self.scorer_config.smooth
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        nt = state.detectors.get(self.name)
+        if nt is None:
+            nt = state.detectors[self.name] = _NodeTemporal()
+        steps = [s.fields["step"] for s in batch.of(Source.TRAIN) if "step" in s.fields]
+        if steps:
+            moved = nt.last_step is None or steps[0] != nt.last_step
+            nt.last_step = steps[0]
+            if not moved:
+                return []
+        row = row_of(batch)
+        if row is None:
+            return []
+        nt.rows.append(row)
+        nt.ts.append(batch.ts)
+        cfg = self.config
+        if nt.scorer is None:
+            if len(nt.rows) >= cfg.temporal_history:
+                nt.scorer = TemporalScorer(self.scorer_config).fit(np.array(nt.rows))
+                nt.rows, nt.ts, nt.fresh = nt.rows[-self._warm:], nt.ts[-self._warm:], 0
+            return []
+        nt.fresh += 1
+        if nt.fresh < cfg.temporal_every:
+            return []
+        scores = nt.scorer.score(np.array(nt.rows))[-nt.fresh:]
+        block_ts = nt.ts[-nt.fresh:]
+        nt.fresh = 0
+        keep = self._warm + cfg.temporal_every
+        nt.rows, nt.ts = nt.rows[-keep:], nt.ts[-keep:]
+        return self._advance(state, nt, scores, block_ts, now)
+
+    def _advance(self, state: NodeState, nt: _NodeTemporal, scores, block_ts, now: float) -> list[FaultEvent]:
+        thr = nt.scorer.threshold
+        out = []
+        for sc, ts in zip(scores, block_ts):
+            if sc <= thr:
+                nt.run = 0
+                continue
+            if nt.run == 0:
+                nt.run_start = ts
+            nt.run += 1
+            if nt.run == self.config.temporal_consecutive and nt.open_fault is None:
+                top = nt.scorer.contributions(np.array(nt.rows[-1]))
+                order = np.argsort(-np.abs(top))[:3]
+                f = fault(FaultKind.ANOMALY, Severity.WARNING, Action.OBSERVE,
+                          fault_id=stable_id(state.node, "temporal", nt.run_start), node=state.node, job=state.job,
+                          detector="scorer.temporal", observed_ts=ts, now=now, score=float(sc), threshold=float(thr),
+                          evidence={"class": "anomaly", "since_ts": nt.run_start,
+                                    "threshold_rule": self.scorer_config.threshold_rule,
+                                    "top_columns": {COLUMNS[i]: round(float(top[i]), 2) for i in order
+                                                    if i < len(COLUMNS)}},
+                          summary=(f"{state.node} left its own normal: temporal score {sc:.2f} over its threshold "
+                                   f"{thr:.2f} for {nt.run} samples (observe)."))
+                nt.open_fault = f
+                out.append(f)
+        if nt.open_fault is not None:
+            nt.clean = nt.clean + 1 if max(scores) <= thr else 0
+            if nt.clean >= self.config.soft_clear:
+                f, nt.open_fault, nt.clean = nt.open_fault, None, 0
+                out.append(FaultEvent(**{**f.__dict__, "resolved": True, "detected_ts": now,
+                                         "observed_ts": block_ts[-1], "summary": f"resolved: {f.summary}"}))
+        return out

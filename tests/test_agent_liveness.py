@@ -1,0 +1,117 @@
+"""Rank liveness without PID lookups: heartbeats and exit reports, across PID namespaces.
+
+A training rank in another PID namespace (a container, a pod) has a pid that means nothing to the
+agent. Its liveness comes from the rank itself: a heartbeat thread (stops when the rank is
+SIGSTOPped) and an exit report. Uses the real intake socket and a real process in a new PID
+namespace (``unshare``; skipped where namespaces cannot be made).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from transom import contracts
+from transom.agents.intake import IntakeServer, parse_datagram
+from transom.agents.training import TrainingCollector
+from transom.streams.config import TEEConfig
+from transom.streams.engine import TEEEngine
+
+from util import wait_until
+
+CHILD = r"""
+import sys
+from transom.agents.intake import report
+report(step=1, loss=2.0, step_time=0.1, phase="eval")
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _can_unshare() -> str | None:
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    try:
+        r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unshare failed: {exc}"
+    return None if r.returncode == 0 else f"cannot make a PID namespace here: {r.stderr.decode().strip()[:80]}"
+
+
+def test_heartbeat_and_exit_datagrams_parse_with_phase_and_stack():
+    hb = parse_datagram(json.dumps({"type": "heartbeat", "rank": 2, "pid": 9, "job": "j", "phase": "checkpoint",
+                                    "stack": "x.py:3 wait", "pidns": "pid:[1]", "step": 5}).encode())
+    assert (hb.kind, hb.phase, hb.stack, hb.pidns, dict(hb.values)) == ("heartbeat", "checkpoint", "x.py:3 wait",
+                                                                        "pid:[1]", {})
+    assert parse_datagram(b'{"type":"exit","rank":0,"pid":3}').kind == "exit"
+
+
+def test_a_rank_in_another_pid_namespace_is_found_hung_when_stopped_and_exited_when_it_exits():
+    why = _can_unshare()
+    if why:
+        pytest.skip(why)
+    col = TrainingCollector("n1")
+    server = IntakeServer("127.0.0.1", 0, on_train=col.update, on_inject=lambda r: {}, logger=logging.getLogger("t"))
+    addr = server.start()
+    env = {**os.environ, "RANK": "1", "TRANSOM_JOB": "jl", "TRANSOM_NODE": "n1", "TRANSOM_AGENT_ADDR": addr,
+           "TRANSOM_HEARTBEAT_S": "0.2"}
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", CHILD], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        rank = wait_until(lambda: [c for c in psutil.Process(proc.pid).children() if "python" in c.name()], 10,
+                          "the rank process inside the namespace")[0]
+
+        def sample() -> contracts.Sample | None:
+            got = col.collect()
+            return got[0] if got else None
+
+        first = wait_until(sample, 10, "a sample of the rank", interval=0.05)
+        assert first.tags["pid"] != str(rank.pid)          # its own namespace's pid, not ours
+        assert first.tags["phase"] == "eval" and first.fields["alive"] == 1
+        # the main thread waits on stdin: the heartbeat says where
+        wait_until(lambda: "<string>:6 <module>" in ((sample() or first).tags.get("stack") or ""), 10, "a stack sample")
+        # the TEE's hang detector, fed the collector's samples as the agent would publish them
+        engine = TEEEngine(TEEConfig(hang_timeout=1.0, hang_stale_s=1.5, soft_detectors=()))
+        hangs: list[contracts.FaultEvent] = []
+
+        def feed() -> contracts.Sample | None:
+            s = sample()
+            if s is not None:
+                now = time.time()
+                hangs.extend(engine.process(contracts.MetricBatch(node="n1", ts=now, seq=0, job="jl", samples=(s,)),
+                                            now=now))
+            return s
+
+        for _ in range(15):          # standing still with a live heartbeat (waiting on stdin) is no hang
+            feed()
+            time.sleep(0.2)
+        assert hangs == []
+        rank.send_signal(signal.SIGSTOP)
+        stuck = wait_until(lambda: (s := feed()) and s.fields["heartbeat_age_s"] > 2 and s, 15,
+                           "the stopped rank's heartbeat to age", interval=0.2)
+        assert stuck.fields["alive"] == 1 and "stopped" not in stuck.fields   # no pid lookup across namespaces
+        [hang] = wait_until(lambda: feed() and hangs, 10, "the hang event", interval=0.2)
+        assert (hang.node, hang.rank, hang.evidence["cause"]) == ("n1", 1, "stuck")
+        assert "<string>:6 <module>" in hang.evidence["stack"]     # where it was when its heartbeat stopped
+        rank.send_signal(signal.SIGCONT)
+        wait_until(lambda: (s := sample()) and s.fields["heartbeat_age_s"] < 1, 10, "the heartbeat back")
+        proc.stdin.write("bye\n")
+        proc.stdin.flush()
+        proc.wait(20)
+        gone = wait_until(lambda: (s := sample()) and s.fields["alive"] == 0 and s, 10, "alive=0 after the exit")
+        assert gone.fields["alive"] == 0 and col.collect() == []     # reported once, then forgotten
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        server.stop()

@@ -1,0 +1,113 @@
+"""Hangs told from pauses (streams/hangs.py), on the pure engine: three nodes of one synchronous job."""
+
+from __future__ import annotations
+
+import pytest
+
+from transom import contracts as c
+from transom.config import ConfigError
+from transom.streams.config import TEEConfig
+from transom.streams.engine import TEEEngine
+
+T0 = 1_700_000_000.0
+NODES = ("node0", "node1", "node2")
+
+
+def _batch(node: str, ts: float, step: int, *, util: float = 95.0, hb: float = 0.3, phase: str = "",
+           stack: str = "", stopped: bool = False, rank: int | None = None) -> c.MetricBatch:
+    fields = {"step": step, "loss": 2.0, "step_time": 0.5, "alive": 1, "heartbeat_age_s": hb}
+    if stopped:
+        fields["stopped"] = 1
+    tags = {"job": "j", "generation": "0", "pid": "77"}
+    if phase:
+        tags["phase"] = phase
+    if stack:
+        tags["stack"] = stack
+    gpus = tuple(c.Sample(c.Source.GPU, {c.DCGM.GPU_UTIL: util, c.DCGM.SM_CLOCK: 1980.0}, index=i) for i in range(2))
+    rank = NODES.index(node) if rank is None else rank
+    return c.MetricBatch(node=node, ts=ts, seq=int(ts - T0), job="j",
+                         samples=gpus + (c.Sample(c.Source.TRAIN, fields, index=rank, tags=tags),))
+
+
+def _run(engine: TEEEngine, seconds: range, per_node) -> list[c.FaultEvent]:
+    """Feed one batch per node per second; ``per_node(node, t)`` gives _batch's keywords (with ``step``)."""
+    out = []
+    for t in seconds:
+        for node in NODES:
+            kw = per_node(node, t)
+            out += engine.process(_batch(node, T0 + t, **kw), now=T0 + t + 0.1)
+    return out
+
+
+@pytest.fixture
+def engine() -> TEEEngine:
+    return TEEEngine(TEEConfig(soft_detectors=()))
+
+
+def test_a_job_wide_pause_with_idle_gpus_is_not_a_hang_and_is_learned(engine):
+    # 60 s steps, a 120 s job-wide stop (GPUs idle, heartbeats fresh), 60 s steps again
+    def feed(node, t):
+        paused = 60 <= t < 180
+        return {"step": 60 if paused else (t if t < 60 else t - 120), "util": 3.0 if paused else 95.0}
+
+    assert _run(engine, range(240), feed) == []
+    assert engine._hang.jobs["j"].longest_pause >= 119
+    assert engine._hang.pause_limit(engine._hang.jobs["j"], "") == pytest.approx(1.5 * 120, abs=3)
+
+
+def test_a_declared_checkpoint_phase_may_stand_still_past_the_pause_floor(engine):
+    def feed(node, t):
+        return {"step": min(t, 30), "util": 5.0 if t >= 30 else 95.0, "phase": "checkpoint" if t >= 30 else ""}
+
+    assert _run(engine, range(400), feed) == []
+
+
+def test_a_stopped_rank_is_the_one_hang_event_with_its_state_and_the_waiting_ranks_stacks(engine):
+    # node1's rank stops at t=30 (heartbeat stops); the others wait in the all-reduce, GPUs spinning
+    def feed(node, t):
+        if t < 30:
+            return {"step": t}
+        if node == "node1":
+            return {"step": 30, "util": 0.0, "hb": t - 30.0}
+        return {"step": 30, "util": 100.0, "stack": "distributed_c10d.py:2050 all_reduce < train.py:80 step"}
+
+    found = _run(engine, range(90), feed)
+    assert [(f.kind, f.node, f.rank, f.evidence["cause"]) for f in found] == [(c.FaultKind.HANG, "node1", 1, "stuck")]
+    [f] = found
+    assert f.action == c.Action.RESTART and f.detected_ts - T0 <= 30 + 10 + 2      # within the step limit (one batch later)
+    assert {w["node"] for w in f.evidence["waiting_ranks"]} == {"node0", "node2"}
+    assert all("all_reduce" in w["stack"] for w in f.evidence["waiting_ranks"])
+
+
+def test_gpus_idle_on_one_node_while_its_peers_spin_name_that_node(engine):
+    # no heartbeat evidence at all (an older agent): only the GPUs tell who is not in the collective
+    def feed(node, t):
+        if t < 30:
+            return {"step": t, "hb": 0.0}
+        return {"step": 30, "util": 0.0 if node == "node2" else 100.0, "hb": 0.0}
+
+    found = _run(engine, range(80), feed)
+    assert [(f.node, f.evidence["cause"]) for f in found] == [("node2", "not in the collective")]
+
+
+def test_a_rank_behind_its_stepping_peers_is_hung(engine):
+    def feed(node, t):
+        return {"step": min(t, 20) if node == "node0" else t, "hb": 0.0}
+
+    found = _run(engine, range(60), feed)
+    assert [(f.node, f.evidence["cause"]) for f in found] == [("node0", "behind")]
+
+
+def test_a_stop_longer_than_every_pause_is_one_job_level_hang(engine):
+    def feed(node, t):
+        return {"step": min(t, 20), "util": 5.0 if t > 20 else 95.0}
+
+    found = _run(engine, range(260), feed)
+    assert [(f.node, f.evidence["cause"]) for f in found] == [("node0", "pause ceiling")]
+    assert found[0].threshold == 180.0
+
+
+def test_phase_ceilings_refuse_a_bad_value():
+    with pytest.raises(ConfigError, match="hang_phase_ceilings"):
+        TEEConfig(hang_phase_ceilings={"checkpoint": -1})
+    assert dict(TEEConfig(hang_phase_ceilings={"eval": 60}).hang_phase_ceilings) == {"eval": 60}

@@ -1,0 +1,101 @@
+"""TEE at scale: a job's windows gathered whole whatever the order (pure), and the same soft faults
+from three real workers as from one (the real broker, the labelled corpus on the event clock)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from transom import contracts as c
+from transom.broker import EmbeddedBroker
+from transom.streams.classes import SOFT
+from transom.streams.jobwindows import JobWindows
+
+
+def win(node: str, index: int, job: str = "j") -> c.PeerWindow:
+    return c.PeerWindow(node=node, job=job, index=index, first_ts=index * 10.0, last_ts=index * 10.0 + 9,
+                        closed_ts=index * 10.0 + 10, gpu={"0": {c.DCGM.SM_CLOCK: 1980.0}})
+
+
+def names(ws) -> list[tuple[str, int]]:
+    return [(w.node, w.index) for w in ws]
+
+
+def test_peer_window_round_trips_and_refuses_a_bad_gpu_map():
+    w = c.PeerWindow(node="n1", job="j", index=7, first_ts=70.0, last_ts=79.0, closed_ts=80.0,
+                     gpu={"0": {c.DCGM.GPU_TEMP: 61.5}, "3": {c.DCGM.SM_CLOCK: 1900.0}}, reasons={"0": 4},
+                     nic_err=0.25, nic_bw={"mlx5_0": 4e10}, hard_ts=65.0)
+    assert c.decode(c.PEER_WINDOWS, c.encode(w)) == w
+    bad = c.encode(w).replace(b"61.5", b'"hot"')
+    with pytest.raises(c.ContractError, match=r"peer window: gpu\['0'\] must map field names to numbers"):
+        c.decode(c.PEER_WINDOWS, bad)
+
+
+def test_a_jobs_window_is_released_whole_and_in_order_whatever_the_arrival():
+    g = JobWindows(wait=3)
+    # the first window of a job waits until a node is `wait` windows further (its nodes are not known yet)
+    assert g.add(win("b", 0)) == [] and g.add(win("a", 0)) == [] and g.add(win("a", 1)) == []
+    assert g.add(win("c", 0)) == [] and g.add(win("a", 2)) == []
+    assert names(g.add(win("a", 3))) == [("a", 0), ("b", 0), ("c", 0)]
+    # then a window is released once every node of the job has sent it (sorted by node), in window order
+    assert g.add(win("b", 1)) == []
+    assert names(g.add(win("c", 1))) == [("a", 1), ("b", 1), ("c", 1)]
+    assert g.add(win("c", 2)) == []
+    assert names(g.add(win("b", 3))) == [("a", 2), ("c", 2)]      # b skipped window 2: it sent 3
+    assert names(g.add(win("c", 3))) == [("a", 3), ("b", 3), ("c", 3)]
+    # a node that falls silent holds its job back `wait` windows, then is not waited for again
+    g2 = JobWindows(wait=2)
+    for w in (win("a", 0), win("b", 0)):
+        g2.add(w)
+    assert names(g2.add(win("a", 2))) == [("a", 0), ("b", 0)]
+    assert names(g2.add(win("b", 1))) == [("b", 1)]                  # a skipped 1 (it sent 2): b's 1 alone
+    assert names(g2.add(win("b", 2))) == [("a", 2), ("b", 2)]
+    assert g2.add(win("a", 3)) == [] and g2.add(win("a", 4)) == []  # b silent from here
+    assert names(g2.add(win("a", 5))) == [("a", 3)]                  # released without b after 2 windows
+    assert names(g2.add(win("a", 6))) == [("a", 4), ("a", 5), ("a", 6)]   # b no longer waited for
+    # a window older than what its job released goes out at once, alone
+    assert names(g2.add(win("b", 3))) == [("b", 3)] and g2.late == 1
+    assert names(g2.add(win("a", 7))) == [("a", 7)]
+    # flush (end of a replay) releases what is held, in order
+    assert g2.add(win("x", 0, job="k")) == [] and g2.add(win("y", 0, job="k")) == []
+    assert names(g2.flush()) == [("x", 0), ("y", 0)]
+
+
+@pytest.mark.integration
+@pytest.mark.e2e
+def test_three_workers_find_the_same_soft_faults_as_one(monkeypatch):
+    """The labelled corpus (16 nodes in 2 jobs of 8, 12 minutes at 1 Hz, every fault class once; a
+    straggler, a power cap, a hot GPU and a degraded link among them), replayed on the event clock
+    through the real broker by one `transom tee` worker, then by three sharing the partitions: the
+    same soft faults (class and node), each on the same window (observed time within one window),
+    and each the injected one. The job's nodes are spread over the three workers' metrics partitions;
+    their windows meet on the job's partition of transom.peer-windows."""
+    from transom.streams.corpus import Corpus, CorpusSpec
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from tee_quality import pipeline
+
+    corpus = Corpus(CorpusSpec(nodes=16, hours=0.2, seed=13, faults_per_node_hour=1.0, min_per_class=1,
+                               warmup_s=240, gap_s=30))
+    soft = {s.value for s in SOFT}
+
+    batches = sum(1 for _ in corpus.encoded())
+
+    def soft_faults(workers: int) -> dict[tuple[str, str], float]:
+        with EmbeddedBroker() as broker:
+            events, published, _ = pipeline(corpus, broker.bootstrap, workers=workers)
+        assert published == batches
+        found = [f for f in events if not f.resolved and f.evidence.get("class") in soft]
+        assert len({f.fault_id for f in found}) == len(found), "a soft fault was sent twice"
+        return {(f.evidence["class"], f.node): f.observed_ts for f in found}
+
+    one = soft_faults(1)
+    injected = {(i.cls.value, i.node): i for i in corpus.injections if i.cls.value in soft}
+    assert set(one) == set(injected), (sorted(one), sorted(injected))
+    for key, ts in one.items():
+        assert injected[key].start <= ts <= injected[key].end, (key, ts - injected[key].start)
+    three = soft_faults(3)
+    assert set(three) == set(one)
+    for key, ts in one.items():
+        assert abs(three[key] - ts) <= 10.0, (key, three[key] - ts)   # soft_window_s
