@@ -94,8 +94,11 @@ def collect(bootstrap: str, job: str, *, progress: Any = None) -> RunData:
     nodes: set[str] = set()
     for ev in data.lifecycle:
         for key in ("nodes", "spares", "evicted"):
-            value = ev.snapshot.get(key) or ev.detail.get(key) or ()
-            nodes.update(v for v in ([value] if isinstance(value, str) else value) if isinstance(v, str))
+            for value in (ev.snapshot.get(key), ev.detail.get(key)):    # submit_requested's spares is a count
+                if isinstance(value, str):
+                    nodes.add(value)
+                elif isinstance(value, (list, tuple)):
+                    nodes.update(v for v in value if isinstance(v, str))
     batches = []
     for batch in events(contracts.METRICS):
         mine = False
