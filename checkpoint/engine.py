@@ -298,7 +298,7 @@ class CheckpointEngine:
         self.close()
 
     # ------------------------------------------------------------------ load
-    def load(self, step: int | None = None, *, rank: int | None = None, **_: Any) -> tuple[int, Any] | None:
+    def load(self, step: int | None = None, *, rank: int | None = None) -> tuple[int, Any] | None:
         """This rank's state of a committed step, as ``(step, state)``, from its fastest good copy.
 
         Without ``step``: the newest committed step with a good copy (a step without one is
