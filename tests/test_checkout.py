@@ -13,7 +13,7 @@ def test_no_absolute_path_of_a_build_machine_in_the_tree():
     bad = []
     for name in files:
         path = ROOT / name
-        if path.suffix in (".png", ".json") or not path.is_file():
+        if path.suffix in (".png", ".json") or not path.is_file() or name == "tests/test_checkout.py":
             continue
         text = path.read_text(errors="replace")
         bad += [f"{name}: {marker}" for marker in ("/work/", "/home/") if marker in text]
@@ -27,3 +27,15 @@ def test_the_fault_mix_ships_with_the_package(monkeypatch):
     shares, durations, summary = corpus.trace_mix()
     assert abs(sum(shares.values()) - 1.0) < 1e-9 and summary["trace_faults_mapped"] > 0
     assert set(durations) == set(corpus.FaultClass)
+
+
+def test_the_makefile_installs_every_command_a_test_looks_up():
+    import re
+
+    tools = re.search(r"^TOOLS := (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+    installed = {t.split(":")[0] for t in tools}
+    looked_up = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        looked_up |= set(re.findall(r"""shutil\.which\(["']([\w.-]+)["']\)""", path.read_text()))
+    looked_up -= {"chromium-browser"}            # another distribution's name for chromium
+    assert looked_up <= installed, f"tests look up {sorted(looked_up - installed)}: add them to TOOLS in the Makefile"
