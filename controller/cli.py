@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from transom.cli import add_bootstrap
+from transom.cli import add_bootstrap, need_bootstrap
 
 __all__ = ["register"]
 
@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "itself after carrying out that step (e.g. evicting, relaunching).",
         epilog="example: transom controller --node node0=127.0.0.1:7000 --node node1=127.0.0.1:7001 "
                "--job-id demo --world-size 1 -- python -m transom.examples.train_lm --steps 100")
-    add_bootstrap(p)
+    add_bootstrap(p, embedded=True)
     p.add_argument("--backend", default="local", choices=["local", "kubernetes", "slurm"],
                    help="where ranks run (default: local)")
     p.add_argument("--run-dir", default=os.environ.get("TRANSOM_RUN_DIR", "runs"),
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     nodes = dict(args.node)
     if args.backend == "local" and any(not addr for addr in nodes.values()):
         raise SystemExit("transom controller: error: --backend local needs --node NAME=HOST:PORT (the agent address)")
-    with bootstrap_or_embedded(args.bootstrap) as bootstrap:
+    with bootstrap_or_embedded(args.bootstrap, args.embedded_broker) as bootstrap:
         backend = _make_backend(args, bootstrap, nodes)
         precheck = PrecheckConfig(metrics=args.precheck != "off", collective=args.precheck == "full")
         ctl = Controller(bootstrap, backend, precheck=precheck,
@@ -168,8 +168,7 @@ def run_submit(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise SystemExit("transom run: error: give the training command after --")
-    if not args.bootstrap:
-        raise SystemExit("transom run: error: give --bootstrap HOST:PORT (or TRANSOM_BOOTSTRAP): the controller's Kafka")
+    need_bootstrap(args.bootstrap)
     job_id = args.job_id or f"job-{int(time.time())}"
     spec = _spec(args, command, args.nodes)
     ensure_topics(args.bootstrap)
@@ -212,8 +211,7 @@ def run_jobs(args: argparse.Namespace) -> int:
     from .lease import LEASE_KEY
     from .state import Job
 
-    if not args.bootstrap:
-        raise SystemExit("transom jobs: error: give --bootstrap HOST:PORT (or TRANSOM_BOOTSTRAP)")
+    need_bootstrap(args.bootstrap)
     events = []
     for key, value, _p, _o in read_topic(args.bootstrap, contracts.LIFECYCLE):
         if key == LEASE_KEY.encode():

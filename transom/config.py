@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 #: Environment variables the code reads, with what each means (the deploy tests check these).
 ENV: Mapping[str, str] = {
-    "TRANSOM_BOOTSTRAP": "Kafka bootstrap servers, host:port[,host:port]; unset: start the embedded broker",
+    "TRANSOM_BOOTSTRAP": "Kafka bootstrap servers, host:port[,host:port]; required (services: or --embedded-broker)",
     "TRANSOM_LOG_LEVEL": "log level of every service (DEBUG, INFO, WARNING)",
     "TRANSOM_NODE": "this node's id (agent; set by the launcher for training ranks)",
     "TRANSOM_JOB": "job id (set by the launcher for training ranks)",

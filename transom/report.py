@@ -431,13 +431,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .config import ConfigError
-    from .kafka import wait_ready
+    from .cli import need_bootstrap
 
-    if not args.bootstrap:
-        raise ConfigError("report: give --bootstrap HOST:PORT (or set TRANSOM_BOOTSTRAP): the report reads the "
-                          "topics of a running broker")
-    wait_ready(args.bootstrap)
+    need_bootstrap(args.bootstrap)
     try:
         path = write_report(args.bootstrap, args.job, args.output,
                             progress=lambda text: print(f"report: {text}", file=sys.stderr, flush=True))
