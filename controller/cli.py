@@ -33,8 +33,15 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=5, help="relaunches allowed per --restart-window (default 5)")
     p.add_argument("--restart-window", type=float, default=3600.0, metavar="S",
                    help="seconds over which --max-restarts counts (default 3600)")
-    p.add_argument("--backoff", type=float, default=0.0, metavar="S",
-                   help="delay before the 2nd relaunch within the window, doubling after (default 0)")
+    p.add_argument("--backoff", type=float, default=1.0, metavar="S",
+                   help="delay before a relaunch on the same nodes, doubling with each relaunch in the window "
+                        "(the first relaunch that replaced a faulty node does not wait; default 1)")
+    p.add_argument("--report-warn", type=float, default=60.0, metavar="S",
+                   help="a generation with no training report (report()) this long after its launch gets a "
+                        "warning event (default 60)")
+    p.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
+                   help="a generation that has not reached its first training step this long after its launch "
+                        "(rendezvous, pods Pending, a queue) fails that launch with the reason (default 600)")
     p.add_argument("--min-world-size", type=int, default=0,
                    help="shrink down to this many ranks when no spare is left (default 0: never shrink)")
 
@@ -42,7 +49,8 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
 def _spec(args: argparse.Namespace, command: list[str], world: int):
     from .state import JobSpec
     return JobSpec(tuple(command), world, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-                   backoff_s=args.backoff, min_world_size=args.min_world_size)
+                   backoff_s=args.backoff, min_world_size=args.min_world_size, report_warn_s=args.report_warn,
+                   start_timeout_s=args.start_timeout, spares=getattr(args, "spares", 0))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -105,6 +113,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--follow", action="store_true", help="print the job's lifecycle until it ends")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     r.set_defaults(func=run_submit)
+
+    c = sub.add_parser("cancel", help="cancel a job: stop its ranks and end it",
+                       description="Ask the active controller to stop every rank of JOB and end it (state "
+                                   "cancelled); waits for the controller to record it, printing the events.")
+    add_bootstrap(c)
+    c.add_argument("job", help="the job id")
+    c.add_argument("--reason", default=None, help="recorded in the job's events (default: cancelled by USER)")
+    c.set_defaults(func=run_cancel)
+
+    n = sub.add_parser("nodes", help="list nodes with their health; cordon or uncordon one",
+                       description="list (default): every node the active controller's backend knows, its health "
+                                   "(the platform's and the agents' heartbeats), whether it is cordoned and why, and "
+                                   "the job it runs. cordon NODE / uncordon NODE --reason TEXT: keep a node out of "
+                                   "launches, or let it run ranks again (a node evicted for a fault stays cordoned "
+                                   "until an operator uncordons it).")
+    add_bootstrap(n)
+    n.add_argument("action", nargs="?", choices=["list", "cordon", "uncordon"], default="list")
+    n.add_argument("node", nargs="?", help="the node (cordon, uncordon)")
+    n.add_argument("--reason", default=None, help="why (required for cordon and uncordon)")
+    n.add_argument("--json", action="store_true", help="print the view as JSON")
+    n.set_defaults(func=run_nodes)
 
     j = sub.add_parser("jobs", help="list jobs, or show one job's timeline",
                        description="Rebuilt from transom.lifecycle: every job and its state; "
@@ -169,6 +198,7 @@ def run_submit(args: argparse.Namespace) -> int:
     if not command:
         raise SystemExit("transom run: error: give the training command after --")
     need_bootstrap(args.bootstrap)
+    holder = _controller_or_exit(args.bootstrap, "run")
     job_id = args.job_id or f"job-{int(time.time())}"
     spec = _spec(args, command, args.nodes)
     ensure_topics(args.bootstrap)
@@ -179,20 +209,75 @@ def run_submit(args: argparse.Namespace) -> int:
     if producer.flush(30):
         raise SystemExit("transom run: error: could not write the submission to the broker")
     print(job_id, flush=True)
+    print(f"submitted to controller {holder}; `transom jobs show {job_id}` for its timeline", file=sys.stderr)
     if not args.follow:
         return 0
+    return _follow(args.bootstrap, job_id)
+
+
+def _controller_or_exit(bootstrap: str, command: str) -> str:
+    from .lease import current_holder
+
+    got = current_holder(bootstrap)
+    if got is None:
+        raise SystemExit(f"transom {command}: error: no controller holds the lease on {bootstrap} (start "
+                         "`transom controller`, or `transom up` for a whole stack); nothing was submitted")
+    return got[0]
+
+
+def _follow(bootstrap: str, job_id: str, until: tuple[str, ...] = ("completed", "failed", "cancelled")) -> int:
+    """Print the job's lifecycle events (from its first) until one of ``until``; 0 completed/cancelled, 1 failed."""
+    from transom import contracts
     from transom.stack import Monitor
-    monitor = Monitor(args.bootstrap, (contracts.LIFECYCLE,))
+
+    monitor = Monitor(bootstrap, (contracts.LIFECYCLE,))
     try:
         while True:
             got = monitor.poll(0.5)
             if got and got[1].job == job_id and got[1].seq >= 0:
                 e = got[1]
                 print(_line(e), flush=True)
-                if e.name in ("completed", "failed"):
-                    return 0 if e.name == "completed" else 1
+                if e.name in until:
+                    return 1 if e.name == "failed" else 0
     finally:
         monitor.close()
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    from transom import contracts
+    from transom.kafka import make_producer, publish
+
+    need_bootstrap(args.bootstrap)
+    _controller_or_exit(args.bootstrap, "cancel")
+    known = {e.job: e for e in _lifecycle_events(args.bootstrap)}
+    if args.job not in known:
+        print(f"transom cancel: error: no job {args.job!r} in {contracts.LIFECYCLE}", file=sys.stderr)
+        return 1
+    if known[args.job].state in ("completed", "failed", "cancelled"):
+        print(f"transom cancel: job {args.job} has already ended ({known[args.job].state})", file=sys.stderr)
+        return 0
+    producer = make_producer(args.bootstrap)
+    reason = args.reason or f"cancelled by {os.environ.get('USER') or os.getuid()}"
+    publish(producer, contracts.LIFECYCLE, args.job, contracts.LifecycleEvent(
+        job=args.job, seq=-1, ts=time.time(), name="cancel_requested", state="pending", detail={"reason": reason}))
+    if producer.flush(30):
+        raise SystemExit("transom cancel: error: could not write the request to the broker")
+    from transom.stack import Monitor
+
+    monitor = Monitor(args.bootstrap, (contracts.LIFECYCLE,))
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            got = monitor.poll(0.5)
+            if got and got[1].job == args.job and got[1].name in ("cancelled", "completed", "failed") \
+                    and got[1].seq >= 0:
+                print(_line(got[1]), flush=True)
+                return 0
+    finally:
+        monitor.close()
+    print(f"transom cancel: error: the controller did not record the cancellation of {args.job} within 30s",
+          file=sys.stderr)
+    return 1
 
 
 def _line(e) -> str:
@@ -204,22 +289,29 @@ def _line(e) -> str:
             f"{json.dumps(keep, separators=(',', ':'))}{cause}")
 
 
-def run_jobs(args: argparse.Namespace) -> int:
+def _lifecycle_events(bootstrap: str) -> list:
+    """Every job's lifecycle events, in log order (lease and other records left out)."""
     from transom import contracts
     from transom.kafka import read_topic
 
-    from .lease import LEASE_KEY
-    from .state import Job
-
-    need_bootstrap(args.bootstrap)
     events = []
-    for key, value, _p, _o in read_topic(args.bootstrap, contracts.LIFECYCLE):
-        if key == LEASE_KEY.encode():
+    for key, value, _p, _o in read_topic(bootstrap, contracts.LIFECYCLE):
+        if key is None or key.startswith(b"__"):
             continue
         try:
             events.append(contracts.decode(contracts.LIFECYCLE, value))
         except contracts.ContractError:
             continue
+    return events
+
+
+def run_jobs(args: argparse.Namespace) -> int:
+    from transom import contracts
+
+    from .state import Job
+
+    need_bootstrap(args.bootstrap)
+    events = _lifecycle_events(args.bootstrap)
     if args.action == "show":
         if not args.job:
             raise SystemExit("transom jobs show: error: give the job id")
@@ -243,4 +335,74 @@ def run_jobs(args: argparse.Namespace) -> int:
         state = job.state.value + (f"/{job.step.value}" if job.step else "")
         print(f"{job.job:<20} {state:<24} {job.generation:>3} {job.restarts:>8}  "
               f"{','.join(job.nodes)}{'  ' + job.failure if job.failure else ''}")
+    return 0
+
+
+def _node_view(bootstrap: str):
+    """The newest node view a controller published (a LifecycleEvent), or None."""
+    from transom import contracts
+    from transom.kafka import read_topic
+
+    from .service import NODES_KEY
+
+    newest = None
+    for key, value, _p, _o in read_topic(bootstrap, contracts.LIFECYCLE):
+        if key == NODES_KEY.encode():
+            try:
+                ev = contracts.decode(contracts.LIFECYCLE, value)
+            except contracts.ContractError:
+                continue
+            if ev.name == "nodes":
+                newest = ev
+    return newest
+
+
+def run_nodes(args: argparse.Namespace) -> int:
+    from transom import contracts
+    from transom.kafka import make_producer, publish
+
+    from .service import NODES_KEY
+
+    need_bootstrap(args.bootstrap)
+    if args.action != "list":
+        if not args.node or not args.reason:
+            raise SystemExit(f"transom nodes {args.action}: error: give the node and --reason TEXT")
+        _controller_or_exit(args.bootstrap, f"nodes {args.action}")
+        asked = time.time()
+        producer = make_producer(args.bootstrap)
+        publish(producer, contracts.LIFECYCLE, NODES_KEY, contracts.LifecycleEvent(
+            job=NODES_KEY, seq=-1, ts=asked, name=f"{args.action}_requested", state="pending",
+            detail={"node": args.node, "reason": args.reason}))
+        if producer.flush(30):
+            raise SystemExit(f"transom nodes {args.action}: error: could not write the request to the broker")
+        deadline = time.monotonic() + 30
+        while True:
+            view = _node_view(args.bootstrap)
+            if view is not None and view.ts >= asked:
+                break
+            if time.monotonic() > deadline:
+                print(f"transom nodes {args.action}: error: the controller did not answer within 30s", file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        if view.detail.get("error"):
+            print(f"transom nodes {args.action}: error: {view.detail['error']}", file=sys.stderr)
+            return 1
+        if args.node not in view.detail.get("nodes", {}):
+            print(f"transom nodes {args.action}: error: no node {args.node!r} (known: "
+                  f"{', '.join(view.detail.get('nodes', {})) or 'none'})", file=sys.stderr)
+            return 1
+    else:
+        view = _node_view(args.bootstrap)
+        if view is None:
+            print(f"transom nodes: error: no controller has published its node view on {args.bootstrap} "
+                  "(is `transom controller` running?)", file=sys.stderr)
+            return 1
+    nodes = view.detail.get("nodes", {})
+    if args.json:
+        print(json.dumps(nodes))
+        return 0
+    print(f"{'NODE':<16} {'HEALTH':<40} {'CORDONED':<30} JOB")
+    for name, info in nodes.items():
+        job = info.get("job") or (f"spare for {info['spare_for']}" if info.get("spare_for") else "-")
+        print(f"{name:<16} {str(info.get('health'))[:40]:<40} {str(info.get('cordoned') or '-')[:30]:<30} {job}")
     return 0

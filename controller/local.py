@@ -91,6 +91,15 @@ class LocalBackend(Backend):
             write_atomic(str(self.run_dir / "cordoned.json"), json.dumps(cordoned, indent=1))
             log.info("cordoned %s: %s", node, reason)
 
+    def cordoned(self) -> dict[str, str]:
+        return self._cordoned()
+
+    def uncordon(self, node: str, reason: str) -> None:
+        cordoned = self._cordoned()
+        if cordoned.pop(node, None) is not None:
+            write_atomic(str(self.run_dir / "cordoned.json"), json.dumps(cordoned, indent=1))
+            log.info("uncordoned %s: %s", node, reason)
+
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
                resume_step: int | None) -> Mapping[str, Any]:
         record = LaunchRecord(self.run_dir, job, generation)

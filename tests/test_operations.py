@@ -1,0 +1,121 @@
+"""What a user does with jobs and nodes, and the mistakes a controller answers: one real controller
+(local backend, three nodes, no pre-check), `transom run/jobs/cancel/nodes` as a user types them.
+
+Ranks here are tiny Python scripts (no torch): a script that crashes at start, one that never calls
+report(). Every wait has a deadline (the subprocess timeout); nothing asserts how fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from transom.broker import EmbeddedBroker
+
+from util import wait_until
+
+pytestmark = pytest.mark.integration
+TRANSOM = [sys.executable, "-m", "transom.cli"]
+CRASH = "import sys\nprint('loading data')\nopen('data/missing.bin')\n"
+SILENT = "import time\nprint('training without report()', flush=True)\ntime.sleep(300)\n"
+
+
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory):
+    """A broker and a controller of this module's own, three nodes, and the scripts in a user's folder."""
+    tmp = tmp_path_factory.mktemp("ops")
+    (tmp / "crash.py").write_text(CRASH)
+    (tmp / "silent.py").write_text(SILENT)
+    with EmbeddedBroker(log_path=str(tmp / "broker.log")) as broker:
+        env = {**os.environ, "TRANSOM_BOOTSTRAP": broker.bootstrap, "PYTHONUNBUFFERED": "1"}
+        no_controller = cli(env, "run", "--nodes", "1", "--", sys.executable, str(tmp / "silent.py"))
+        args = ["controller", "--run-dir", str(tmp / "runs"), "--precheck", "off", "--no-warm-ranks", "--lease", "2"]
+        for i in range(3):
+            args += ["--node", f"n{i}=127.0.0.1:9"]
+        log = open(tmp / "controller.log", "wb")
+        proc = subprocess.Popen(TRANSOM + args, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_until(lambda: proc.poll() is not None or "holds the lease" in (tmp / "controller.log").read_text(),
+                       60, "the controller's lease")
+            assert proc.poll() is None, (tmp / "controller.log").read_text()[-3000:]
+            yield env, tmp, no_controller
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            from transom.controller.local import LocalBackend
+            for gen_dir in (tmp / "runs").glob("*/gen-*"):
+                LocalBackend(tmp / "runs", {}).stop(gen_dir.parent.name, int(gen_dir.name.split("-")[1]), 5)
+
+
+def cli(env, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run(TRANSOM + list(args), env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def show(env, job: str) -> str:
+    return cli(env, "jobs", "show", job).stdout
+
+
+def test_run_without_a_controller_says_so(ctl):
+    _, _, proc = ctl
+    assert proc.returncode == 1 and "no controller holds the lease" in proc.stderr, proc.stderr
+
+
+def test_a_script_that_crashes_at_start_fails_the_job_with_its_log(ctl):
+    env, tmp, _ = ctl
+    got = cli(env, "run", "--nodes", "2", "--job-id", "crash", "--follow", "--", sys.executable, str(tmp / "crash.py"))
+    assert got.returncode == 1, got.stdout + got.stderr
+    failed = got.stdout.strip().splitlines()[-1]
+    assert "failed" in failed and "before its first training step" in failed, failed
+    assert "gen-0/rank-" in failed and "FileNotFoundError" in failed, failed
+    assert "relaunching" not in got.stdout                     # no crash loop
+    assert "FileNotFoundError" in show(env, "crash")
+
+
+def test_warnings_queue_nodes_and_cancel(ctl):
+    env, tmp, _ = ctl
+    silent = [sys.executable, str(tmp / "silent.py")]
+    assert cli(env, "run", "--nodes", "1", "--spares", "5", "--report-warn", "1", "--job-id", "quiet", "--",
+               *silent).returncode == 0
+    wait_until(lambda: "no training report from generation 0 within 1s" in show(env, "quiet"), 60, "the warning")
+    assert "asked for 5 spare node(s), got 2" in show(env, "quiet")
+    # every node is taken (one rank, two spares): the next job waits
+    assert cli(env, "run", "--nodes", "2", "--job-id", "later", "--", *silent).returncode == 0
+    wait_until(lambda: "queued" in show(env, "later"), 60, "the queued job")
+    too_big = cli(env, "run", "--nodes", "5", "--job-id", "big", "--follow", "--", *silent)
+    assert too_big.returncode == 1 and "this cluster has 3 schedulable (n0, n1, n2): not queued" in too_big.stdout
+    listing = wait_until(lambda: (out := cli(env, "nodes").stdout) and "spare for quiet" in out and out, 60, "nodes")
+    assert "n0" in listing and "quiet" in listing
+    cancelled = cli(env, "cancel", "quiet", "--reason", "done testing")
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout and "done testing" in cancelled.stdout
+    wait_until(lambda: "launched" in show(env, "later"), 60, "the queued job's launch once nodes are free")
+    assert cli(env, "cancel", "later").returncode == 0
+    assert "cancelled" in cli(env, "jobs").stdout
+
+
+def test_cordon_and_uncordon_with_a_reason(ctl):
+    env, _, _ = ctl
+    got = cli(env, "nodes", "cordon", "n2", "--reason", "bad fan")
+    assert got.returncode == 0 and "operator: bad fan" in got.stdout, got.stdout + got.stderr
+    got = cli(env, "nodes", "uncordon", "n2", "--reason", "fan replaced")
+    line = [ln for ln in got.stdout.splitlines() if ln.startswith("n2 ")][0]
+    assert got.returncode == 0 and "bad fan" not in line, got.stdout
+    wrong = cli(env, "nodes", "uncordon", "n9", "--reason", "typo")
+    assert wrong.returncode == 1 and "no node 'n9'" in wrong.stderr
+
+
+def test_a_generation_that_never_steps_fails_its_launch(ctl):
+    env, tmp, _ = ctl
+    got = cli(env, "run", "--nodes", "1", "--job-id", "stuck", "--start-timeout", "2", "--max-restarts", "0",
+              "--follow", "--", sys.executable, str(tmp / "silent.py"))
+    assert got.returncode == 1 and "did not reach its first training step within 2s" in got.stdout, got.stdout
