@@ -61,9 +61,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
         """Start ``generation`` of ``job``, rank r on ``nodes[r]``; adopt it if already started.
 
+        ``workdir``: the ranks' working directory (the submitter's; None: the backend's own); ``env``:
+        variables set for the ranks over the backend's own environment (the submitter's, filtered);
+        the launcher's variables (RANK, MASTER_ADDR, TRANSOM_*) win over both.
         Returns a JSON-able handle that is recorded in the lifecycle event.
         """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -20,6 +21,25 @@ def _node(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"--node {text!r}: expected NAME=HOST:PORT (the node's agent intake), "
                                          "or NAME alone for the kubernetes and slurm backends")
     return name, addr
+
+
+#: Variables of the submitter's environment that never reach the ranks: anything that looks like a
+#: secret (it would be written into every lifecycle event), and Transom's own settings, which the
+#: controller and the nodes decide.
+NOT_INHERITED = re.compile(r"(TOKEN|SECRET|PASSW|PASSPHRASE|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_?KEY|AUTH|COOKIE|"
+                           r"SESSION|_KEY$)|^(TRANSOM_|PWD$|OLDPWD$|SHLVL$|_$)", re.I)
+
+
+def submitter_env(environ: dict[str, str], inherit: bool = True, extra: list[str] = ()) -> dict[str, str]:
+    """The environment a job's ranks get from the submitter: ``environ`` less :data:`NOT_INHERITED`
+    (nothing with ``inherit`` False), then ``extra`` (``K=V`` each, given explicitly, never filtered)."""
+    env = {k: v for k, v in environ.items() if not NOT_INHERITED.search(k)} if inherit else {}
+    for item in extra:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"transom run: error: --env {item!r}: expected NAME=VALUE")
+        env[key] = value
+    return env
 
 
 def _positive(text: str) -> int:
@@ -102,15 +122,28 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     r = sub.add_parser("run", help="submit a job to the running controller",
                        description="Submit a job: the active controller picks NODES schedulable nodes (and SPARES "
-                                   "more as spares), pre-checks them and launches the command, one rank per node.",
+                                   "more as spares), pre-checks them and launches the command, one rank per node, "
+                                   "in this directory with this shell's environment (see --env). The job waits "
+                                   "(queued) while other jobs hold the nodes. The script must call transom's "
+                                   "report() each step: that is how the controller sees progress and hangs.",
                        epilog="example: transom run --nodes 4 --spares 1 --job-id lm -- python -m "
                               "transom.examples.train_lm --steps 300")
     add_bootstrap(r)
     r.add_argument("--nodes", type=_positive, required=True, help="ranks, one per node")
-    r.add_argument("--spares", type=int, default=0, help="spare nodes kept for the job (default 0)")
+    r.add_argument("--spares", type=int, default=0,
+                   help="nodes held for the job besides its ranks': a node evicted for a fault is replaced by one "
+                        "at once (default 0: the job then shrinks if --min-world-size allows, else fails); fewer "
+                        "free nodes than asked: a warning event")
     r.add_argument("--job-id", default=None, help="job id (default: a new one)")
     _policy_args(r)
     r.add_argument("--follow", action="store_true", help="print the job's lifecycle until it ends")
+    r.add_argument("--wait-controller", type=float, default=10.0, metavar="S",
+                   help="wait this long for a controller to hold the lease before refusing (default 10)")
+    r.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set NAME for the ranks (repeat); given explicitly, never filtered")
+    r.add_argument("--no-inherit-env", action="store_true",
+                   help="do not pass this shell's environment to the ranks (only --env); by default they get it, "
+                        "less secret-like names (TOKEN, SECRET, PASSWORD, ..._KEY) and TRANSOM_* settings")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     r.set_defaults(func=run_submit)
 
@@ -198,9 +231,11 @@ def run_submit(args: argparse.Namespace) -> int:
     if not command:
         raise SystemExit("transom run: error: give the training command after --")
     need_bootstrap(args.bootstrap)
-    holder = _controller_or_exit(args.bootstrap, "run")
+    holder = _controller_or_exit(args.bootstrap, "run", args.wait_controller)
     job_id = args.job_id or f"job-{int(time.time())}"
-    spec = _spec(args, command, args.nodes)
+    from dataclasses import replace
+    spec = replace(_spec(args, command, args.nodes), workdir=os.getcwd(),
+                   env=submitter_env(dict(os.environ), not args.no_inherit_env, args.env))
     ensure_topics(args.bootstrap)
     producer = make_producer(args.bootstrap)
     ev = contracts.LifecycleEvent(job=job_id, seq=-1, ts=time.time(), name="submit_requested", state="pending",
@@ -215,10 +250,12 @@ def run_submit(args: argparse.Namespace) -> int:
     return _follow(args.bootstrap, job_id)
 
 
-def _controller_or_exit(bootstrap: str, command: str) -> str:
+def _controller_or_exit(bootstrap: str, command: str, wait_s: float = 0.0) -> str:
     from .lease import current_holder
 
-    got = current_holder(bootstrap)
+    deadline = time.monotonic() + wait_s
+    while (got := current_holder(bootstrap)) is None and time.monotonic() < deadline:
+        time.sleep(0.5)
     if got is None:
         raise SystemExit(f"transom {command}: error: no controller holds the lease on {bootstrap} (start "
                          "`transom controller`, or `transom up` for a whole stack); nothing was submitted")

@@ -109,7 +109,9 @@ class KubernetesBackend(Backend):
 
     # ------------------------------------------------------------------ ranks
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+        user_env = dict(env or {})        # the image's working directory stays: the submitter's is not in it
         svc, selector = self._names(job, generation)
         labels = {"transom.io/job": _label_value(job), "transom.io/generation": str(generation)}
         try:
@@ -123,7 +125,7 @@ class KubernetesBackend(Backend):
         pods = []
         for rank, node in enumerate(nodes):
             name = f"{svc}-r{rank}"
-            env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
+            env = {**user_env, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
                    "MASTER_ADDR": f"{svc}-r0.{svc}.{self.namespace}.svc", "MASTER_PORT": str(PORT),
                    "TRANSOM_JOB": job, "TRANSOM_NODE": node, "TRANSOM_GENERATION": str(generation),
                    "TRANSOM_CKPT_DIR": self.ckpt_dir, "PYTHONUNBUFFERED": "1"}

@@ -122,6 +122,7 @@ class Controller:
         self._metrics: Consumer | None = None
         self._started_ts = time.time()
         self._nodes_at, self._nodes_last, self._node_error = 0.0, None, ""
+        self._driven: set[str] = set()
 
     # ------------------------------------------------------------------ submission
     def submit(self, job_id: str, spec: JobSpec, nodes: tuple[str, ...]) -> None:
@@ -161,7 +162,8 @@ class Controller:
             elif isinstance(action, Launch):
                 self._wait_until(action.not_before)
                 handle = self.backend.launch(job.job, action.generation, action.nodes, job.spec.command,
-                                             action.resume_step)
+                                             action.resume_step, workdir=job.spec.workdir or None,
+                                             env=dict(job.spec.env) or None)
                 outcome.append(Launched(action.generation, time.time(), dict(handle)))
             else:
                 raise TypeError(f"unknown action {action!r}")
@@ -335,6 +337,7 @@ class Controller:
             return
         job = Job(job=ev.job, spec=spec)
         self.jobs[ev.job] = job
+        self._driven.add(ev.job)
         self._record(Decision(job, (), "queued", {}, {"command": list(spec.command), "spec": spec.to_dict()}))
         self._start_queued()
 
@@ -435,6 +438,7 @@ class Controller:
             if self.jobs:
                 log.info("replayed %d job(s) from %s: %s", len(self.jobs), contracts.LIFECYCLE,
                          ", ".join(f"{j.job}={j.state.value}/gen{j.generation}" for j in self.jobs.values()))
+            self._driven = {j.job for j in self.jobs.values() if j.state not in TERMINAL}
             self.reconcile()
             for submission in self.submissions:
                 self._submit_now(*submission)
@@ -469,9 +473,10 @@ class Controller:
         return 1 if any(j.state == JobState.FAILED for j in self._watched()) else 0
 
     def _watched(self) -> list[Job]:
-        """The jobs submitted on this controller's command line, or, without any, every job it knows."""
-        mine = {s[0] for s in self.submissions}
-        return [j for j in self.jobs.values() if not mine or j.job in mine]
+        """The jobs submitted on this controller's command line, or, without any, every job it has driven
+        (live when it took over, or submitted since): jobs that had ended before it started do not count."""
+        mine = {s[0] for s in self.submissions} or self._driven
+        return [j for j in self.jobs.values() if j.job in mine]
 
     def stop(self) -> None:
         self.stopping.set()

@@ -130,7 +130,8 @@ class SlurmBackend(Backend):
 
     # ------------------------------------------------------------------ ranks
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
         record = LaunchRecord(self.run_dir, job, generation)
         if (adopted := record.adopt(log)) is not None:
             return adopted
@@ -139,7 +140,7 @@ class SlurmBackend(Backend):
         if self._run("squeue", "--noheader", "--format=%i", f"--name={name}").strip():
             self._run("scancel", f"--name={name}")       # a launch interrupted before launch.json was written
         port = free_port()
-        env = {**os.environ, "MASTER_ADDR": nodes[0], "MASTER_PORT": str(port), "TRANSOM_JOB": job,
+        env = {**os.environ, **(env or {}), "MASTER_ADDR": nodes[0], "MASTER_PORT": str(port), "TRANSOM_JOB": job,
                "TRANSOM_GENERATION": str(generation), "PYTHONUNBUFFERED": "1",
                "TRANSOM_CKPT_DIR": self.ckpt_dir or str(self.run_dir / job / "ckpt")}
         env.pop("TRANSOM_RESUME_STEP", None)
@@ -149,8 +150,9 @@ class SlurmBackend(Backend):
             env["TRANSOM_BOOTSTRAP"] = self.bootstrap
         if self.agents:
             env["TRANSOM_AGENTS"] = ",".join(f"{k}={v}" for k, v in self.agents.items())
-        argv = self._srun(name, nodes) + [sys.executable, "-m", "transom.controller.rankwrap", "--dir",
-                                          str(gen_dir), "--", *command]
+        argv = self._srun(name, nodes) + ([f"--chdir={workdir}"] if workdir else []) + [
+            sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir.resolve()), "--", *command]
+        argv[0] = shutil.which(argv[0]) or argv[0]     # the controller's srun, not one on the submitter's PATH
         with open(gen_dir / "srun.log", "ab") as out:
             proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)

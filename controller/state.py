@@ -122,16 +122,20 @@ class JobSpec:
     spares: int = 0                   # spare nodes asked for (fewer free: a warning event)
     report_warn_s: float = 60.0       # no training report from a generation this long after its launch: a warning
     start_timeout_s: float = 600.0    # no first step this long after a launch: that launch failed
+    workdir: str = ""                 # the ranks' working directory ("": the backend's own)
+    env: Mapping[str, str] = field(default_factory=dict)   # set for the ranks over the backend's environment
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["command"] = list(self.command)
+        d["env"] = dict(self.env)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "JobSpec":
         kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
         kw["command"] = tuple(d["command"])
+        kw["env"] = {str(k): str(v) for k, v in dict(d.get("env") or {}).items()}
         return cls(**kw)
 
     @property

@@ -33,7 +33,8 @@ def ctl(tmp_path_factory):
     (tmp / "silent.py").write_text(SILENT)
     with EmbeddedBroker(log_path=str(tmp / "broker.log")) as broker:
         env = {**os.environ, "TRANSOM_BOOTSTRAP": broker.bootstrap, "PYTHONUNBUFFERED": "1"}
-        no_controller = cli(env, "run", "--nodes", "1", "--", sys.executable, str(tmp / "silent.py"))
+        no_controller = cli(env, "run", "--nodes", "1", "--wait-controller", "1", "--", sys.executable,
+                            str(tmp / "silent.py"))
         args = ["controller", "--run-dir", str(tmp / "runs"), "--precheck", "off", "--no-warm-ranks", "--lease", "2"]
         for i in range(3):
             args += ["--node", f"n{i}=127.0.0.1:9"]
@@ -119,3 +120,19 @@ def test_a_generation_that_never_steps_fails_its_launch(ctl):
     got = cli(env, "run", "--nodes", "1", "--job-id", "stuck", "--start-timeout", "2", "--max-restarts", "0",
               "--follow", "--", sys.executable, str(tmp / "silent.py"))
     assert got.returncode == 1 and "did not reach its first training step within 2s" in got.stdout, got.stdout
+
+
+def test_ranks_run_in_the_submitters_directory_with_its_environment(ctl, tmp_path):
+    env, _, _ = ctl
+    (tmp_path / "probe.py").write_text(
+        "import json, os\njson.dump({'cwd': os.getcwd(), 'env': dict(os.environ)}, open('seen.json', 'w'))\n")
+    env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+           "MY_API_TOKEN": "s3cret", "USER_SETTING": "kept"}
+    got = subprocess.run(TRANSOM + ["run", "--nodes", "1", "--job-id", "probe", "--env", "GREETING=hi", "--follow",
+                                    "--", "python", "probe.py"],            # relative path, python from PATH
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
+    assert got.returncode == 0, got.stdout + got.stderr
+    seen = __import__("json").loads((tmp_path / "seen.json").read_text())
+    assert seen["cwd"] == str(tmp_path)
+    assert seen["env"]["GREETING"] == "hi" and seen["env"]["USER_SETTING"] == "kept"
+    assert "MY_API_TOKEN" not in seen["env"] and "s3cret" not in show(env, "probe")
