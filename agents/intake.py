@@ -8,6 +8,10 @@ Client side (imported by training scripts; standard library only):
   blocks and never raises: with no agent, no address, a bad value or a socket error the report
   is dropped and counted (:func:`stats`). NaN/Inf values travel as the strings "nan"/"inf"/"-inf"
   (JSON has no NaN); values that are not numbers are left out.
+- :func:`report_event` ``(name, **fields)`` sends a one-off event of the rank (a checkpoint save and
+  how long it stalled training, a restore and where it came from): the agent publishes each event
+  once, as a ``TRAIN`` sample tagged ``event=NAME``, instead of keeping only the newest report.
+  The checkpoint engine reports its own events; training scripts may add theirs.
 - :func:`send_inject` sends ``{"type":"inject","fault":"xid79"|"hang"|"straggler",...}`` and returns the
   agent's answer ``{"ok": bool, ...}`` (the agent answers injections, not reports).
 
@@ -38,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["report", "stats", "send_inject", "parse_addr", "parse_datagram",
+__all__ = ["report", "report_event", "stats", "send_inject", "parse_addr", "parse_datagram",
            "TrainReport", "InjectRequest", "IntakeError", "IntakeServer", "FAULTS", "MAX_DATAGRAM"]
 
 #: Fault names an inject datagram may carry.
@@ -122,6 +126,15 @@ def _wire(value: Any) -> Any:
 
 def report(**fields: Any) -> bool:
     """Send one training report to the local agent; True when handed to the socket. Never raises."""
+    return _send(None, fields)
+
+
+def report_event(name: str, **fields: Any) -> bool:
+    """Send one event of this rank (kept once by the agent, never overwritten); like :func:`report`."""
+    return _send(str(name)[:64], fields)
+
+
+def _send(event: str | None, fields: Mapping[str, Any]) -> bool:
     try:
         target = _resolve_target()
         if target is None:
@@ -139,6 +152,8 @@ def report(**fields: Any) -> bool:
             except (TypeError, ValueError, OverflowError):
                 continue  # not a number: left out, the rest still goes
         msg["type"] = "train"
+        if event:
+            msg["event"] = event
         _socket().sendto(json.dumps(msg, separators=(",", ":")).encode(), target)
         _count("sent")
         return True
@@ -190,6 +205,7 @@ class TrainReport:
     node: str
     ts: float
     values: Mapping[str, float] = field(default_factory=dict)
+    event: str = ""            # a one-off event (report_event), not the rank's newest state
 
 
 @dataclass(frozen=True)
@@ -242,8 +258,11 @@ def parse_datagram(data: bytes) -> TrainReport | InjectRequest:
             ts = time.time()
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
             raise IntakeError(f"training report: field 'ts' must be an epoch time, got {ts!r}")
+        event = d.get("event", "")
+        if not isinstance(event, str) or len(event) > 64:
+            raise IntakeError("training report: field 'event' must be a name of at most 64 characters")
         return TrainReport(job=job, rank=_int(d, "rank", minimum=0), generation=_int(d, "generation", minimum=0, default=0),
-                           pid=_int(d, "pid", minimum=1), node=node, ts=float(ts), values=_values(d))
+                           pid=_int(d, "pid", minimum=1), node=node, ts=float(ts), values=_values(d), event=event)
     if kind == "inject":
         fault = d.get("fault")
         if fault not in FAULTS:

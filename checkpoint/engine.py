@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from transom import contracts
+from transom.agents.intake import report_event
 from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
@@ -187,6 +188,7 @@ class CheckpointEngine:
             raise
         self.last_snapshot_s = time.perf_counter() - t0
         self.last_snapshot_mode = SnapshotMode.COPY if pid is None else SnapshotMode.FORK
+        report_event("checkpoint_save", step=step, ckpt_stall_s=self.last_snapshot_s, ckpt_bytes=plan.size)
         self.snapshot_child = pid
         self._thread = threading.Thread(target=self._await, args=(step, pid, str(seg.path)),
                                         name=f"ckpt-wait-{step}", daemon=True)
@@ -369,6 +371,8 @@ class CheckpointEngine:
                                  "seconds": time.perf_counter() - t0, "bytes": shard.size, "rank": rank}
             log.info("rank %d: restored step %d (rank %d's shard) from %s on %s (%d bytes, %.3fs)", self.rank,
                      step, rank, TIERS[tier], node, shard.size, self.last_restore["seconds"])
+            report_event("restore", restore_step=step, restore_tier=tier, restore_s=self.last_restore["seconds"],
+                         restore_bytes=shard.size, restore_shard_rank=rank)
             return state
         raise CorruptCheckpoint(str(layout.step_dir(self.directory, step) / shard.name),
                                 "no copy verifies: " + ("; ".join(problems) or "no copy is reachable"))

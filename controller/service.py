@@ -262,7 +262,8 @@ class Controller:
         self.health.observe(batch)
         for sample in batch.of(Source.TRAIN):
             job_id = sample.tags.get("job")
-            if job_id in self.jobs and "step" in sample.fields and "generation" in sample.tags:
+            if job_id in self.jobs and "step" in sample.fields and "generation" in sample.tags \
+                    and not sample.tags.get("event"):        # a one-off event is not the rank's progress
                 self.apply(job_id, StepSeen(int(sample.tags["generation"]), int(sample.fields["step"]),
                                             sample.ts or batch.ts))
 

@@ -229,6 +229,8 @@ class HangRule:
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         out = []
         for s in batch.of(Source.TRAIN):
+            if s.tags.get("event"):          # a one-off event (a save, a restore), not the rank's progress
+                continue
             key = _train_key(s, batch)
             if s.fields.get("alive") == 0:
                 state.ranks.pop(key, None)
