@@ -90,7 +90,7 @@ class CheckpointEngine:
         self.snapshot_child: int | None = None     # pid of the fork snapshot in flight
         self._said_cuda = False
         self.disk, self.shared, self.wait_timeout = disk, shared, wait_timeout
-        self.runtime = segments.runtime_dir(runtime)
+        self.runtime = segments.runtime_dir(runtime, bootstrap)
         self.last_snapshot_s = 0.0
         self.last_restore: dict[str, Any] | None = None
         self.last_result: dict[str, Any] | None = None

@@ -106,10 +106,10 @@ class CheckpointServer:
                  mem_keep: int = 1, disk_keep: int = 3, max_bytes: int | None = None,
                  bootstrap: str | None = None, register: bool = True) -> None:
         self.node = node
-        self.runtime = segments.runtime_dir(runtime)
+        self.runtime = segments.runtime_dir(runtime, bootstrap)
         self.seg_dir = self.runtime / safe_name(node)
         self.disk_dir = Path(disk_dir or os.environ.get("TRANSOM_CKPT_LOCAL_DIR")
-                             or f"/tmp/transom-ckpt-local-{os.getuid()}") / safe_name(node)
+                             or segments.default_local_dir(bootstrap)) / safe_name(node)
         self.mem_keep, self.disk_keep = mem_keep, disk_keep
         self.max_bytes = max_bytes
         self.bootstrap = bootstrap

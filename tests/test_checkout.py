@@ -39,3 +39,47 @@ def test_the_makefile_installs_every_command_a_test_looks_up():
         looked_up |= set(re.findall(r"""shutil\.which\(["']([\w.-]+)["']\)""", path.read_text()))
     looked_up -= {"chromium-browser"}            # another distribution's name for chromium
     assert looked_up <= installed, f"tests look up {sorted(looked_up - installed)}: add them to TOOLS in the Makefile"
+
+
+def test_two_stacks_of_one_user_never_join_one_ring(tmp_path):
+    """Two stacks on one host, told apart by their brokers: each daemon registers in its own stack's
+    runtime directory, so neither takes the other for its ring neighbour (issue 15: both used
+    /dev/shm/transom-ckpt-UID)."""
+    import os
+    import shutil
+    import signal
+    import sys
+    import time
+
+    from transom.checkpoint import segments
+
+    stacks = {"127.0.0.1:19092": "n0", "127.0.0.1:29092": "n1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSOM_CKPT_")}
+    procs = []
+    try:
+        for bootstrap, node in stacks.items():
+            procs.append(subprocess.Popen([sys.executable, "-m", "transom.cli", "ckpt-server", "--node", node],
+                                          env={**env, "TRANSOM_BOOTSTRAP": bootstrap}, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{node}.log", "wb")))
+        runtimes = {b: segments.default_runtime(b) for b in stacks}
+        assert len(set(runtimes.values())) == 2 and segments.default_local_dir("a") != segments.default_local_dir("b")
+        deadline = time.monotonic() + 60
+        while not all(segments.registered(runtimes[b]).get(n) for b, n in stacks.items()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [(tmp_path / f"{n}.log").read_text()[-2000:] for n in stacks.values()]
+            time.sleep(0.2)
+        for bootstrap, node in stacks.items():
+            assert set(segments.registered(runtimes[bootstrap])) == {node}
+            assert segments.runtime_dir(None, bootstrap) == runtimes[bootstrap]      # where its ranks look
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for bootstrap in stacks:
+            shutil.rmtree(segments.default_runtime(bootstrap), ignore_errors=True)
+            shutil.rmtree(segments.default_local_dir(bootstrap), ignore_errors=True)
