@@ -27,6 +27,7 @@ _COMPONENT_CLIS = (
     "transom.streams.sink_cli",
     "transom.report",
     "transom.demo",
+    "transom.up",
 )
 
 
