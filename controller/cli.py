@@ -225,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_submit(args: argparse.Namespace) -> int:
     from transom import contracts
+
+    from .service import request_key
     from transom.kafka import ensure_topics, make_producer, publish
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -240,7 +242,8 @@ def run_submit(args: argparse.Namespace) -> int:
     producer = make_producer(args.bootstrap)
     ev = contracts.LifecycleEvent(job=job_id, seq=-1, ts=time.time(), name="submit_requested", state="pending",
                                   detail={"spec": spec.to_dict(), "spares": args.spares})
-    publish(producer, contracts.LIFECYCLE, job_id, ev)
+    publish(producer, contracts.LIFECYCLE, request_key(job_id), ev)
+    publish(producer, contracts.HISTORY, job_id, ev)
     if producer.flush(30):
         raise SystemExit("transom run: error: could not write the submission to the broker")
     print(job_id, flush=True)
@@ -282,6 +285,8 @@ def _follow(bootstrap: str, job_id: str, until: tuple[str, ...] = ("completed", 
 
 def run_cancel(args: argparse.Namespace) -> int:
     from transom import contracts
+
+    from .service import request_key
     from transom.kafka import make_producer, publish
 
     need_bootstrap(args.bootstrap)
@@ -295,8 +300,10 @@ def run_cancel(args: argparse.Namespace) -> int:
         return 0
     producer = make_producer(args.bootstrap)
     reason = args.reason or f"cancelled by {os.environ.get('USER') or os.getuid()}"
-    publish(producer, contracts.LIFECYCLE, args.job, contracts.LifecycleEvent(
-        job=args.job, seq=-1, ts=time.time(), name="cancel_requested", state="pending", detail={"reason": reason}))
+    request = contracts.LifecycleEvent(job=args.job, seq=-1, ts=time.time(), name="cancel_requested", state="pending",
+                                       detail={"reason": reason})
+    publish(producer, contracts.LIFECYCLE, request_key(args.job), request)
+    publish(producer, contracts.HISTORY, args.job, request)
     if producer.flush(30):
         raise SystemExit("transom cancel: error: could not write the request to the broker")
     from transom.stack import Monitor
@@ -326,13 +333,14 @@ def _line(e) -> str:
             f"{json.dumps(keep, separators=(',', ':'))}{cause}")
 
 
-def _lifecycle_events(bootstrap: str) -> list:
-    """Every job's lifecycle events, in log order (lease and other records left out)."""
+def _lifecycle_events(bootstrap: str, topic: str | None = None) -> list:
+    """Every job's lifecycle events on ``topic`` (default the compacted lifecycle: each job's newest
+    snapshot at least; transom.history: every event), in log order, lease and node records left out."""
     from transom import contracts
     from transom.kafka import read_topic
 
     events = []
-    for key, value, _p, _o in read_topic(bootstrap, contracts.LIFECYCLE):
+    for key, value, _p, _o in read_topic(bootstrap, topic or contracts.LIFECYCLE):
         if key is None or key.startswith(b"__"):
             continue
         try:
@@ -348,19 +356,18 @@ def run_jobs(args: argparse.Namespace) -> int:
     from .state import Job
 
     need_bootstrap(args.bootstrap)
-    events = _lifecycle_events(args.bootstrap)
     if args.action == "show":
         if not args.job:
             raise SystemExit("transom jobs show: error: give the job id")
-        mine = [e for e in events if e.job == args.job]
+        mine = [e for e in _lifecycle_events(args.bootstrap, contracts.HISTORY) if e.job == args.job]
         if not mine:
-            print(f"transom jobs show: no job {args.job!r} in {contracts.LIFECYCLE}", file=sys.stderr)
+            print(f"transom jobs show: no job {args.job!r} in {contracts.HISTORY}", file=sys.stderr)
             return 1
         for e in mine:
             print(json.dumps(contracts._plain(e)) if args.json else _line(e))
         return 0
     jobs: dict[str, Job] = {}
-    for e in events:
+    for e in _lifecycle_events(args.bootstrap):          # the compacted topic: each job's newest snapshot
         if e.snapshot:
             jobs[e.job] = Job.from_dict(e.snapshot)
     if not args.json:

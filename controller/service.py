@@ -51,7 +51,7 @@ from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, Cordon, Decision, F
                     Launch, Launched, Precheck, PrecheckDone, RanksExited, RecoveryStep, StartOverdue, StepDone,
                     StepSeen, Stop, Submitted, decide, pending_actions)
 
-__all__ = ["Controller", "PrecheckConfig", "replay", "CRASH_ENV", "NODES_KEY"]
+__all__ = ["Controller", "PrecheckConfig", "replay", "CRASH_ENV", "NODES_KEY", "request_key"]
 
 log = get("controller")
 TERMINAL = TERMINAL_STATES
@@ -61,6 +61,12 @@ EXIT_LEASE_LOST = 3
 
 #: Lifecycle key of the node view the controller publishes and of the operators' node requests.
 NODES_KEY = "__nodes__"
+
+
+def request_key(job: str) -> str:
+    """Lifecycle key of ``transom run``/``cancel`` requests for ``job``: not the job's own key, so a
+    request never shadows the job's snapshot when the broker compacts the topic."""
+    return f"__request__{job}"
 
 
 def replay(bootstrap: str) -> tuple[dict[str, Job], dict[str, int]]:
@@ -182,7 +188,8 @@ class Controller:
         seq = self.seqs.get(d.job.job, 0)
         ev = contracts.LifecycleEvent(job=d.job.job, seq=seq, ts=time.time(), name=d.name, state=d.job.state.value,
                                       cause=dict(d.cause), detail=dict(d.detail), snapshot=d.job.to_dict())
-        publish(self.producer, contracts.LIFECYCLE, d.job.job, ev)
+        publish(self.producer, contracts.LIFECYCLE, d.job.job, ev)     # compacted: the newest snapshot
+        publish(self.producer, contracts.HISTORY, d.job.job, ev)       # the timeline users read
         remaining = self.producer.flush(30)
         if remaining:
             raise RuntimeError(f"could not write lifecycle event '{d.name}' of {d.job.job} to the broker; "

@@ -37,7 +37,7 @@ import orjson      # 3-4x faster parsing of metric batches (the TEE reads thousa
 
 __all__ = [
     "SCHEMA_VERSION", "ContractError", "TopicSpec", "TOPICS",
-    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER",
+    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "HISTORY", "DEADLETTER",
     "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
     "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
     "decode", "encode", "stable_id", "DCGM",
@@ -49,6 +49,7 @@ METRICS = "transom.metrics"
 FAULTS = "transom.faults"
 CHECKPOINTS = "transom.checkpoints"
 LIFECYCLE = "transom.lifecycle"
+HISTORY = "transom.history"
 DEADLETTER = "transom.deadletter"
 
 
@@ -66,12 +67,17 @@ class TopicSpec:
 #: Every topic Transom uses, created up front by :func:`transom.kafka.ensure_topics`.
 #: Metrics are partitioned by node so a node's samples stay in order and one TEE worker owns
 #: a node's window; the lifecycle topic is compacted and keyed by job (each value carries the
-#: job's full snapshot, so compaction keeps what a restarted controller needs).
+#: job's full snapshot, so compaction keeps what a restarted controller needs: the newest snapshot
+#: per job, the newest lease event). What users read (a job's timeline: `transom jobs show`,
+#: `transom report`) is the history topic: every lifecycle event again, in order, never compacted,
+#: deleted after its retention (90 days).
+HISTORY_RETENTION_MS = 90 * 24 * 3600 * 1000
 TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec(METRICS, 4, {"retention.ms": str(24 * 3600 * 1000)}),
     TopicSpec(FAULTS, 2),
     TopicSpec(CHECKPOINTS, 2),
     TopicSpec(LIFECYCLE, 1, {"cleanup.policy": "compact"}),
+    TopicSpec(HISTORY, 1, {"cleanup.policy": "delete", "retention.ms": str(HISTORY_RETENTION_MS)}),
     TopicSpec(DEADLETTER, 1),
 )
 
@@ -502,7 +508,7 @@ class DeadLetter:
 
 _BY_TOPIC: dict[str, type] = {
     METRICS: MetricBatch, FAULTS: FaultEvent, CHECKPOINTS: CheckpointReady,
-    LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter,
+    LIFECYCLE: LifecycleEvent, HISTORY: LifecycleEvent, DEADLETTER: DeadLetter,
 }
 
 

@@ -91,7 +91,7 @@ def collect(bootstrap: str, job: str, *, progress: Any = None) -> RunData:
                 continue                     # the dead-letter topic already has it
         say(f"read {n} messages of {topic}")
 
-    data.lifecycle = sorted((ev for ev in events(contracts.LIFECYCLE) if ev.job == job), key=lambda e: e.seq)
+    data.lifecycle = sorted((ev for ev in events(contracts.HISTORY) if ev.job == job), key=lambda e: e.seq)
     data.checkpoints = sorted((c for c in events(contracts.CHECKPOINTS) if c.job == job), key=lambda c: c.ts)
     nodes: set[str] = set()
     for ev in data.lifecycle:

@@ -11,7 +11,6 @@ reported on stderr at once, with its log file.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -33,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=2, help="nodes for ranks (default 2)")
     p.add_argument("--spares", type=int, default=1,
                    help="more nodes, kept free to replace a faulty one (default 1; total nodes: NODES + SPARES)")
-    p.add_argument("--run-dir", default=os.environ.get("TRANSOM_UP_DIR", "transom-up"),
-                   help="logs, rank logs and checkpoints (default ./transom-up; env TRANSOM_UP_DIR)")
+    p.add_argument("--run-dir", default="transom-up",
+                   help="logs, rank logs and checkpoints (default ./transom-up)")
     p.add_argument("--interval", type=float, default=1.0, help="agents' collection interval in s (default 1)")
     p.add_argument("--gpus", type=int, default=2, help="simulated GPUs per node (default 2)")
     p.set_defaults(func=run_up)
