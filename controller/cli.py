@@ -372,7 +372,7 @@ def run_jobs(args: argparse.Namespace) -> int:
             jobs[e.job] = Job.from_dict(e.snapshot)
     if not args.json:
         print(f"{'JOB':<20} {'STATE':<24} {'GEN':>3} {'RESTARTS':>8}  NODES / REASON")
-    for job in jobs.values():
+    for job in sorted(jobs.values(), key=lambda j: (j.submitted_ts, j.job)):   # not log order: compaction moves it
         if args.json:
             print(json.dumps(job.to_dict()))
             continue

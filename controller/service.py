@@ -139,7 +139,7 @@ class Controller:
         if job_id in self.jobs:
             log.info("job %s is already known (%s); not submitting again", job_id, self.jobs[job_id].state.value)
             return
-        job = Job(job=job_id, spec=spec)
+        job = Job(job=job_id, spec=spec, submitted_ts=time.time())
         self.jobs[job_id] = job
         self._record(Decision(job, (), "submitted", {}, {"command": list(spec.command), "nodes": list(nodes),
                                                          "spec": spec.to_dict()}))
@@ -339,11 +339,11 @@ class Controller:
         if len(schedulable) < spec.world_size:
             why = (f"{spec.world_size} ranks need {spec.world_size} nodes; this cluster has {len(schedulable)} "
                    f"schedulable ({', '.join(schedulable) or 'none'}): not queued")
-            failed = Job(job=ev.job, spec=spec).moved(JobState.FAILED, failure=why)
+            failed = Job(job=ev.job, spec=spec, submitted_ts=time.time()).moved(JobState.FAILED, failure=why)
             self.jobs[ev.job] = failed
             self._record(Decision(failed, (), "failed", {}, {"reason": why}))
             return
-        job = Job(job=ev.job, spec=spec)
+        job = Job(job=ev.job, spec=spec, submitted_ts=time.time())
         self.jobs[ev.job] = job
         self._driven.add(ev.job)
         self._record(Decision(job, (), "queued", {}, {"command": list(spec.command), "spec": spec.to_dict()}))

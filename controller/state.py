@@ -171,6 +171,7 @@ class Job:
     prev_last_step: int = -1                  # newest step seen in the generation before it
     stepped_generation: int = -1              # newest generation whose first step has been seen
     warned_generation: int = -1               # newest generation warned about for sending no report
+    submitted_ts: float = 0.0                 # when the controller accepted it (orders `transom jobs`)
     failure: str = ""
 
     def to_dict(self) -> dict[str, Any]:

@@ -136,3 +136,49 @@ def test_ranks_run_in_the_submitters_directory_with_its_environment(ctl, tmp_pat
     assert seen["cwd"] == str(tmp_path)
     assert seen["env"]["GREETING"] == "hi" and seen["env"]["USER_SETTING"] == "kept"
     assert "MY_API_TOKEN" not in seen["env"] and "s3cret" not in show(env, "probe")
+
+
+def test_the_same_answers_from_a_compacted_lifecycle_and_the_lease_after_compaction(ctl, tmp_path):
+    """Issue 16: copy the topics to a broker of their own with transom.lifecycle reduced to what
+    compaction leaves (the newest value per key); `jobs`, `jobs show` and the report's timeline
+    answer the same; a controller started there takes the lease and runs a job."""
+    from transom import contracts as c
+    from transom.kafka import make_producer, read_records
+    from transom.report import collect
+
+    env, tmp, _ = ctl
+    jobs = ["crash", "quiet", "later", "stuck", "big"]
+    before = {j: show(env, j) for j in jobs}
+    listed = cli(env, "jobs").stdout
+    a = env["TRANSOM_BOOTSTRAP"]
+    with EmbeddedBroker(log_path=str(tmp_path / "broker.log")) as compacted:
+        producer = make_producer(compacted.bootstrap)
+        for topic in (c.HISTORY, c.CHECKPOINTS, c.FAULTS, c.LIFECYCLE):
+            records = list(read_records(a, topic))
+            if topic == c.LIFECYCLE:                 # what a compacting broker leaves: the newest per key
+                newest = {r.key: i for i, r in enumerate(records)}
+                assert len(newest) < len(records)
+                records = [r for i, r in enumerate(records) if newest[r.key] == i]
+            for r in records:
+                producer.produce(topic, key=r.key, value=r.value, headers=r.headers)
+        assert producer.flush(30) == 0
+        env_b = {**env, "TRANSOM_BOOTSTRAP": compacted.bootstrap}
+        assert {j: show(env_b, j) for j in jobs} == before
+        assert cli(env_b, "jobs").stdout == listed
+        assert [e.name for e in collect(compacted.bootstrap, "crash").lifecycle] == \
+            [e.name for e in collect(a, "crash").lifecycle]
+        args = ["controller", "--run-dir", str(tmp_path / "runs"), "--precheck", "off", "--no-warm-ranks",
+                "--node", "n0=127.0.0.1:9"]
+        log = tmp_path / "controller.log"
+        proc = subprocess.Popen(TRANSOM + args, env=env_b, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            (tmp_path / "done.py").write_text("from transom.agents.intake import report\nreport(step=1)\n")
+            got = cli(env_b, "run", "--nodes", "1", "--job-id", "after", "--follow", "--", sys.executable,
+                      str(tmp_path / "done.py"))
+            assert got.returncode == 0 and "completed" in got.stdout, got.stdout + got.stderr + log.read_text()
+            assert "holds the lease (term" in log.read_text()
+            assert "after" in cli(env_b, "jobs").stdout and "quiet" in cli(env_b, "jobs").stdout
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
