@@ -169,8 +169,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.set_defaults(func=run_nodes)
 
     j = sub.add_parser("jobs", help="list jobs, or show one job's timeline",
-                       description="Rebuilt from transom.lifecycle: every job and its state; "
-                                   "`transom jobs show ID` prints the job's timeline with causes.")
+                       description="Every job and its state, from each job's newest snapshot on transom.lifecycle; "
+                                   "`transom jobs show ID` prints the job's timeline with causes, from "
+                                   "transom.history (kept when the broker compacts the lifecycle).")
     add_bootstrap(j)
     j.add_argument("action", nargs="?", choices=["list", "show"], default="list")
     j.add_argument("job", nargs="?", help="the job id (for show)")
