@@ -63,6 +63,14 @@ def cli(env, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
+def history(env, job: str) -> str:
+    """The job's events on transom.history as text, read in this process (for waiting: no CLI start-up)."""
+    from transom import contracts as c
+
+    from util import topic_values
+    return "\n".join(f"{e.name} {e.detail}" for e in topic_values(env["TRANSOM_BOOTSTRAP"], c.HISTORY) if e.job == job)
+
+
 def show(env, job: str) -> str:
     return cli(env, "jobs", "show", job).stdout
 
@@ -88,18 +96,18 @@ def test_warnings_queue_nodes_and_cancel(ctl):
     silent = [sys.executable, str(tmp / "silent.py")]
     assert cli(env, "run", "--nodes", "1", "--spares", "5", "--report-warn", "1", "--job-id", "quiet", "--",
                *silent).returncode == 0
-    wait_until(lambda: "no training report from generation 0 within 1s" in show(env, "quiet"), 60, "the warning")
+    wait_until(lambda: "no training report from generation 0 within 1s" in history(env, "quiet"), 60, "the warning")
     assert "asked for 5 spare node(s), got 2" in show(env, "quiet")
     # every node is taken (one rank, two spares): the next job waits
     assert cli(env, "run", "--nodes", "2", "--job-id", "later", "--", *silent).returncode == 0
-    wait_until(lambda: "queued" in show(env, "later"), 60, "the queued job")
+    wait_until(lambda: "queued" in history(env, "later"), 60, "the queued job")
     too_big = cli(env, "run", "--nodes", "5", "--job-id", "big", "--follow", "--", *silent)
     assert too_big.returncode == 1 and "this cluster has 3 schedulable (n0, n1, n2): not queued" in too_big.stdout
     listing = wait_until(lambda: (out := cli(env, "nodes").stdout) and "spare for quiet" in out and out, 60, "nodes")
     assert "n0" in listing and "quiet" in listing
     cancelled = cli(env, "cancel", "quiet", "--reason", "done testing")
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout and "done testing" in cancelled.stdout
-    wait_until(lambda: "launched" in show(env, "later"), 60, "the queued job's launch once nodes are free")
+    wait_until(lambda: "launched" in history(env, "later"), 60, "the queued job's launch once nodes are free")
     assert cli(env, "cancel", "later").returncode == 0
     assert "cancelled" in cli(env, "jobs").stdout
 

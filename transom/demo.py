@@ -93,7 +93,7 @@ def run_demo(args: argparse.Namespace) -> int:
             topic, ev = got
             if topic == contracts.METRICS:
                 for s in ev.of(contracts.Source.TRAIN):
-                    if s.tags.get("job") != job or s.index != 0 or "step" not in s.fields:
+                    if s.tags.get("job") != job or s.index != 0 or "step" not in s.fields or s.tags.get("event"):
                         continue
                     step = int(s.fields["step"])
                     last_step = max(last_step, step)
