@@ -124,7 +124,8 @@ class Backend(abc.ABC):
                 text = fh.read().decode(errors="replace")
         except OSError:
             return {}
-        return {"log": str(path.resolve()), "tail": [line[-300:] for line in text.splitlines()[-lines:] if line.strip()]}
+        tail = [line[-300:] for line in text.splitlines()[-lines:] if line.strip()]
+        return {"log": str(path.resolve()), "tail": tail}
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {}

@@ -115,8 +115,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube)")
     p.add_argument("--k8s-api", default=None, metavar="URL", help="kubernetes: API server URL (overrides kubeconfig)")
     p.add_argument("--slurm-partition", default=None, help="slurm: partition for srun")
-    p.add_argument("--exit-when-done", action="store_true", help="exit once the submitted job (without --job-id: every job) has completed or failed; "
-                        "exit status 0 completed, 1 failed, 3 lease lost")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="exit once the submitted job (without --job-id: every job it drove, live when it took the "
+                        "lease or submitted since) has ended; exit status 0 completed, 1 failed, 3 lease lost")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command of the submitted job")
     p.set_defaults(func=run)
 
