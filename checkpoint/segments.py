@@ -28,7 +28,7 @@ from typing import Any
 from .wire import pid_alive
 
 __all__ = ["alloc_buffer", "default_runtime", "default_local_dir", "stack_tag", "runtime_dir",
-            "registry_path", "register", "unregister", "registered",
+           "registry_path", "register", "unregister", "registered",
            "neighbour", "Segment", "safe_name"]
 
 _PAGE = mmap.PAGESIZE
