@@ -57,9 +57,9 @@ def register(sub) -> None:
                                      "persists them and announces complete checkpoints.")
     srv.add_argument("--node", required=True, help="node id (ranks find the daemon by TRANSOM_NODE)")
     srv.add_argument("--runtime", default=None, help="runtime dir shared by the node's daemons and ranks "
-                                                     "(env TRANSOM_CKPT_RUNTIME; default /dev/shm/transom-ckpt-UID)")
+                                                     "(env TRANSOM_CKPT_RUNTIME; default /dev/shm/transom-ckpt-UID-HASH, HASH naming the stack's --bootstrap)")
     srv.add_argument("--disk-dir", default=None, help="local disk dir for persisted shards "
-                                                      "(env TRANSOM_CKPT_LOCAL_DIR; default /tmp/transom-ckpt-local-UID)")
+                                                      "(env TRANSOM_CKPT_LOCAL_DIR; default /tmp/transom-ckpt-local-UID-HASH)")
     srv.add_argument("--host", "--bind", dest="host", default="127.0.0.1",
                      help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     srv.add_argument("--advertise", default=os.environ.get("TRANSOM_ADVERTISE_ADDR") or None, metavar="ADDR",

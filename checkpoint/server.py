@@ -126,10 +126,10 @@ class CheckpointServer:
         self.node = node
         # every connection is authenticated when the daemons share a secret (TRANSOM_CKPT_SECRET)
         self.secret = ckpt_secret() if secret is True else (secret or None)
-        self.runtime = segments.runtime_dir(runtime)
+        self.runtime = segments.runtime_dir(runtime, bootstrap)
         self.seg_dir = self.runtime / safe_name(node)
         self.disk_dir = Path(disk_dir or os.environ.get("TRANSOM_CKPT_LOCAL_DIR")
-                             or f"/tmp/transom-ckpt-local-{os.getuid()}") / safe_name(node)
+                             or segments.default_local_dir(bootstrap)) / safe_name(node)
         self.mem_keep, self.disk_keep = mem_keep, disk_keep
         self.max_bytes = max_bytes
         self.bootstrap = bootstrap

@@ -62,10 +62,10 @@ class LocalBackend(Backend):
     def __init__(self, run_dir: str | os.PathLike, agents: Mapping[str, str], *, ckpt_dir: str | None = None,
                  bootstrap: str | None = None, env: Mapping[str, str] | None = None, warm: bool = True,
                  preload: str = PRELOAD) -> None:
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()      # absolute: ranks run in the submitter's directory
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.agents = dict(agents)
-        self.ckpt_dir = ckpt_dir
+        self.ckpt_dir = os.path.abspath(ckpt_dir) if ckpt_dir else None
         self.bootstrap = bootstrap
         self.extra_env = dict(env or {})
         self.warm, self.preload = warm, preload
@@ -91,8 +91,18 @@ class LocalBackend(Backend):
             write_atomic(str(self.run_dir / "cordoned.json"), json.dumps(cordoned, indent=1))
             log.info("cordoned %s: %s", node, reason)
 
+    def cordoned(self) -> dict[str, str]:
+        return self._cordoned()
+
+    def uncordon(self, node: str, reason: str) -> None:
+        cordoned = self._cordoned()
+        if cordoned.pop(node, None) is not None:
+            write_atomic(str(self.run_dir / "cordoned.json"), json.dumps(cordoned, indent=1))
+            log.info("uncordoned %s: %s", node, reason)
+
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
         record = LaunchRecord(self.run_dir, job, generation)
         if (adopted := record.adopt(log)) is not None:
             return adopted
@@ -104,8 +114,12 @@ class LocalBackend(Backend):
         port = free_port()
         ckpt_dir = self.ckpt_dir or str(self.run_dir / job / "ckpt")
         pids, forked = [], 0
+        user_env = dict(env or {})
+        if workdir and not os.path.isdir(workdir):
+            raise ValueError(f"the job's working directory {workdir} does not exist on this host")
         for rank, node in enumerate(nodes):
             env = dict(os.environ)
+            env.update(user_env)
             env.update(self.extra_env)
             env.update({
                 "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
@@ -119,14 +133,14 @@ class LocalBackend(Backend):
             env.pop("TRANSOM_RESUME_STEP", None)
             if resume_step is not None:
                 env["TRANSOM_RESUME_STEP"] = str(resume_step)
-            pid = self._fork_rank(gen_dir, rank, command, env)
+            pid = self._fork_rank(gen_dir, rank, command, env, workdir)
             forked += pid is not None
             if pid is None:
                 pid = subprocess.Popen(
                     [sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir),
                      "--rank", str(rank), "--", *command],
                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    start_new_session=True).pid
+                    start_new_session=True, cwd=workdir or None).pid
             pids.append(pid)
         handle = {"pids": pids, "port": port, "run_dir": str(gen_dir), "nodes": list(nodes),
                   "resume_step": resume_step}
@@ -208,13 +222,14 @@ class LocalBackend(Backend):
             self._zy_answers.setdefault(msg.get("id"), []).append(msg)
         return True
 
-    def _fork_rank(self, gen_dir: Path, rank: int, command: Sequence[str], env: Mapping[str, str]) -> int | None:
+    def _fork_rank(self, gen_dir: Path, rank: int, command: Sequence[str], env: Mapping[str, str],
+                   workdir: str | None = None) -> int | None:
         """The pid of the rank forked from the zygote, or None to start it cold."""
         argv = warm_argv(command) if self.warm else None
         if argv is None:
             return None
         rid = self._zy_send({"op": "rank", "dir": str(gen_dir), "rank": rank, "argv": argv, "env": dict(env),
-                             "cwd": os.getcwd()})
+                             "cwd": workdir or os.getcwd()})
         if rid is None:
             return None
         pid = self._zy_wait([rid], "pid", 120.0).get(rid, {}).get("pid")   # the first answer waits for the imports
