@@ -25,10 +25,12 @@ $(STAMP): pyproject.toml
 deps: $(STAMP) system-deps
 
 # Debian packages some tests and parts need: the InfluxDB server (sink and dashboard tests),
-# libibverbs (Mooncake transfer engine), Chromium (the run report's render test).
-DEBS := influxdb libibverbs1 chromium
+# libibverbs (Mooncake transfer engine), Chromium (the run report's render test), Slurm and munge
+# (the real Slurm cluster on the hosts test bed: transom/slurmbed.py).
+DEBS := influxdb libibverbs1 chromium slurm-wlm munge
 system-deps:
 	@if ! command -v influxd >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 \
+	    || ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1 \
 	    || ! ldconfig -p | grep -q libibverbs.so.1; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEBS) >/dev/null; \
 	  else echo "note: install the Debian packages $(DEBS) (needs root)"; fi; \

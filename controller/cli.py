@@ -86,7 +86,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k8s-image", default="transom:latest", help="kubernetes: container image of the ranks")
     p.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube)")
     p.add_argument("--k8s-api", default=None, metavar="URL", help="kubernetes: API server URL (overrides kubeconfig)")
-    p.add_argument("--slurm-partition", default=None, help="slurm: partition for srun")
+    p.add_argument("--k8s-gpus", type=int, default=1, metavar="N",
+                   help="kubernetes: nvidia.com/gpu each rank pod requests (default 1; 0: none)")
+    p.add_argument("--k8s-ckpt-pvc", default="transom-ckpt", metavar="NAME",
+                   help="kubernetes: the shared checkpoint PersistentVolumeClaim, mounted at --ckpt-dir in every "
+                        "rank pod (default transom-ckpt; empty: none)")
+    p.add_argument("--k8s-ckpt-runtime", default="/dev/shm/transom", metavar="PATH",
+                   help="kubernetes: the node's TCE runtime directory (a host path shared with the checkpoint "
+                        "daemon), mounted in rank pods (default /dev/shm/transom)")
+    p.add_argument("--k8s-agent-port", type=int, default=7100, metavar="PORT",
+                   help="kubernetes: UDP intake port of the node agents; rank pods reach them at their node's "
+                        "status.hostIP (default 7100; --node NAME=ADDR overrides per node)")
+    p.add_argument("--slurm-partition", default=None, help="slurm: partition of the batch jobs (sbatch) and the pre-check (srun)")
     p.add_argument("--exit-when-done", action="store_true", help="exit once the submitted job (without --job-id: every job) has completed or failed; "
                         "exit status 0 completed, 1 failed, 3 lease lost")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command of the submitted job")
@@ -128,7 +139,9 @@ def _make_backend(args: argparse.Namespace, bootstrap: str, nodes: dict[str, str
     if args.backend == "kubernetes":
         return create_backend("kubernetes", namespace=args.k8s_namespace, image=args.k8s_image,
                               kubeconfig=args.kubeconfig, api_url=args.k8s_api, bootstrap=bootstrap,
-                              ckpt_dir=args.ckpt_dir, agents=nodes)
+                              ckpt_dir=args.ckpt_dir, agents=nodes, gpus=args.k8s_gpus,
+                              ckpt_pvc=args.k8s_ckpt_pvc, ckpt_runtime=args.k8s_ckpt_runtime,
+                              agent_port=args.k8s_agent_port)
     return create_backend("slurm", run_dir=args.run_dir, partition=args.slurm_partition, bootstrap=bootstrap,
                           ckpt_dir=args.ckpt_dir, agents=nodes)
 

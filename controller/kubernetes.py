@@ -4,10 +4,17 @@
   (``spec.nodeName``), labelled ``transom.io/job``, ``transom.io/generation``, ``transom.io/rank``;
   rank 0 is the rendezvous (``MASTER_ADDR`` = its DNS name through the Service). A pod that exists
   already (HTTP 409) is adopted, so a launch repeated after a controller restart creates nothing twice.
-- ``stop``: deletes the generation's pods and waits until they are gone.
+  Each pod requests ``gpus`` of ``nvidia.com/gpu``, mounts the shared checkpoint volume (the PVC
+  ``ckpt_pvc``) at ``TRANSOM_CKPT_DIR`` and the node's TCE runtime directory (a host path the
+  checkpoint daemon of deploy/kustomize shares) at ``TRANSOM_CKPT_RUNTIME``, and reaches the node's
+  agent at ``status.hostIP`` (downward API) and ``agent_port``, unless ``agents`` names the node.
+- ``stop``: deletes the generation's pods and its Service and waits until the pods are gone.
 - ``cordon``: ``spec.unschedulable`` and a ``transom.io/evicted=<reason>:NoExecute`` taint, so
-  nothing of anyone's lands there any more and what runs there is evicted.
-- ``status``: from the pods' phase and their container's terminated exit code.
+  nothing of anyone's lands there any more and what runs there is evicted (Transom's own
+  DaemonSets tolerate that taint: deploy/kustomize/agent-daemonset.yaml).
+- ``status``: from the pods' phase and their container's terminated exit code. The Service records
+  the world size: a rank whose pod has vanished (deleted, evicted, its node gone) while the
+  Service exists is reported exited with ``-SIGKILL``, so the controller sees a failed generation.
 - ``health``: the node's ``Ready`` condition and whether it is cordoned.
 - no collective test: it would need pods of its own (the pre-check rests on the agents' health).
 """
@@ -15,6 +22,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import time
 from typing import Any, Mapping, Sequence
 
@@ -27,6 +35,8 @@ __all__ = ["KubernetesBackend", "TAINT_KEY"]
 log = get("controller.kubernetes")
 TAINT_KEY = "transom.io/evicted"
 PORT = 29500
+WORLD_KEY = "transom.io/world-size"
+GPU_RESOURCE = "nvidia.com/gpu"
 
 
 def _label_value(text: str) -> str:
@@ -40,7 +50,9 @@ class KubernetesBackend(Backend):
 
     def __init__(self, namespace: str = "default", image: str = "transom:latest", *, kubeconfig: str | None = None,
                  api_url: str | None = None, bootstrap: str | None = None, ckpt_dir: str | None = None,
-                 agents: Mapping[str, str] | None = None, api_client: Any = None) -> None:
+                 agents: Mapping[str, str] | None = None, api_client: Any = None, gpus: int = 1,
+                 ckpt_pvc: str | None = "transom-ckpt", ckpt_runtime: str = "/dev/shm/transom",
+                 agent_port: int = 7100) -> None:
         from kubernetes import client, config
 
         if api_client is None:
@@ -59,8 +71,14 @@ class KubernetesBackend(Backend):
         self.namespace = namespace
         self.image = image
         self.bootstrap = bootstrap
-        self.ckpt_dir = ckpt_dir or "/ckpt"
+        self.ckpt_dir = ckpt_dir or "/mnt/transom-ckpt"
         self.agents = dict(agents or {})
+        if gpus < 0:
+            raise ValueError(f"gpus: expected 0 or more GPUs per rank pod, got {gpus}")
+        self.gpus = gpus
+        self.ckpt_pvc = ckpt_pvc or None
+        self.ckpt_runtime = ckpt_runtime
+        self.agent_port = agent_port
 
     @staticmethod
     def _names(job: str, generation: int) -> tuple[str, str]:
@@ -114,7 +132,8 @@ class KubernetesBackend(Backend):
         labels = {"transom.io/job": _label_value(job), "transom.io/generation": str(generation)}
         try:
             self.api.create_namespaced_service(self.namespace, {
-                "apiVersion": "v1", "kind": "Service", "metadata": {"name": svc, "labels": labels},
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": svc, "labels": labels, "annotations": {WORLD_KEY: str(len(nodes))}},
                 "spec": {"clusterIP": "None", "selector": {**labels, "transom.io/rank": "0"},
                          "ports": [{"name": "rendezvous", "port": PORT}]}})
         except Exception as exc:
@@ -122,55 +141,91 @@ class KubernetesBackend(Backend):
                 raise
         pods = []
         for rank, node in enumerate(nodes):
-            name = f"{svc}-r{rank}"
-            env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
-                   "MASTER_ADDR": f"{svc}-r0.{svc}.{self.namespace}.svc", "MASTER_PORT": str(PORT),
-                   "TRANSOM_JOB": job, "TRANSOM_NODE": node, "TRANSOM_GENERATION": str(generation),
-                   "TRANSOM_CKPT_DIR": self.ckpt_dir, "PYTHONUNBUFFERED": "1"}
-            if node in self.agents and self.agents[node]:
-                env["TRANSOM_AGENT_ADDR"] = self.agents[node]
-            if self.bootstrap:
-                env["TRANSOM_BOOTSTRAP"] = self.bootstrap
-            if resume_step is not None:
-                env["TRANSOM_RESUME_STEP"] = str(resume_step)
-            body = {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "labels": {**labels, "transom.io/rank": str(rank)}},
-                "spec": {"nodeName": node, "restartPolicy": "Never", "hostname": f"{svc}-r{rank}",
-                         "subdomain": svc,
-                         "tolerations": [],
-                         "containers": [{"name": "rank", "image": self.image, "command": list(command),
-                                         "env": [{"name": k, "value": v} for k, v in env.items()],
-                                         "ports": [{"containerPort": PORT}] if rank == 0 else []}]},
-            }
+            body = self.pod_spec(job, generation, rank, nodes, command, resume_step)
             try:
                 self.api.create_namespaced_pod(self.namespace, body)
             except Exception as exc:
                 if not self._conflict(exc):
                     raise
-                log.info("pod %s exists already: adopting it", name)
-            pods.append(name)
+                log.info("pod %s exists already: adopting it", body["metadata"]["name"])
+            pods.append(body["metadata"]["name"])
         log.info("launched job %s generation %d as pods %s on %s", job, generation, ",".join(pods), ",".join(nodes))
         return {"pods": pods, "service": svc, "nodes": list(nodes), "resume_step": resume_step}
+
+    def pod_spec(self, job: str, generation: int, rank: int, nodes: Sequence[str], command: Sequence[str],
+                 resume_step: int | None) -> dict[str, Any]:
+        """The pod of ``rank`` (a V1Pod as a dict; tests validate it against the client's models)."""
+        svc, _ = self._names(job, generation)
+        node = nodes[rank]
+        env: list[dict[str, Any]] = [
+            # the node's address, for the agent (hostNetwork DaemonSet) on this pod's node
+            {"name": "TRANSOM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
+        plain = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
+                 "MASTER_ADDR": f"{svc}-r0.{svc}.{self.namespace}.svc", "MASTER_PORT": str(PORT),
+                 "TRANSOM_JOB": job, "TRANSOM_NODE": node, "TRANSOM_GENERATION": str(generation),
+                 "TRANSOM_CKPT_DIR": self.ckpt_dir, "TRANSOM_CKPT_RUNTIME": self.ckpt_runtime,
+                 "TRANSOM_AGENT_ADDR": self.agents.get(node) or f"$(TRANSOM_HOST_IP):{self.agent_port}",
+                 "PYTHONUNBUFFERED": "1"}
+        if self.bootstrap:
+            plain["TRANSOM_BOOTSTRAP"] = self.bootstrap
+        if resume_step is not None:
+            plain["TRANSOM_RESUME_STEP"] = str(resume_step)
+        env += [{"name": k, "value": v} for k, v in plain.items()]
+        mounts = [{"name": "ckpt-runtime", "mountPath": self.ckpt_runtime}]
+        volumes: list[dict[str, Any]] = [
+            {"name": "ckpt-runtime", "hostPath": {"path": self.ckpt_runtime, "type": "DirectoryOrCreate"}}]
+        if self.ckpt_pvc:
+            mounts.append({"name": "ckpt", "mountPath": self.ckpt_dir})
+            volumes.append({"name": "ckpt", "persistentVolumeClaim": {"claimName": self.ckpt_pvc}})
+        container: dict[str, Any] = {"name": "rank", "image": self.image, "command": list(command), "env": env,
+                                     "volumeMounts": mounts,
+                                     "ports": [{"containerPort": PORT}] if rank == 0 else []}
+        if self.gpus:
+            container["resources"] = {"limits": {GPU_RESOURCE: str(self.gpus)}}
+        labels = {"transom.io/job": _label_value(job), "transom.io/generation": str(generation),
+                  "transom.io/rank": str(rank)}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{svc}-r{rank}", "labels": labels},
+                "spec": {"nodeName": node, "restartPolicy": "Never", "hostname": f"{svc}-r{rank}",
+                         "subdomain": svc, "containers": [container], "volumes": volumes,
+                         # a GPU node's usual taint; never the eviction taint: evicted ranks must go
+                         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]}}
 
     def _pods(self, job: str, generation: int) -> list[Any]:
         _, selector = self._names(job, generation)
         return list(self.api.list_namespaced_pod(self.namespace, label_selector=selector).items)
 
+    def _world(self, job: str, generation: int) -> int | None:
+        """The generation's world size from its Service; None when it was never launched (or was stopped)."""
+        svc, _ = self._names(job, generation)
+        try:
+            service = self.api.read_namespaced_service(svc, self.namespace)
+        except self.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        value = (service.metadata.annotations or {}).get(WORLD_KEY)
+        return int(value) if value and value.isdigit() else None
+
     def status(self, job: str, generation: int) -> list[RankStatus]:
-        out = []
+        out = {}
         for pod in self._pods(job, generation):
             rank = int(pod.metadata.labels["transom.io/rank"])
             phase = pod.status.phase if pod.status else "Pending"
             if phase in ("Pending", "Running", None):
-                out.append(RankStatus(rank, True, None))
+                out[rank] = RankStatus(rank, True, None)
                 continue
             code = 0 if phase == "Succeeded" else 1
             for cs in (pod.status.container_statuses or []):
                 if cs.state and cs.state.terminated is not None:
                     code = cs.state.terminated.exit_code
-            out.append(RankStatus(rank, False, code))
-        return sorted(out, key=lambda s: s.rank)
+            out[rank] = RankStatus(rank, False, code)
+        world = self._world(job, generation)
+        vanished = [r for r in range(world or 0) if r not in out]
+        if vanished:
+            log.warning("job %s generation %d: pods of rank(s) %s vanished: reported killed", job, generation,
+                        ",".join(map(str, vanished)))
+            out.update({r: RankStatus(r, False, -int(signal.SIGKILL)) for r in vanished})
+        return [out[r] for r in sorted(out)]
 
     def stop(self, job: str, generation: int, timeout: float = 10.0) -> None:
         pods = self._pods(job, generation)
@@ -184,11 +239,17 @@ class KubernetesBackend(Backend):
         while pods and time.monotonic() < deadline:
             pods = self._pods(job, generation)
             time.sleep(0.2)
+        svc, _ = self._names(job, generation)
+        try:
+            self.api.delete_namespaced_service(svc, self.namespace)
+        except self.client.ApiException as exc:
+            if exc.status != 404:
+                raise
         if pods:
             log.warning("job %s generation %d: %d pod(s) still terminating after %.0fs", job, generation,
                         len(pods), timeout)
         else:
-            log.info("stopped job %s generation %d (pods deleted)", job, generation)
+            log.info("stopped job %s generation %d (pods and service deleted)", job, generation)
 
 
 register_backend("kubernetes", KubernetesBackend)

@@ -1,10 +1,20 @@
-"""The Slurm backend: ``srun`` job steps, nodes drained with ``scontrol``.
+"""The Slurm backend: one batch job (``sbatch``) per generation, nodes drained with ``scontrol``.
 
-- ``launch``: ``srun --job-name=transom-JOB-gG --nodes=N --ntasks=N --ntasks-per-node=1
-  --nodelist=... --exclude=<drained> --kill-on-bad-exit=1 --export=ALL`` running each task under
-  :mod:`transom.controller.rankwrap` (which takes the rank from ``SLURM_PROCID`` and records its
-  exit code in ``RUN_DIR/JOB/gen-G/rank-R.exit``; RUN_DIR must be on a filesystem every node
-  shares). ``launch.json`` there makes a repeated launch adopt the running step.
+- ``launch``: ``sbatch --parsable --job-name=transom-JOB-gG --nodes=N --ntasks=N
+  --ntasks-per-node=1 --nodelist=... --exclude=<drained> --export=ALL --output=RUN_DIR/JOB/gen-G/sbatch.log
+  RUN_DIR/JOB/gen-G/batch.py``, a batch script in Python that execs ``srun --kill-on-bad-exit=1
+  --export=ALL python -m transom.controller.rankwrap ...`` as an argv list (no shell): a real
+  allocation whose one step runs each task under :mod:`transom.controller.rankwrap` (which takes
+  the rank from ``SLURM_PROCID`` and records its exit code in ``RUN_DIR/JOB/gen-G/rank-R.exit``;
+  RUN_DIR must be on a filesystem every node shares). The allocation lives in slurmctld, not in a
+  process of the controller's host: a controller that crashes, or a standby on another login
+  node, finds it by name. ``launch.json`` makes a repeated launch adopt it.
+- placement: srun orders a step's tasks by its node table, not by ``--nodelist``, so rank r need
+  not run on ``nodes[r]``. ``MASTER_ADDR`` is therefore set by the wrapper in each task, to the
+  node of task 0 (node 0 of ``SLURM_STEP_NODELIST``), and each task records the node it ran on
+  (``rank-R.node``); :meth:`SlurmBackend.placement` reads what srun did.
+- ``status``: running while ``squeue`` lists the job (pending included); then each rank's exit file,
+  or SIGKILL for a rank that never wrote one (its node died, the job was cancelled).
 - ``stop``: ``scancel --name=transom-JOB-gG``, then waits for ``squeue`` to drop it.
 - ``cordon``: ``scontrol update NodeName=X State=DRAIN Reason="..."``.
 - ``nodes`` / ``health``: ``scontrol show nodes --oneliner``; DRAIN, DOWN, FAIL or
@@ -14,6 +24,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -23,8 +34,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
-
-import psutil
 
 from transom.broker import free_port
 from transom.log import get
@@ -53,7 +62,7 @@ class SlurmBackend(Backend):
         self.bootstrap = bootstrap
         self.ckpt_dir = ckpt_dir
         self.agents = {k: v for k, v in (agents or {}).items() if v}
-        for tool in ("srun", "scontrol", "squeue", "scancel"):
+        for tool in ("sbatch", "srun", "scontrol", "squeue", "scancel"):
             if shutil.which(tool) is None:
                 raise SlurmError(f"the slurm backend needs `{tool}` on PATH")
 
@@ -101,9 +110,10 @@ class SlurmBackend(Backend):
     def _drained(self) -> list[str]:
         return [n for n, (state, _) in self._node_states().items() if self._bad(state)]
 
-    def _srun(self, name: str, nodes: Sequence[str]) -> list[str]:
-        argv = ["srun", f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}",
-                "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", "--export=ALL"]
+    def _allocation(self, name: str, nodes: Sequence[str]) -> list[str]:
+        """The options of an allocation of exactly ``nodes``, one task each (sbatch and srun share them)."""
+        argv = [f"--job-name={name}", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+                f"--nodelist={','.join(nodes)}", "--export=ALL"]
         drained = [n for n in self._drained() if n not in nodes]
         if drained:
             argv.append(f"--exclude={','.join(drained)}")
@@ -111,13 +121,18 @@ class SlurmBackend(Backend):
             argv.append(f"--partition={self.partition}")
         return argv
 
+    def _srun(self, name: str, nodes: Sequence[str]) -> list[str]:
+        # --immediate: a request the cluster cannot satisfy now fails instead of waiting in the queue
+        return ["srun", *self._allocation(name, nodes), "--kill-on-bad-exit=1", "--immediate=30"]
+
     def collective_test(self, job: str, generation: int, nodes: Sequence[str], timeout: float) -> dict[str, str]:
         port = free_port()
         argv = self._srun(f"transom-precheck-{job}-g{generation}", nodes) + [
             sys.executable, "-c", "import os,sys; from transom.controller.collective import main; "
+            "from transom.controller.rankwrap import slurm_master; "
             "sys.exit(main(['--rank', os.environ['SLURM_PROCID'], '--world', os.environ['SLURM_NTASKS'], "
-            f"'--master', os.environ['MASTER_ADDR'] + ':{port}', '--timeout', '{timeout}']))"]
-        env = {**os.environ, "MASTER_ADDR": nodes[0]}
+            f"'--master', slurm_master(os.environ)[1] + ':{port}', '--timeout', '{timeout}']))"]
+        env = self._env()
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout + 30)
         except subprocess.TimeoutExpired:
@@ -134,44 +149,63 @@ class SlurmBackend(Backend):
         record = LaunchRecord(self.run_dir, job, generation)
         if (adopted := record.adopt(log)) is not None:
             return adopted
-        gen_dir = record.dir
+        gen_dir = record.dir.resolve()
         name = self._step(job, generation)
-        if self._run("squeue", "--noheader", "--format=%i", f"--name={name}").strip():
+        if self._queued(name):
             self._run("scancel", f"--name={name}")       # a launch interrupted before launch.json was written
         port = free_port()
-        env = {**os.environ, "MASTER_ADDR": nodes[0], "MASTER_PORT": str(port), "TRANSOM_JOB": job,
+        env = {**self._env(), "MASTER_PORT": str(port), "TRANSOM_JOB": job,
                "TRANSOM_GENERATION": str(generation), "PYTHONUNBUFFERED": "1",
-               "TRANSOM_CKPT_DIR": self.ckpt_dir or str(self.run_dir / job / "ckpt")}
+               "TRANSOM_CKPT_DIR": self.ckpt_dir or str((self.run_dir / job / "ckpt").resolve())}
         env.pop("TRANSOM_RESUME_STEP", None)
         if resume_step is not None:
             env["TRANSOM_RESUME_STEP"] = str(resume_step)
         if self.bootstrap:
             env["TRANSOM_BOOTSTRAP"] = self.bootstrap
-        if self.agents:
-            env["TRANSOM_AGENTS"] = ",".join(f"{k}={v}" for k, v in self.agents.items())
-        argv = self._srun(name, nodes) + [sys.executable, "-m", "transom.controller.rankwrap", "--dir",
-                                          str(gen_dir), "--", *command]
-        with open(gen_dir / "srun.log", "ab") as out:
-            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        handle = {"step_name": name, "srun_pid": proc.pid, "nodes": list(nodes), "port": port,
+        step = ["srun", "--kill-on-bad-exit=1", "--export=ALL", sys.executable, "-m", "transom.controller.rankwrap",
+                "--dir", str(gen_dir), "--", *command]
+        script = gen_dir / "batch.py"            # no shell anywhere: Python execs srun with the argv list
+        script.write_text(f"#!{sys.executable}\nimport os\nargv = {json.dumps(step)}\nos.execvp(argv[0], argv)\n")
+        script.chmod(0o755)
+        argv = ["sbatch", "--parsable", *self._allocation(name, nodes), f"--output={gen_dir / 'sbatch.log'}",
+                f"--chdir={gen_dir}", str(script)]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise SlurmError(f"sbatch exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
+        job_id = proc.stdout.strip().split(";")[0]
+        handle = {"step_name": name, "job_id": job_id, "nodes": list(nodes), "port": port,
                   "resume_step": resume_step, "run_dir": str(gen_dir), "ts": time.time()}
         record.write(handle)
-        log.info("launched job %s generation %d: srun on %s", job, generation, ",".join(nodes))
+        log.info("launched job %s generation %d: Slurm job %s on %s", job, generation, job_id, ",".join(nodes))
         return handle
+
+    def _queued(self, name: str) -> bool:
+        return bool(self._run("squeue", "--noheader", "--format=%i", f"--name={name}").strip())
+
+    def _env(self) -> dict[str, str]:
+        """The environment srun passes on; MASTER_ADDR is left to each task (see the module's doc)."""
+        env = {k: v for k, v in os.environ.items() if k != "MASTER_ADDR"}
+        if self.agents:
+            env["TRANSOM_AGENTS"] = ",".join(f"{k}={v}" for k, v in self.agents.items())
+        return env
+
+    def placement(self, job: str, generation: int) -> dict[int, dict[str, Any]]:
+        """What srun did: rank -> {node, node_id, master_node, master_addr} for the ranks that started."""
+        gen_dir = LaunchRecord(self.run_dir, job, generation).dir
+        out = {}
+        for path in gen_dir.glob("rank-*.node"):
+            try:
+                out[int(path.name[5:-5])] = json.loads(path.read_text())
+            except (ValueError, OSError):
+                continue
+        return out
 
     def status(self, job: str, generation: int) -> list[RankStatus]:
         record = LaunchRecord(self.run_dir, job, generation)
         gen_dir, handle = record.dir, record.read()
         if handle is None:
             return []
-        try:
-            os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        running = bool(self._run("squeue", "--noheader", "--format=%i", f"--name={handle['step_name']}").strip())
-        # srun registers its step a moment after it starts: until then, its own process says it runs
-        running = running or _alive(handle["srun_pid"]) or time.time() - handle.get("ts", 0) < 5
+        running = self._queued(handle["step_name"])
         out = []
         for rank in range(len(handle["nodes"])):
             exit_file = gen_dir / f"rank-{rank}.exit"
@@ -193,13 +227,6 @@ class SlurmBackend(Backend):
                 return
             time.sleep(0.2)
         log.warning("job %s generation %d: still in squeue %.0fs after scancel", job, generation, timeout)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 register_backend("slurm", SlurmBackend)

@@ -138,19 +138,18 @@ def test_deploy_files_keep_nvml_visible_and_the_spool_on_disk(tmp_path):
     assert svc["User"] == "transom-agent" and svc["Restart"] == "on-failure"
     assert svc["StateDirectory"] == "transom-agent" and "PrivateDevices" not in svc  # it would hide /dev/nvidia*
     assert "transom agent --config" in svc["ExecStart"] and svc["KillSignal"] == "SIGTERM"
-    docs = {d["kind"]: d for d in yaml.safe_load_all((root / "k8s" / "agent-daemonset.yaml").read_text())}
+    docs = {d["kind"]: d for d in yaml.safe_load_all((root / "kustomize" / "agent-daemonset.yaml").read_text())}
     pod = docs["DaemonSet"]["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    (agent,) = pod["containers"]
+    agent = next(c for c in pod["containers"] if c["name"] == "agent")
     env = {e["name"]: e for e in agent["env"]}
     assert env["TRANSOM_NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert "nvidia.com/gpu" not in str(agent["resources"])  # it must not take a GPU from the jobs
-    # the shipped agent.toml is a valid config
-    path = tmp_path / "agent.toml"
-    path.write_text(docs["ConfigMap"]["data"]["agent.toml"])
+    # the shipped agent.toml (deploy/systemd) is a valid config, its state dir the unit's StateDirectory
+    path = root / "systemd" / "agent.toml"
     cfg = load_config(str(path), env={"TRANSOM_NODE": "gpu-node-1"})
-    assert cfg.agent.gpu_source == "nvml" and cfg.agent.state_dir == "/var/lib/transom/agent"
+    assert cfg.agent.gpu_source == "nvml" and cfg.agent.state_dir == f"/var/lib/{svc['StateDirectory']}"
 
 
 def test_the_agent_process_imports_nothing_heavy():

@@ -80,12 +80,13 @@ class Platform:
             pods = {p["metadata"]["name"]: p for p in self.api.history}
             created = max(self.api.created.get(n, 0) for n in names)
             got = [pods[n] for n in names if n in pods]
-            env = {e["name"]: e["value"] for e in got[0]["spec"]["containers"][0]["env"]} if got else {}
+            env = {e["name"]: e.get("value") for e in got[0]["spec"]["containers"][0]["env"]} if got else {}
             return created, [p["spec"]["nodeName"] for p in got], env
         jobs = [j for j in json.loads((self.tmp / "slurm.json").read_text())["jobs"].values()
                 if j["name"] == f"transom-{job}-g{generation}"]
         handle = json.loads((self.tmp / "runs" / job / f"gen-{generation}" / "launch.json").read_text())
-        return len(jobs), jobs[0]["nodes"] if jobs else [], {"TRANSOM_RESUME_STEP": str(handle["resume_step"])}
+        assert not jobs or sorted(jobs[0]["nodes"]) == sorted(handle["nodes"])    # srun orders them its own way
+        return len(jobs), handle["nodes"], {"TRANSOM_RESUME_STEP": str(handle["resume_step"])}
 
 
 @pytest.fixture(params=["kubernetes", "slurm"])
@@ -98,13 +99,13 @@ def platform(request, tmp_path):
 
 
 def controller(platform: Platform, bs: str, agents: dict, job: str | None, name: str, *,
-               crash_at: str | None = None, extra: tuple = ()) -> subprocess.Popen:
+               crash_at: str | None = None, extra: tuple = (), command: list[str] = SLEEPER) -> subprocess.Popen:
     args = [sys.executable, "-m", "transom.cli", "controller", "--bootstrap", bs, *platform.args,
             "--run-dir", str(platform.tmp / "runs"), "--precheck", "health", "--exit-when-done", *extra]
     for node in NODES:
         args += ["--node", f"{node}={agents[node]}"]
     if job:
-        args += ["--job-id", job, "--world-size", "4", "--", *SLEEPER]
+        args += ["--job-id", job, "--world-size", "4", "--", *command]
     env = {**os.environ, **platform.env, "PYTHONUNBUFFERED": "1"}
     env.pop("TRANSOM_TEST_CRASH_AT", None)
     if crash_at:
@@ -190,3 +191,25 @@ def test_run_submits_a_relaunch_survives_a_controller_crash_and_the_budget_fails
     shown = cli(bs, "jobs", "show", job).stdout
     assert [line.split()[2] for line in shown.splitlines()] == [e.name for e in events]
     assert "restart budget of 1" in shown.splitlines()[-1]
+
+
+def test_kubernetes_pods_deleted_behind_the_controllers_back_fail_the_generation_and_the_job_recovers(
+        broker, agents, tmp_path):
+    """Pods that vanish (an operator's drain, a node gone) are a failed generation, restarted in place."""
+    platform = Platform("kubernetes", tmp_path)
+    job, bs = "vanish-kube", broker.bootstrap
+    first_gen_sleeps = [sys.executable, "-c",
+                        "import os, time; time.sleep(300 if os.environ['TRANSOM_GENERATION'] == '0' else 0)"]
+    proc = controller(platform, bs, agents, job, "ctl", command=first_gen_sleeps)
+    try:
+        until_alive(proc, lambda: 0 in launches(lifecycle(bs, job)), 60, "the first launch")
+        until_alive(proc, lambda: len([k for k in platform.api.procs if k[1].startswith(f"{job}-g0")]) == 4, 30,
+                    "generation 0's pods to run")
+        assert len(platform.api.delete_pods(f"{job}-g0")) == 4
+        assert finish(proc, 90) == 0
+    finally:
+        kill(proc)
+        platform.close()
+    events = lifecycle(bs, job)
+    assert launches(events) == [0, 1] and events[-1].name == "completed", [e.name for e in events]
+    assert not [k for k in platform.api.services if k[1] == f"{job}-g0"]     # the stopped generation's Service

@@ -24,7 +24,8 @@ DEPLOY = ROOT / "deploy"
 CODE = ("transom", "agents", "streams", "controller", "checkpoint")
 
 #: Set by the controller's backends for the ranks they launch (never by an operator).
-LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR", "TRANSOM_AGENTS"}
+LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR", "TRANSOM_AGENTS",
+                "TRANSOM_HOST_IP"}
 #: Given per node or per pod, not in the shared settings: the node id (a flag or the pod's node name),
 #: the address a node's services advertise (the pod's IP, from the downward API), the InfluxDB token (a secret).
 PER_NODE = {"TRANSOM_NODE", "TRANSOM_ADVERTISE_ADDR"}
@@ -225,18 +226,77 @@ def test_k8s_agent_daemonset_runs_on_gpu_nodes_without_taking_a_gpu(k8s):
     agent_env = {e["name"]: e.get("value") for e in containers["agent"]["env"]}
     assert agent_env["NVIDIA_VISIBLE_DEVICES"] == "all" and spec["runtimeClassName"] == "nvidia"
     assert containers["agent"]["args"][containers["agent"]["args"].index("--gpu-source") + 1] == "nvml"
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_k8s_rank_pods_reach_their_nodes_agent_daemon_and_checkpoint_volume(k8s):
+    """What the controller's backend puts in rank pods meets what the DaemonSet and the PVC provide."""
+    from transom.controller.kubernetes import KubernetesBackend
+
+    ctl = _containers(_one(k8s, "Deployment", "transom-controller"))[0]["args"]
+    spec = _one(k8s, "DaemonSet", "transom-agent")["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    agent = containers["agent"]
+    assert _arg(agent["args"], "--intake-port") == _arg(ctl, "--k8s-agent-port")
+    host = {e["name"]: e for e in agent["env"]}["TRANSOM_AGENT__INTAKE_HOST"]
+    assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"      # what the rank pods send to
+    runtime = _arg(ctl, "--k8s-ckpt-runtime")
+    assert _one(k8s, "ConfigMap", "transom-env")["data"]["TRANSOM_CKPT_RUNTIME"] == runtime
     volumes = {v["name"]: v for v in spec["volumes"]}
-    shm = [m for m in containers["ckpt-server"]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-    assert shm, "the TCE daemon has no /dev/shm mount"
-    vol = volumes[shm[0]["name"]]["emptyDir"]
-    assert vol["medium"] == "Memory" and vol["sizeLimit"]
+    mount = [m for m in containers["ckpt-server"]["volumeMounts"] if m["mountPath"] == runtime]
+    assert mount and volumes[mount[0]["name"]]["hostPath"]["path"] == runtime   # the rank pods mount that path
+    pvc = _one(k8s, "PersistentVolumeClaim", _arg(ctl, "--k8s-ckpt-pvc"))
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    backend = KubernetesBackend(api_url="http://127.0.0.1:1", gpus=int(_arg(ctl, "--k8s-gpus")),
+                                ckpt_pvc=_arg(ctl, "--k8s-ckpt-pvc"), ckpt_runtime=runtime,
+                                agent_port=int(_arg(ctl, "--k8s-agent-port")))
+    pod = backend.pod_spec("job", 0, 0, ["node0"], ["python", "train.py"], None)
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [pvc["metadata"]["name"]]
+    assert {"name": "TRANSOM_AGENT_ADDR", "value": f"$(TRANSOM_HOST_IP):{_arg(agent['args'], '--intake-port')}"} \
+        in pod["spec"]["containers"][0]["env"]
 
 
-def test_k8s_tee_is_sized_by_partitions_and_one_controller(k8s):
+def _deploy_daemonsets(k8s: list[dict]) -> list[tuple[str, dict]]:
+    """Every DaemonSet Transom ships: the rendered kustomize base and any YAML elsewhere in deploy/."""
+    out = [("deploy/kustomize", d) for d in k8s if d["kind"] == "DaemonSet"]
+    for path in DEPLOY.rglob("*.y*ml"):
+        if "kustomize" not in path.parts:
+            out += [(str(path.relative_to(ROOT)), d) for d in yaml.safe_load_all(path.read_text())
+                    if isinstance(d, dict) and d.get("kind") == "DaemonSet"]
+    return out
+
+
+def test_every_transom_daemonset_tolerates_the_eviction_taint(k8s):
+    from transom.controller.kubernetes import TAINT_KEY
+
+    daemonsets = _deploy_daemonsets(k8s)
+    assert [(w, d["metadata"]["name"]) for w, d in daemonsets] == [("deploy/kustomize", "transom-agent")], \
+        "one agent DaemonSet (the agent with its checkpoint daemon) is shipped"
+    for where, ds in daemonsets:
+        tolerations = ds["spec"]["template"]["spec"].get("tolerations", [])
+        assert any(t.get("key") in (TAINT_KEY, None) and t.get("effect") in ("NoExecute", None)
+                   and (t.get("operator") == "Exists" or t.get("key") == TAINT_KEY) for t in tolerations), \
+            f"{where} {ds['metadata']['name']}: cordoning a node ({TAINT_KEY}:NoExecute) would evict it"
+
+
+def test_k8s_objects_validate_against_the_kubernetes_models(k8s):
+    from k8s_models import validate
+
+    for obj in k8s:
+        validate(obj)
+
+
+def test_k8s_tee_is_one_worker_for_the_peers_detector_and_one_controller(k8s):
     partitions = next(t.partitions for t in contracts.TOPICS if t.name == contracts.METRICS)
     tee = _one(k8s, "Deployment", "transom-tee")
-    assert 1 <= tee["spec"]["replicas"] <= partitions, \
-        f"{tee['spec']['replicas']} TEE replicas for {partitions} partitions of {contracts.METRICS}"
+    assert 1 <= tee["spec"]["replicas"] <= partitions
+    # metrics are keyed by node: W workers split a job's nodes W ways, and the peers detector needs 3+
+    # nodes of a job on one worker (docs/tee.md); the base ships one worker
+    assert tee["spec"]["replicas"] == 1, "more TEE workers split jobs below the peers detector's 3 nodes"
     assert _one(k8s, "Deployment", "transom-controller")["spec"]["replicas"] == 1
 
 
@@ -244,6 +304,7 @@ _K8S_CALLS = {   # kubernetes client method -> (resource, verb, namespaced)
     "create_namespaced_pod": ("pods", "create", True), "delete_namespaced_pod": ("pods", "delete", True),
     "list_namespaced_pod": ("pods", "list", True), "read_namespaced_pod": ("pods", "get", True),
     "create_namespaced_service": ("services", "create", True),
+    "read_namespaced_service": ("services", "get", True),
     "delete_namespaced_service": ("services", "delete", True),
     "list_node": ("nodes", "list", False), "read_node": ("nodes", "get", False), "patch_node": ("nodes", "patch", False),
 }
@@ -291,3 +352,92 @@ def test_k8s_config_sets_every_variable_the_code_reads(k8s):
     assert {"name": "transom-influx"} in [e.get("secretRef") for e in sink["envFrom"]]
     assert re.fullmatch(r"[\w.-]+:\d+(,[\w.-]+:\d+)*", cm["TRANSOM_BOOTSTRAP"])
     assert re.fullmatch(r"https?://[\w.-]+:8086", cm["TRANSOM_INFLUX_URL"])
+
+
+# --------------------------------------------------------------------------- systemd, examples, references
+
+def _units() -> dict[str, dict[str, list[str]]]:
+    """deploy/systemd/*.service -> [Service] key -> values (repeated keys kept in order)."""
+    out = {}
+    for path in sorted((DEPLOY / "systemd").glob("*.service")):
+        entries: dict[str, list[str]] = {}
+        section = None
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if line.startswith("["):
+                section = line
+            elif section == "[Service]" and "=" in line and not line.startswith("#"):
+                key, value = line.split("=", 1)
+                entries.setdefault(key, []).append(value.strip())
+        out[path.name] = entries
+    return out
+
+
+def _exec_args(unit: dict[str, list[str]]) -> list[str]:
+    argv = unit["ExecStart"][-1].split()
+    assert argv[0].endswith("/bin/transom"), argv
+    env = dict(e.split("=", 1) for e in unit.get("Environment", []))
+    # systemd specifiers and variables: %H the host name, $VAR from the environment files (none here)
+    return [a.replace("%H", "node0") for a in argv[1:] if not a.startswith("$") or a[1:] in env]
+
+
+def test_systemd_has_a_unit_for_every_long_running_service(compose):
+    parser = build_parser()
+    long_running = {s["command"][0] for s in _transom_services(compose).values()}
+    units = _units()
+    commands = {}
+    for name, unit in units.items():
+        args = _exec_args(unit)
+        try:
+            parser.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"deploy/systemd/{name}: `transom {' '.join(args)}` does not parse")
+        commands[args[0]] = name
+        assert unit["User"][-1] not in ("root", "0") and unit["NoNewPrivileges"][-1] == "yes", name
+        assert unit["Restart"][-1] == "on-failure" and unit["KillSignal"][-1] == "SIGTERM", name
+        assert "-/etc/transom/transom.env" in unit["EnvironmentFile"], f"{name} misses the shared settings"
+    assert set(commands) == long_running, \
+        f"systemd units for {sorted(commands)}, long-running services (compose) {sorted(long_running)}"
+    ckpt = _exec_args(units[commands["ckpt-server"]])
+    runtime = (DEPLOY / "kustomize/config.env").read_text().split("TRANSOM_CKPT_RUNTIME=")[1].split()[0]
+    assert _arg(ckpt, "--runtime") == runtime
+
+
+def test_the_slurm_example_reaches_the_agents_and_rank_zero():
+    """docs/controller.md's Slurm command: node addresses others can reach, the agents' intake port."""
+    from transom.agents.config import AgentSettings
+    from transom.controller.rankwrap import local_agent
+
+    text = (ROOT / "docs/controller.md").read_text()
+    example = text[text.index("transom controller --backend slurm"):]
+    example = example[:example.index("```")]
+    nodes = dict(n.split("=", 1) for n in re.findall(r"--node (\S+)", example))
+    assert len(nodes) >= 2
+    agent = _units()["transom-agent.service"]
+    env = dict(e.split("=", 1) for e in agent["Environment"])
+    port = env["TRANSOM_AGENT__INTAKE_PORT"]
+    assert tomllib.loads((DEPLOY / "systemd/agent.toml").read_text())["agent"]["intake_port"] == int(port)
+    intake_host = env.get("TRANSOM_AGENT__INTAKE_HOST", AgentSettings().intake_host)
+    for node, addr in nodes.items():
+        host, _, p = addr.rpartition(":")
+        assert host not in ("127.0.0.1", "localhost", "0.0.0.0"), f"{node}: MASTER_ADDR would be {host}"
+        assert p == port, f"{node}: intake port {p}, the agent unit listens on {port}"
+        assert local_agent(addr) == f"{intake_host}:{port}"     # where a rank on that node sends its reports
+
+
+def test_deploy_and_docs_name_only_files_that_exist():
+    texts = [p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix not in (".json",)]
+    texts += [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    missing = []
+    for path in texts:
+        text = path.read_text(errors="replace")
+        for ref in re.findall(r"(?<![\w/.-])((?:deploy|docs)/[\w./-]*\w)", text):
+            if not (ROOT / ref).exists():
+                missing.append(f"{path.relative_to(ROOT)} names {ref}")
+        if re.search(r"\bhelm\b", text, re.I) and not list(DEPLOY.rglob("Chart.yaml")):
+            missing.append(f"{path.relative_to(ROOT)} mentions a Helm chart; deploy/ has none")
+        if path.parent == DEPLOY / "systemd":
+            for ref in re.findall(r"install -m \d+ (\S+) /etc/", text):
+                if not (path.parent / ref).exists():
+                    missing.append(f"{path.relative_to(ROOT)} installs {ref}, which is not in deploy/systemd")
+    assert not missing, "\n".join(missing)

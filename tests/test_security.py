@@ -283,15 +283,14 @@ def test_every_kafka_client_in_the_code_takes_the_security_settings():
 # --------------------------------------------------------------------------- deploy: the agent unprivileged
 
 def _agent_daemonsets() -> list[tuple[str, dict]]:
-    out = [("deploy/k8s", d) for d in yaml.safe_load_all((ROOT / "deploy/k8s/agent-daemonset.yaml").read_text())
-           if d and d["kind"] == "DaemonSet"]
+    out = []
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is not installed: the deploy checks render deploy/kustomize with `kubectl kustomize`"
     rendered = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy/kustomize")], capture_output=True,
                               text=True, timeout=60, check=True).stdout
     out += [("deploy/kustomize", d) for d in yaml.safe_load_all(rendered)
             if d and d["kind"] == "DaemonSet" and d["metadata"]["name"] == "transom-agent"]
-    assert len(out) == 2
+    assert len(out) == 1
     return out
 
 
@@ -317,9 +316,12 @@ def test_k8s_agent_runs_unprivileged_with_only_the_gpus():
             assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]} and sc["allowPrivilegeEscalation"] is False
             assert sc.get("privileged") is False, where
         host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-        assert set(host.values()) == {"/var/lib/transom"}, f"{where}: host paths {host}"
+        # the state dir, and the TCE runtime in the host's /dev/shm that the node's rank pods share
+        assert set(host.values()) <= {"/var/lib/transom", "/dev/shm/transom"} and "/var/lib/transom" in host.values(), \
+            f"{where}: host paths {host}"
         mounts = [m["mountPath"] for c_ in spec["containers"] for m in c_.get("volumeMounts", [])]
-        assert not [m for m in mounts if m.startswith(("/sys", "/proc", "/dev/")) and m != "/dev/shm"], mounts
+        assert not [m for m in mounts if m.startswith(("/sys", "/proc", "/dev/"))
+                    and not (m + "/").startswith("/dev/shm/")], mounts
         agent = next(c_ for c_ in spec["containers"] if c_["name"] == "agent")
         env = {e["name"]: e.get("value") for e in agent.get("env", [])}
         assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility", f"{where}: NVML needs 'utility' only"

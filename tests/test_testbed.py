@@ -7,17 +7,22 @@ Every test here needs root and namespaces; the ``bed`` fixture skips with the re
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
 from tests.util import wait_until
 from transom import testbed
+from transom import testbed_machine as machine
+
+pytestmark = pytest.mark.integration       # real namespaces, links and processes
 
 # A TCP echo server and a client, run on bed hosts with the project's interpreter.
 SERVER = textwrap.dedent("""
@@ -29,15 +34,27 @@ SERVER = textwrap.dedent("""
         c, _ = s.accept()
         c.sendall(c.recv(100)); c.close()
 """)
+SINK = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
+    print("listening", flush=True)
+    c, _ = s.accept(); n = 0
+    while data := c.recv(65536):
+        n += len(data)
+    print(n, flush=True)
+""")
 CLIENT = textwrap.dedent("""
     import errno, socket, sys
-    try:
-        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
-        c.sendall(b"ping"); print(c.recv(100).decode())
-    except socket.timeout:
-        print("timeout")
-    except OSError as e:
-        print(errno.errorcode.get(e.errno, e.errno))
+    timeout = float(sys.argv[1])
+    for target in sys.argv[2:]:
+        addr, port = target.rsplit(":", 1)
+        try:
+            c = socket.create_connection((addr, int(port)), timeout=timeout)
+            c.sendall(b"ping"); print(c.recv(100).decode())
+        except socket.timeout:
+            print("timeout")
+        except OSError as e:
+            print(errno.errorcode.get(e.errno, e.errno))
 """)
 
 
@@ -48,11 +65,30 @@ def serve(b, host, port=7000):
     return proc
 
 
-def connect(b, host, addr, port=7000, timeout=5.0) -> str:
-    r = b.run(host, [sys.executable, "-I", "-S", "-c", CLIENT, addr, str(port), str(timeout)], stdout=subprocess.PIPE,
+def outputs(b, host, *commands: str) -> list[str]:
+    """Run shell ``commands`` on ``host`` in one shell; the stripped output of each."""
+    out = b.sh(host, "; echo @@; ".join(commands)).stdout
+    return [part.strip() for part in out.split("@@")]
+
+
+def stop(proc) -> int:
+    """Kill a process started on a bed host; its exit status."""
+    proc.kill()
+    code = proc.wait(30)
+    if proc.stdout:
+        proc.stdout.close()
+    return code
+
+
+def connect(b, host, addr, port=7000, timeout=5.0, *more: str) -> str | list[str]:
+    """Connect from ``host`` to ``addr:port`` (and each of ``more``, "ADDR:PORT"), send "ping" and
+    return what came back or the error's name ("timeout", "ENETUNREACH"...); one process for all."""
+    targets = [f"{addr}:{port}", *more]
+    r = b.run(host, [sys.executable, "-I", "-S", "-c", CLIENT, str(timeout), *targets], stdout=subprocess.PIPE,
               text=True)
     out, _ = r.communicate(timeout=60)
-    return out.strip()
+    lines = out.split()
+    return lines[0] if not more else lines
 
 
 def leftovers(index: int) -> list[str]:
@@ -63,19 +99,18 @@ def leftovers(index: int) -> list[str]:
     return left
 
 
-def test_hosts_have_their_own_name_memory_and_pids(bed, tmp_path):
+def test_hosts_have_their_own_name_memory_and_pids(bed):
     b = bed(["alpha", "beta"])
-    assert b.sh("alpha", "hostname").stdout.strip() == "alpha"
-    assert b.sh("beta", "hostname").stdout.strip() == "beta"
-    assert b.sh("beta", "getent hosts alpha").stdout.split()[0] == b.addr("alpha")
-    # /dev/shm and /tmp are the host's own
-    b.sh("alpha", "echo x > /dev/shm/transom-bed-shm && echo y > /tmp/transom-bed-tmp", check=True)
-    assert b.sh("alpha", "cat /dev/shm/transom-bed-shm").stdout == "x\n"
-    assert b.sh("beta", "ls -A /dev/shm").stdout == ""
-    assert b.sh("beta", "ls /tmp/transom-bed-tmp").returncode != 0
-    assert not os.path.exists("/dev/shm/transom-bed-shm") and not os.path.exists("/tmp/transom-bed-tmp")
     with tempfile.NamedTemporaryFile(dir="/dev/shm") as mine, tempfile.NamedTemporaryFile(dir="/tmp") as mine2:
-        assert b.sh("alpha", f"ls {mine.name} {mine2.name}").returncode != 0   # nor this machine's
+        assert outputs(b, "alpha", "hostname", "echo x > /dev/shm/transom-bed-shm; echo y > /tmp/transom-bed-tmp",
+                       "cat /dev/shm/transom-bed-shm", f"ls {mine.name} {mine2.name} 2>/dev/null") \
+            == ["alpha", "", "x", ""]                               # this machine's /dev/shm and /tmp are not there
+    hostname, hosts, net, shm, tmp = outputs(b, "beta", "hostname", "getent hosts alpha", "ls /sys/class/net",
+                                             "ls -A /dev/shm", "ls /tmp/transom-bed-tmp 2>/dev/null")
+    assert hostname == "beta" and hosts.split()[0] == b.addr("alpha")
+    assert net.split() == ["eth0", "lo"]                               # its own /sys
+    assert shm == "" and tmp == ""                                     # alpha's /dev/shm and /tmp are alpha's
+    assert not os.path.exists("/dev/shm/transom-bed-shm") and not os.path.exists("/tmp/transom-bed-tmp")
     # PIDs: a process sees itself as a low PID of its host; another host cannot see it
     sleeper = b.run("alpha", ["sleep", "300"])
     try:
@@ -85,8 +120,8 @@ def test_hosts_have_their_own_name_memory_and_pids(bed, tmp_path):
         assert [(p["pid"], p["host_pid"]) for p in b.processes("alpha") if p["cmdline"] == ["sleep", "300"]] \
             == [(sleeper.root_pid, sleeper.host_pid)]
         sleeper.signal(signal.SIGSTOP)            # the real process stops, not its relay
-        wait_until(lambda: testbed._state(sleeper.root_pid) == "T", 30, "the sleeper stopped")
-        assert testbed._state(sleeper.pid) != "T"
+        wait_until(lambda: machine.proc_state(sleeper.root_pid) == "T", 30, "the sleeper stopped")
+        assert machine.proc_state(sleeper.pid) != "T"
         sleeper.signal(signal.SIGCONT)
         assert b.sh("beta", "echo $$").stdout.strip() in {str(n) for n in range(2, 100)}
     finally:
@@ -106,14 +141,14 @@ def test_tcp_between_hosts_and_no_route_elsewhere(bed):
         # nothing leaves the bridge: no route to any other address (refused at once, nothing sent)
         assert b.sh("node1", "ip route").stdout.split("\n")[0].startswith(
             f"198.18.{b.index}.0/24 dev eth0") and "default" not in b.sh("node1", "ip route").stdout
-        for addr in ("198.19.255.1", "10.255.255.1", "192.0.2.1"):
-            assert connect(b, "node1", addr, 9) == "ENETUNREACH", addr
-        # and this namespace gains nothing beyond the bed's own /24
-        routes = testbed._run(["ip", "-4", "route", "show", "dev", b.link]).stdout.strip().splitlines()
+        assert connect(b, "node1", "198.19.255.1", 9, 5.0, "10.255.255.1:9", "192.0.2.1:9") == ["ENETUNREACH"] * 3
+        # and this namespace gains nothing beyond the bed's own /24, and forwards nothing from it
+        assert Path(f"/proc/sys/net/ipv4/conf/{b.link}/forwarding").read_text().strip() == "0"
+        routes = machine.run(["ip", "-4", "route", "show", "dev", b.link]).stdout.strip().splitlines()
         assert [r.split()[0] for r in routes] == [f"198.18.{b.index}.0/24"]
     finally:
-        server.kill()
-        server.wait()
+        code = stop(server)
+    assert code == -signal.SIGKILL and not machine.alive(server.root_pid)
 
 
 def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
@@ -122,8 +157,8 @@ def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
     sleeper = b.run("node0", ["sleep", "300"])
     server = serve(b, "node0")
     b.kill("node0")
-    assert sleeper.wait(30) == -signal.SIGKILL and server.wait(30) == -signal.SIGKILL
-    assert testbed._netns_pids(b.netns("node0")) == []
+    assert sleeper.wait(30) == -signal.SIGKILL and stop(server) == -signal.SIGKILL
+    assert machine.netns_pids(b.netns("node0")) == []
     assert not b.is_up("node0")
     with pytest.raises(testbed.BedError, match="node0 is down"):
         b.sh("node0", "true")
@@ -134,8 +169,7 @@ def test_kill_loses_processes_and_memory_restart_gives_a_fresh_host(bed):
     try:
         assert wait_until(lambda: connect(b, "node1", b.addr("node0")) == "ping", 30, "the restarted host")
     finally:
-        server.kill()
-        server.wait()
+        stop(server)
 
 
 def test_partition_and_heal(bed):
@@ -149,16 +183,28 @@ def test_partition_and_heal(bed):
         b.heal("node0")
         wait_until(lambda: connect(b, "node1", b.addr("node0"), timeout=2) == "ping", 30, "the healed link")
     finally:
-        server.kill()
-        server.wait()
+        stop(server)
 
 
 def test_slow_is_rate_limiting_and_delay_needs_netem(bed):
-    b = bed(1)
-    b.slow("node0", "20mbit")
-    assert "tbf" in testbed._run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    b = bed(2)
+    b.slow("node0", "200mbit")
+    sink = b.run("node1", [sys.executable, "-I", "-S", "-c", SINK, b.addr("node1"), "7001"], stdout=subprocess.PIPE,
+                 text=True)
+    try:
+        assert sink.stdout.readline().strip() == "listening"
+        b.sh("node0", f"head -c 300000 /dev/zero | {sys.executable} -I -S -c 'import socket, sys; "
+                      f"socket.create_connection((\"{b.addr('node1')}\", 7001)).sendall(sys.stdin.buffer.read())'",
+             check=True)
+        assert sink.stdout.readline().strip() == "300000"
+    finally:
+        stop(sink)
+    shown = machine.run(["tc", "-s", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    assert "tbf" in shown and int(shown.split("Sent ")[1].split()[0]) >= 300000     # the data went through it
+    with pytest.raises(ValueError, match="rate: '10 furlongs'"):
+        b.slow("node0", "10 furlongs")
     b.unslow("node0")
-    assert "tbf" not in testbed._run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
+    assert "tbf" not in machine.run(["tc", "-n", b.netns("node0"), "qdisc", "show", "dev", "eth0"]).stdout
     if not testbed.netem_available():
         with pytest.raises(testbed.BedError, match="no netem"):
             b.slow("node0", delay="10ms")
@@ -177,6 +223,7 @@ def test_python_service_from_a_private_shared_dir(bed, tmp_path):
     b = bed(1, share=[shared])
     out = b.python("node0", [str(shared / "svc.py")], stdout=subprocess.PIPE, text=True, cwd=str(shared))
     assert out.communicate(timeout=60)[0].strip() == "node0" and out.returncode == 0
+    out.stdout.close()
     # the shared directory is the same files, everything else of /tmp is not there
     b.sh("node0", f"echo from-host > {shared}/note", check=True)
     assert (shared / "note").read_text() == "from-host\n"
@@ -207,9 +254,23 @@ def _owner():
     if not ok:
         pytest.skip(f"test bed unavailable: {reason}")
     proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
-    index, *pids = map(int, proc.stdout.readline().split())
-    assert leftovers(index)
+    try:
+        index, *pids = map(int, proc.stdout.readline().split())
+        assert leftovers(index)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     return proc, index, pids
+
+
+def gone(proc, index: int) -> bool:
+    """Nothing is left of the bed ``index`` that ``proc`` owned. Other runs on this machine may
+    take the number again at once: then its namespaces are theirs, and only its owner is checked."""
+    state = testbed.beds_in_use().get(index)
+    if state is not None:
+        return state.get("owner") != proc.pid
+    return leftovers(index) == []
 
 
 def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
@@ -217,26 +278,54 @@ def test_stale_bed_of_a_killed_owner_is_cleaned_and_live_beds_are_kept(bed):
     proc, index, pids = _owner()
     proc.kill()
     proc.wait()
-    assert leftovers(index)                                  # a SIGKILLed owner cleans nothing
-    cleaned = testbed.clean_stale()
-    assert index in cleaned and live.index not in cleaned
-    assert leftovers(index) == []
-    assert not any(testbed._alive(p) for p in pids)
+    proc.stdout.close()
+    # its hosts die with it; its namespaces and link stay until somebody cleans
+    wait_until(lambda: not any(machine.alive(p) for p in pids), 30, "the hosts' inits to die with their owner")
+    assert index not in testbed.beds_in_use()
+    cleaned = testbed.clean_stale()        # (another run on this machine may have cleaned it first)
+    assert live.index in testbed.beds_in_use() and live.index not in cleaned
+    assert gone(proc, index)
     assert live.sh("node0", "hostname").stdout.strip() == "node0"
 
 
 def test_sigterm_of_the_owner_cleans_its_bed():
     proc, index, pids = _owner()
     proc.terminate()
-    assert proc.wait(60) == -signal.SIGTERM
-    assert leftovers(index) == []
-    assert not any(testbed._alive(p) for p in pids)
+    try:
+        assert proc.wait(60) == -signal.SIGTERM
+    finally:
+        proc.kill()                         # (a no-op when it did exit)
+        proc.stdout.close()
+    assert gone(proc, index)
+    assert not any(machine.alive(p) for p in pids)
 
 
-def test_cli_check_says_ok_or_why_not():
-    r = subprocess.run([sys.executable, "-m", "transom.cli", "testbed", "check"], capture_output=True, text=True,
-                       timeout=60)
+def test_bad_arguments_name_the_key(tmp_path):
+    for kwargs, message in (({"hosts": ["Node0"]}, "hosts: 'Node0' is not a host name"),
+                            ({"hosts": ["a", "a"]}, "hosts: duplicate"),
+                            ({"hosts": 0}, "hosts: expected at least one"),
+                            ({"private": [str(tmp_path / "nope")]}, "private: .* is not a directory"),
+                            ({"share": [str(tmp_path / "later")], "private": [str(tmp_path)]},
+                             "share: .* does not exist")):
+        with pytest.raises(ValueError, match=message):
+            testbed.Bed(**kwargs)
+    assert testbed._rate_bytes("10mbit") == 1_250_000 and testbed._rate_bytes("1gbit") == 125_000_000
+
+
+def test_cli_check_says_ok_or_why_not(capsys):
+    from transom.cli import main
+
+    rc = main(["testbed", "check"])
+    out = capsys.readouterr().out
     ok, reason = testbed.available()
-    assert r.returncode == (0 if ok else 1)
-    assert r.stdout.strip() == (reason if ok else f"unavailable: {reason}")
-    assert len(r.stdout.strip().splitlines()) == 1
+    assert rc == (0 if ok else 1)
+    assert out == (reason if ok else f"unavailable: {reason}") + "\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to take CAP_SYS_ADMIN away")
+def test_check_without_cap_sys_admin_says_why_in_one_line():
+    r = subprocess.run(["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c",
+                        "import sys; from transom import testbed_cli; sys.exit(testbed_cli._cmd_check(None))"],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, "unavailable: the test bed needs CAP_SYS_ADMIN (namespaces and mounts)\n")

@@ -150,6 +150,20 @@ def enter(init: str, pidfd: int, cwd: str, argv: list) -> None:
             sys.stderr.write(f"testbed: no directory {cwd} in the host\n")
             sys.exit(127)
         os.chdir("/")
+    child = 0
+    pending: list = []                     # signals that came before the child existed
+
+    def forward(signum, _frame):
+        if not child:
+            pending.append(signum)
+            return
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:                 # before the fork: no signal kills the relay alone
+        signal.signal(sig, forward)
     child = os.fork()
     if child == 0:
         try:
@@ -165,14 +179,8 @@ def enter(init: str, pidfd: int, cwd: str, argv: list) -> None:
         os._exit(127)
     os.write(pidfd, f"{child}\n".encode())
     os.close(pidfd)
-    def forward(signum, _frame):
-        try:
-            os.kill(child, signum)
-        except ProcessLookupError:
-            pass
-
-    for sig in _FORWARDED:
-        signal.signal(sig, forward)
+    for signum in pending:
+        forward(signum, None)
     while True:
         _pid, status = os.waitpid(child, 0)
         if os.WIFEXITED(status):

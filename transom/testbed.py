@@ -40,12 +40,9 @@ Errors::
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import fcntl
 import json
 import os
-import queue
 import re
 import select
 import shutil
@@ -54,95 +51,23 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import log
+from . import testbed_machine as machine
+from .testbed_machine import (BedError, BedUnavailable, available, beds_in_use, clean_stale, netem_available,
+                              state_dir)
 
-__all__ = ["Bed", "BedError", "BedUnavailable", "HostProcess", "available", "clean_stale",
-           "netem_available", "register"]
+__all__ = ["Bed", "BedError", "BedUnavailable", "HostProcess", "available", "beds_in_use", "clean_stale",
+           "netem_available", "python_env", "register"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _BEDPROC = Path(__file__).resolve().with_name("_bedproc.py")
-_MAX_INDEX = 254
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 _PRIVATE = ("/tmp", "/dev/shm")
 _log = log.get("testbed")
-
-
-class BedError(RuntimeError):
-    """A test-bed operation failed."""
-
-
-class BedUnavailable(BedError):
-    """This machine cannot make the bed's namespaces (not root, no CAP_SYS_ADMIN, no ``ip``...)."""
-
-
-def state_dir() -> Path:
-    return Path(os.environ.get("TRANSOM_TESTBED_DIR") or "/run/transom-testbed")
-
-
-# --------------------------------------------------------------------------- availability
-
-_available: tuple[bool, str] | None = None
-_netem: bool | None = None
-
-
-def available() -> tuple[bool, str]:
-    """``(True, "ok ...")`` when beds can be made here, else ``(False, one-line reason)``."""
-    global _available
-    if _available is None:
-        _available = _probe()
-    return _available
-
-
-def _probe() -> tuple[bool, str]:
-    if not sys.platform.startswith("linux"):
-        return False, f"the test bed needs Linux namespaces (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return False, "the test bed needs root (namespaces, veth links, mounts); run as root"
-    missing = [t for t in ("ip", "unshare", "nsenter", "tc") if shutil.which(t) is None]
-    if missing:
-        return False, f"the test bed needs {', '.join(missing)} (iproute2, util-linux)"
-    if not _cap_sys_admin():
-        return False, "the test bed needs CAP_SYS_ADMIN (namespaces and mounts)"
-    probe = subprocess.run(
-        ["unshare", "--net", "--mount", "--pid", "--uts", "--ipc", "--fork", "--kill-child", "sh", "-c",
-         "ip link add name a type veth peer name b && ip link add name br type bridge && mount -t tmpfs t /tmp"],
-        capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        err = (probe.stderr.strip().splitlines() or ["exit %d" % probe.returncode])[-1]
-        return False, f"cannot make namespaces, veth or bridge links here: {err}"
-    try:
-        state_dir().mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return False, f"cannot write the bed's state directory {state_dir()}: {exc.strerror}"
-    return True, f"ok: namespaces, veth and bridge work (state in {state_dir()}; netem: " \
-                 f"{'yes' if netem_available() else 'no, rate limiting only (tbf)'})"
-
-
-def _cap_sys_admin() -> bool:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) & (1 << 21))
-    except OSError:
-        pass
-    return False
-
-
-def netem_available() -> bool:
-    """Whether the kernel has the netem qdisc (delay); tested in a throwaway namespace."""
-    global _netem
-    if _netem is None:
-        r = subprocess.run(["unshare", "--net", "sh", "-c",
-                            "ip link add name d0 type dummy && tc qdisc add dev d0 root netem delay 1ms"],
-                           capture_output=True, timeout=30)
-        _netem = r.returncode == 0
-    return _netem
 
 
 # --------------------------------------------------------------------------- processes
@@ -160,6 +85,7 @@ class HostProcess(subprocess.Popen):
     host: str
     _pid_pipe: int | None = None
     _root_pid: int | None = None
+    _root_start: int | None = None
 
     @property
     def root_pid(self) -> int | None:
@@ -170,6 +96,7 @@ class HostProcess(subprocess.Popen):
             self._pid_pipe = None
             if data.strip():
                 self._root_pid = int(data)
+                self._root_start = machine.start_time(self._root_pid)
         return self._root_pid
 
     @property
@@ -183,6 +110,21 @@ class HostProcess(subprocess.Popen):
         except (OSError, TypeError):
             pass
         return None
+
+    def send_signal(self, sig: int) -> None:
+        """Signals go to the relay, which passes them on. SIGKILL and SIGSTOP, which a relay cannot
+        catch, go to the real process (a dying relay takes a SIGKILLed process with it; one killed
+        first would leave its process to this machine's PID 1 to reap, and hold up the host's
+        teardown until then)."""
+        if sig in (signal.SIGKILL, signal.SIGSTOP) and self.poll() is None:
+            pid = self.root_pid
+            if pid is not None and machine.start_time(pid) == self._root_start:
+                try:
+                    os.kill(pid, sig)
+                    return
+                except ProcessLookupError:
+                    pass
+        super().send_signal(sig)
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the real process itself (SIGSTOP stops it, not the relay)."""
@@ -234,8 +176,8 @@ class Bed:
                 raise ValueError(f"Bed: hosts: {n!r} is not a host name (expected [a-z][a-z0-9-]*, <= 31 chars)")
         if len(set(names)) != len(names):
             raise ValueError(f"Bed: hosts: duplicate names in {names}")
-        if len(names) > _MAX_INDEX - 1:
-            raise ValueError(f"Bed: hosts: at most {_MAX_INDEX - 1} hosts, got {len(names)}")
+        if len(names) > machine.MAX_INDEX - 1:
+            raise ValueError(f"Bed: hosts: at most {machine.MAX_INDEX - 1} hosts, got {len(names)}")
         self.hosts: list[str] = names
         always = [ROOT, sys.prefix, sys.base_prefix, Path(os.path.realpath(sys.executable)).parent]
         self.shared = sorted({os.path.realpath(p) for p in [*always, *share]}, key=len)
@@ -245,7 +187,12 @@ class Bed:
         for p in self.private:
             if not os.path.isdir(p):
                 raise ValueError(f"Bed: private: {p} is not a directory (each host mounts its own tmpfs on it)")
+        for p in self.shared:
+            if not os.path.exists(p) and any(p.startswith(d.rstrip("/") + "/") for d in self.private):
+                raise ValueError(f"Bed: share: {p} does not exist; create it first (a host binds in what is "
+                                 f"there when it starts)")
         self.timeout = timeout
+        self._owner = os.getpid()
         self.index: int | None = None
         self._lock_fd: int | None = None
         self._hosts: dict[str, _Host] = {}
@@ -305,7 +252,7 @@ class Bed:
         except OSError:
             return []
         out = []
-        for pid in _netns_pids(h.netns):
+        for pid in machine.netns_pids(h.netns):
             try:
                 if pid == h.pid or os.stat(f"/proc/{pid}/ns/pid").st_ino != want.st_ino:
                     continue
@@ -347,7 +294,8 @@ class Bed:
         if not ok:
             raise BedUnavailable(reason)
         started = time.monotonic()
-        self._lock_fd, self.index = _allocate()
+        self._owner = os.getpid()
+        self._lock_fd, self.index = machine.allocate()
         _LIVE.add(self)
         _install_handlers()
         try:
@@ -355,14 +303,14 @@ class Bed:
                 self._hosts[name] = _Host(name, i + 2, f"tb{self.index}-{name}", f"h{i + 2}")
             self._save()
             n, s = self.index, self.switch
-            _ip_batch(None, [f"netns add {s}", *(f"netns add {h.netns}" for h in self._hosts.values()),
-                             f"link add name {self.link} type veth peer name up0 netns {s}",
-                             f"addr add {self.root_addr}/24 dev {self.link}", f"link set {self.link} up"])
-            _ip_batch(s, ["link set lo up", "link add name br0 type bridge", "link set br0 up",
+            machine.ip_batch(None, [f"netns add {s}", *(f"netns add {h.netns}" for h in self._hosts.values()),
+                             f"link add name {self.link} type veth peer name up0 netns {s}"])
+            _sealed(self.link)
+            machine.ip_batch(None, [f"addr add {self.root_addr}/24 dev {self.link}", f"link set {self.link} up"])
+            machine.ip_batch(s, ["link set lo up", "link add name br0 type bridge", "link set br0 up",
                           "link set up0 master br0 up",
                           *(line for h in self._hosts.values() for line in self._port_lines(h))])
-            for h in self._hosts.values():
-                self._host_net(h)
+            machine.ip_batches({h.netns: self._host_net_lines(h) for h in self._hosts.values()})
             self._hosts_file().write_text(
                 "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
                 f"198.18.{n}.1\ttestbed-root\n"
@@ -391,10 +339,12 @@ class Bed:
             try:
                 for h in self._hosts.values():
                     if h.pid is not None:
-                        _kill_pid(h.pid)
+                        machine.kill_pid(h.pid)
+                    elif h.init is not None:      # started, not yet answered: --kill-child takes it along
+                        h.init.kill()
                 for h in self._hosts.values():
                     self._reap_init(h)
-                _clean_index(self.index, {"pids": []})
+                machine.clean_number(self.index, {"pids": []})
             finally:
                 _LIVE.discard(self)
                 if self._lock_fd is not None:     # None: a SIGTERM handler closed it meanwhile
@@ -406,9 +356,8 @@ class Bed:
         return [f"link add name {h.port} type veth peer name eth0 netns {h.netns}",
                 f"link set {h.port} master br0 up"]
 
-    def _host_net(self, h: _Host) -> None:
-        _ip_batch(h.netns, ["link set lo up", f"addr add 198.18.{self.index}.{h.octet}/24 dev eth0",
-                            "link set eth0 up"])
+    def _host_net_lines(self, h: _Host) -> list[str]:
+        return ["link set lo up", f"addr add 198.18.{self.index}.{h.octet}/24 dev eth0", "link set eth0 up"]
 
     def _hosts_file(self) -> Path:
         return state_dir() / f"{self.index}.hosts"
@@ -425,7 +374,7 @@ class Bed:
             argv = ["setpriv", "--pdeathsig", "KILL", *argv]
         # stderr: unshare 2.38 prints a spurious "sigprocmask unblock failed" when its child is killed;
         # the init reports its own errors on stdout
-        h.init = _spawn_kept(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        h.init = machine.spawn_kept(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     def _await_init(self, h: _Host) -> None:
         ready, _, _ = select.select([h.init.stdout], [], [], self.timeout)
@@ -434,12 +383,13 @@ class Bed:
         try:
             msg = json.loads(line or b"{}")
         except ValueError:
-            msg = {}
+            msg = {"error": line.decode(errors="replace").strip()[-300:]}
         if "pid" not in msg:
-            raise BedError(f"host {h.name}: its init did not start: "
-                           f"{msg.get('error') or 'no answer within %.0fs' % self.timeout}")
+            why = msg.get("error") or (f"it exited ({h.init.wait(10)})" if ready else
+                                       f"no answer within {self.timeout:.0f}s")
+            raise BedError(f"host {h.name}: its init did not start: {why}")
         h.pid, h.fds, h.up = msg["pid"], msg["fds"], True
-        h.start = _start_time(h.pid)
+        h.start = machine.start_time(h.pid)
 
     def _reap_init(self, h: _Host) -> None:
         if h.init is not None:
@@ -517,14 +467,14 @@ class Bed:
         ``/tmp`` and ``/dev/shm`` are gone. Returns when nothing of it runs."""
         with self._mutex:
             h = self._host(host)
-            _ip_batch(self.switch, [f"link set {h.port} down"])
+            machine.ip_batch(self.switch, [f"link set {h.port} down"])
             if h.pid is not None:
-                _kill_pid(h.pid)
+                machine.kill_pid(h.pid)
             self._reap_init(h)
-            rest = _netns_pids(h.netns)          # relays, and whatever entered the netns alone
+            rest = machine.netns_pids(h.netns)          # relays, and whatever entered the netns alone
             for pid in rest:
-                _kill_pid(pid)
-            _wait_dead(rest)
+                machine.kill_pid(pid)
+            machine.wait_dead(rest)
             h.up, h.pid, h.start, h.fds = False, None, None, {}
             self._save()
 
@@ -534,10 +484,10 @@ class Bed:
             h = self._host(host)
             if h.up:
                 self.kill(host)
-            _ip_batch(self.switch, [f"link del {h.port}"])
-            _ip_batch(None, [f"netns del {h.netns}", f"netns add {h.netns}"])
-            _ip_batch(self.switch, self._port_lines(h))
-            self._host_net(h)
+            machine.ip_batch(self.switch, [f"link del {h.port}"])
+            machine.ip_batch(None, [f"netns del {h.netns}", f"netns add {h.netns}"])
+            machine.ip_batch(self.switch, self._port_lines(h))
+            machine.ip_batch(h.netns, self._host_net_lines(h))
             h.partitioned = h.slowed = False
             self._start_init(h)
             self._await_init(h)
@@ -548,19 +498,22 @@ class Bed:
         processes keep running. :meth:`heal` brings the link back."""
         with self._mutex:
             h = self._host(host, need_up=True)
-            _ip_batch(self.switch, [f"link set {h.port} down"])
+            machine.ip_batch(self.switch, [f"link set {h.port} down"])
             h.partitioned = True
 
     def heal(self, host: str) -> None:
         with self._mutex:
             h = self._host(host, need_up=True)
-            _ip_batch(self.switch, [f"link set {h.port} up"])
+            machine.ip_batch(self.switch, [f"link set {h.port} up"])
             h.partitioned = False
 
-    def slow(self, host: str, rate: str = "10mbit", *, delay: str | None = None, burst: str = "64kb",
+    def slow(self, host: str, rate: str = "10mbit", *, delay: str | None = None, burst: str | None = None,
              latency: str = "500ms") -> None:
-        """Limit ``host``'s link to ``rate`` both ways (tc tbf). ``delay`` (e.g. ``"50ms"``) needs
-        the netem qdisc, which this kernel may not have: then :class:`BedError` says so."""
+        """Limit ``host``'s link to ``rate`` (tc units: ``"10mbit"``, ``"1gbit"``, ``"500kbps"``) both
+        ways with tc tbf; ``burst`` defaults to 10 ms of ``rate`` (at least 32 KiB), so high rates
+        are reached. ``delay`` (e.g. ``"50ms"``) needs the netem qdisc, which this kernel may not
+        have: then :class:`BedError` says so."""
+        per_second = _rate_bytes(rate)
         with self._mutex:
             h = self._host(host, need_up=True)
             if delay is not None:
@@ -569,17 +522,45 @@ class Bed:
                                    "only rate limiting (tbf) is available")
                 qdisc = f"netem delay {delay} rate {rate}"
             else:
-                qdisc = f"tbf rate {rate} burst {burst} latency {latency}"
+                qdisc = f"tbf rate {rate} burst {burst or max(32768, per_second // 100)} latency {latency}"
+            if shutil.which("tc") is None:
+                raise BedError("slow(): needs tc (iproute2), which is not installed")
             for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
-                _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc.split()])
+                machine.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc.split()])
             h.slowed = True
 
     def unslow(self, host: str) -> None:
         with self._mutex:
             h = self._host(host)
             for ns, dev in ((h.netns, "eth0"), (self.switch, h.port)):
-                _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+                machine.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
             h.slowed = False
+
+
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+               "bps": 1, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12, "": 1 / 8}
+
+
+def _rate_bytes(rate: str) -> int:
+    """Bytes per second of a tc rate (``"10mbit"``; a bare number is bits per second, as in tc)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(rate))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _RATE_UNITS:
+        raise ValueError(f"slow: rate: {rate!r} is not a tc rate (expected e.g. '10mbit', '1gbit', '500kbps')")
+    return int(float(m.group(1)) * _RATE_UNITS[unit])
+
+
+def _sealed(link: str) -> None:
+    """This namespace never forwards what arrives on the bed's link, even where IP forwarding is on
+    (a host could add a route through ``198.18.N.1``), and takes no IPv6 (router adverts) from it."""
+    for path, value in ((f"/proc/sys/net/ipv4/conf/{link}/forwarding", "0"),
+                        (f"/proc/sys/net/ipv4/conf/{link}/accept_redirects", "0"),
+                        (f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6", "1")):
+        try:
+            with open(path, "w") as f:
+                f.write(value)
+        except FileNotFoundError:          # no IPv6 in this kernel
+            pass
 
 
 def python_env(env: dict | None = None) -> dict:
@@ -589,86 +570,17 @@ def python_env(env: dict | None = None) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- allocation, cleanup
+# --------------------------------------------------------------------------- exit and SIGTERM
 
-_LIVE: "weakref.WeakSet[Bed]" = weakref.WeakSet()
+_LIVE: "set[Bed]" = set()      # the beds up in this process; held here, so none is dropped unclosed
 _handlers_installed = False
 
 
-def _allocate() -> tuple[int, int]:
-    """Lock the first free bed number; clean what a dead owner of it left; ``(lock_fd, N)``."""
-    d = state_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    for n in range(1, _MAX_INDEX + 1):
-        fd = os.open(d / f"{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        try:
-            _clean_index(n, _read_state(n))
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, n
-    raise BedError(f"all {_MAX_INDEX} bed numbers are in use (see {d}; `transom testbed clean` frees dead ones)")
-
-
-def _read_state(n: int) -> dict:
-    try:
-        return json.loads((state_dir() / f"{n}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def clean_stale() -> list[int]:
-    """Remove every bed whose owner is dead (its lock is free): processes, namespaces, links.
-
-    Returns the bed numbers cleaned. Beds in use by a live process are left alone.
-    """
-    if not available()[0]:
-        return []
-    d = state_dir()
-    found = {int(p.stem) for p in d.glob("*.json") if p.stem.isdigit()}
-    found |= {int(m.group(1)) for ns in _netns_names() if (m := re.match(r"tb(\d+)-", ns))}
-    found |= {int(m.group(1)) for link in _root_links() if (m := re.fullmatch(r"tb(\d+)", link))}
-    cleaned = []
-    for n in sorted(x for x in found if 1 <= x <= _MAX_INDEX):
-        fd = os.open(d / f"{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue                      # a live owner
-        else:
-            _clean_index(n, _read_state(n))
-            cleaned.append(n)
-        finally:
-            os.close(fd)
-    return cleaned
-
-
-def _clean_index(n: int, state: dict) -> None:
-    """With bed ``n``'s lock held: kill its processes, delete its namespaces, link and files."""
-    killed = [pid for pid, start in state.get("pids", []) if pid and _start_time(pid) == start]
-    names = [ns for ns in _netns_names() if ns.startswith(f"tb{n}-")]
-    killed += [pid for ns in names for pid in _netns_pids(ns)]
-    for pid in killed:
-        _kill_pid(pid)
-    _wait_dead(killed)
-    for ns in names:
-        _run(["ip", "netns", "del", ns], check=False)
-    if f"tb{n}" in _root_links():
-        _run(["ip", "link", "del", f"tb{n}"], check=False)
-    for suffix in (".json", ".hosts", ".tmp"):
-        try:
-            (state_dir() / f"{n}{suffix}").unlink()
-        except FileNotFoundError:
-            pass
-
-
 def _close_all() -> None:
+    """Close this process's beds (a forked child inherits the list, not the beds)."""
     for bed in list(_LIVE):
+        if bed._owner != os.getpid():
+            continue
         try:
             bed.close()
         except Exception:  # cleanup at exit: the rest must still be tried
@@ -689,196 +601,21 @@ _prev_sigterm = None
 
 
 def _install_handlers() -> None:
-    """Close every bed at exit and on SIGTERM (when the bed's owner may set signal handlers)."""
+    """Close every bed at exit and on SIGTERM. The SIGTERM handler is (re)installed at each
+    ``up()`` from the main thread, over whatever handler is there, which it calls afterwards."""
     global _handlers_installed, _prev_sigterm
-    if _handlers_installed:
-        return
-    atexit.register(_close_all)
+    if not _handlers_installed:
+        atexit.register(_close_all)
+        _handlers_installed = True
     if threading.current_thread() is threading.main_thread():
         prev = signal.getsignal(signal.SIGTERM)
-        if prev is not signal.SIG_IGN:
+        if prev is not signal.SIG_IGN and prev is not _on_sigterm:
             _prev_sigterm = prev
             signal.signal(signal.SIGTERM, _on_sigterm)
-    _handlers_installed = True
 
 
-# --------------------------------------------------------------------------- small helpers
+def register(sub) -> None:
+    """The ``transom testbed`` subcommand (transom/testbed_cli.py)."""
+    from .testbed_cli import register as register_cli
 
-_keeper_queue: "queue.Queue | None" = None
-_keeper_lock = threading.Lock()
-
-
-def _spawn_kept(argv: list[str], **popen) -> subprocess.Popen:
-    """``Popen`` from a thread that lives as long as this process.
-
-    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so a host's init started
-    from a short-lived thread would die with that thread: such calls are handed to one keeper
-    thread (the main thread starts its own).
-    """
-    global _keeper_queue
-    if threading.current_thread() is threading.main_thread():
-        return subprocess.Popen(argv, **popen)
-    with _keeper_lock:
-        if _keeper_queue is None:
-            _keeper_queue = queue.Queue()
-            threading.Thread(target=_keeper, args=(_keeper_queue,), name="testbed-keeper", daemon=True).start()
-    box: list = []
-    done = threading.Event()
-    _keeper_queue.put((argv, popen, box, done))
-    done.wait()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
-
-
-def _keeper(q: "queue.Queue") -> None:
-    while True:
-        argv, popen, box, done = q.get()
-        try:
-            box.append((True, subprocess.Popen(argv, **popen)))
-        except BaseException as exc:  # handed back to the caller's thread
-            box.append((False, exc))
-        done.set()
-
-
-def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-    r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=60)
-    if check and r.returncode != 0:
-        raise BedError(f"{' '.join(argv)}: {r.stderr.strip() or 'exit %d' % r.returncode}")
-    return r
-
-
-def _ip_batch(netns: str | None, lines: list[str]) -> None:
-    _run(["ip", *(["-n", netns] if netns else []), "-b", "-"], input="\n".join(lines) + "\n")
-
-
-def _netns_names() -> list[str]:
-    try:
-        return sorted(os.listdir("/run/netns"))
-    except OSError:
-        return []
-
-
-def _root_links() -> set[str]:
-    return set(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else set()
-
-
-def _netns_pids(netns: str) -> list[int]:
-    """Every process whose network namespace is ``netns`` (what ``ip netns pids`` prints)."""
-    try:
-        st = os.stat(f"/run/netns/{netns}")
-    except OSError:
-        return []
-    want = (st.st_dev, st.st_ino)
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                s = os.stat(f"/proc/{entry}/ns/net")
-            except OSError:
-                continue
-            if (s.st_dev, s.st_ino) == want:
-                out.append(int(entry))
-    return out
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _state(pid: int) -> str | None:
-    """The process state letter of ``pid`` (R, S, D, T, Z...), None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    return _state(pid) not in (None, "Z", "X")
-
-
-def _wait_dead(pids: list[int], timeout: float = 30.0) -> None:
-    """Wait until none of ``pids`` (SIGKILLed) runs; a process in uninterruptible sleep may take a while."""
-    started = {p: _start_time(p) for p in pids}          # against a PID reused meanwhile
-    deadline = time.monotonic() + timeout
-    while left := [p for p, t in started.items() if t is not None and _alive(p) and _start_time(p) == t]:
-        if time.monotonic() > deadline:
-            raise BedError(f"processes {left} did not die within {timeout:.0f}s of SIGKILL")
-        time.sleep(0.02)
-
-
-def _kill_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-# --------------------------------------------------------------------------- CLI
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("testbed", help="a bed of namespaced hosts on this machine (check, clean, up)",
-                       description="The test bed: hosts as Linux namespaces on a private bridge "
-                                   "(198.18.N.0/24). See docs/testbed.md.")
-    tsub = p.add_subparsers(dest="action", metavar="ACTION")
-    tsub.required = True
-    c = tsub.add_parser("check", help="say whether beds can be made here (exit 0) or why not (exit 1)",
-                        description="Print 'ok: ...' and exit 0 when this machine can make beds, else "
-                                    "'unavailable: REASON' and exit 1.")
-    c.set_defaults(func=_cmd_check)
-    c = tsub.add_parser("clean", help="remove beds left by dead owners (namespaces, links, processes)",
-                        description="Remove every bed whose owner process is dead; beds in use are kept.")
-    c.set_defaults(func=_cmd_clean)
-    c = tsub.add_parser("up", help="bring up a bed and keep it until SIGINT/SIGTERM",
-                        description="Bring up a bed, print its hosts with their addresses and how to "
-                                    "enter them, and keep it until interrupted.")
-    c.add_argument("hosts", nargs="*", default=None, metavar="HOST",
-                   help="host names (default: node0..node{N-1} from --count)")
-    c.add_argument("--count", "-n", type=int, default=3, help="number of hosts when no names are given (3)")
-    c.add_argument("--share", action="append", default=[], metavar="PATH",
-                   help="a path every host sees even under its private /tmp (repeatable)")
-    c.set_defaults(func=_cmd_up)
-
-
-def _cmd_check(args) -> int:
-    ok, reason = available()
-    print(reason if ok else f"unavailable: {reason}")
-    return 0 if ok else 1
-
-
-def _cmd_clean(args) -> int:
-    ok, reason = available()
-    if not ok:
-        print(f"unavailable: {reason}")
-        return 1
-    cleaned = clean_stale()
-    print(f"cleaned {len(cleaned)} stale bed(s){': ' + ', '.join(map(str, cleaned)) if cleaned else ''}")
-    return 0
-
-
-def _cmd_up(args) -> int:
-    from .cli import wait_for_signal
-
-    if args.count < 1:
-        print("transom testbed up: --count: expected a number >= 1", file=sys.stderr)
-        return 2
-    hosts = args.hosts or args.count
-    try:
-        bed = Bed(hosts, share=args.share).up()
-    except BedError as exc:
-        print(f"transom testbed up: {exc}", file=sys.stderr)
-        return 1
-    with bed:
-        print(f"bed {bed.index}: {bed.subnet}, this namespace is {bed.root_addr} on link {bed.link}", flush=True)
-        for h in bed.hosts:
-            print(f"  {h:<12} {bed.addr(h):<15} enter: nsenter -t {bed.init_pid(h)} -n -m -p -u -i", flush=True)
-        wait_for_signal()
-    return 0
+    register_cli(sub)

@@ -6,14 +6,21 @@ Served (JSON, ``apiVersion: v1``)::
     GET    /api/v1/nodes/{name}                       Node
     PATCH  /api/v1/nodes/{name}                       merge patch (dicts merge, lists replace)
     POST   /api/v1/namespaces/{ns}/services           201, or 409 AlreadyExists
+    GET    /api/v1/namespaces/{ns}/services/{name}    Service
+    DELETE /api/v1/namespaces/{ns}/services/{name}
     POST   /api/v1/namespaces/{ns}/pods               201, or 409 AlreadyExists
     GET    /api/v1/namespaces/{ns}/pods?labelSelector=k=v,k2=v2
     GET    /api/v1/namespaces/{ns}/pods/{name}
     DELETE /api/v1/namespaces/{ns}/pods/{name}        the kubelet stops the process, the pod goes
 
 The fake kubelet runs each pod's first container ``command`` as a local process with the
-container's ``env``. The cluster network is mapped onto 127.0.0.1: ``MASTER_ADDR`` becomes
-127.0.0.1 and ``MASTER_PORT`` a free local port per Service. A pod bound to a node that has a
+container's ``env`` (``valueFrom.fieldRef`` of ``spec.nodeName``/``status.hostIP`` and ``$(VAR)``
+references resolved as the kubelet does). The cluster network is mapped onto 127.0.0.1:
+``MASTER_ADDR`` becomes 127.0.0.1, ``MASTER_PORT`` a free local port per Service, ``status.hostIP``
+127.0.0.1. Volumes are "mounted" by path: an environment value under a volume mount's path is
+rewritten to a directory of the fake (``LOG_DIR/volumes/pvc-CLAIM`` for a PersistentVolumeClaim,
+``LOG_DIR/volumes/NODE/PATH`` for a hostPath, so two nodes' host paths differ).
+``delete_pods(selector)`` deletes pods as an outside actor would (a node drained by an operator). A pod bound to a node that has a
 ``NoExecute`` taint it does not tolerate is failed at once (``reason: Taint``), as the real
 kubelet evicts it. ``created`` counts pod creations by name (409s excluded) and ``history`` keeps
 every pod as created, so tests can count launches after the pods are gone.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,7 +128,24 @@ class FakeKubeAPI:
             pod["status"] = {"phase": "Failed", "reason": "Taint", "message": "node has a NoExecute taint"}
             return
         c = pod["spec"]["containers"][0]
-        env = {**os.environ, **{e["name"]: e.get("value", "") for e in c.get("env") or []}}
+        env = dict(os.environ)
+        fields = {"spec.nodeName": pod["spec"]["nodeName"], "status.hostIP": "127.0.0.1",
+                  "metadata.name": pod["metadata"]["name"]}
+        for e in c.get("env") or []:
+            if "valueFrom" in e:
+                env[e["name"]] = fields.get(e["valueFrom"].get("fieldRef", {}).get("fieldPath", ""), "")
+            else:
+                env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e.get("value", ""))
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        for m in c.get("volumeMounts") or []:
+            v = volumes[m["name"]]
+            local = self.log_dir / "volumes" / (f"pvc-{v['persistentVolumeClaim']['claimName']}"
+                                                if "persistentVolumeClaim" in v else
+                                                f"{pod['spec']['nodeName']}{v.get('hostPath', {}).get('path', '/' + m['name'])}")
+            local.mkdir(parents=True, exist_ok=True)
+            for k, value in env.items():
+                if k.startswith("TRANSOM_") and (value == m["mountPath"] or value.startswith(m["mountPath"] + "/")):
+                    env[k] = str(local) + value[len(m["mountPath"]):]
         svc = pod["spec"].get("subdomain")
         if svc:
             env["MASTER_ADDR"] = "127.0.0.1"
@@ -213,6 +238,13 @@ class FakeKubeAPI:
                 body["metadata"]["namespace"] = ns
                 self.services[(ns, name)] = body
                 return 201, body
+            if kind == "services" and len(rest) == 4 and method in ("GET", "DELETE"):
+                svc = self.services.get((ns, rest[3]))
+                if svc is None:
+                    return 404, _status(404, "NotFound", f'services "{rest[3]}" not found')
+                if method == "DELETE":
+                    del self.services[(ns, rest[3])]
+                return 200, svc
             if kind == "pods":
                 return self._pods(method, ns, rest[3] if len(rest) > 3 else None, query, body)
         return 404, _status(404, "NotFound", f"no such path /{'/'.join(parts)}")
@@ -244,6 +276,15 @@ class FakeKubeAPI:
             self._kill((ns, name))
             del self.pods[(ns, name)]
         return 200, pod
+
+    def delete_pods(self, prefix: str, ns: str = "default") -> list[str]:
+        """Delete the pods whose name starts with ``prefix`` behind the controller's back (as an operator would)."""
+        with self.lock:
+            gone = [name for (n, name) in self.pods if n == ns and name.startswith(prefix)]
+            for name in gone:
+                self._kill((ns, name))
+                del self.pods[(ns, name)]
+        return gone
 
 
 def main() -> int:

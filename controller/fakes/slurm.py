@@ -1,6 +1,6 @@
-"""Fake Slurm: ``scontrol``, ``squeue``, ``srun`` and ``scancel`` that keep the cluster in one JSON file.
+"""Fake Slurm: ``scontrol``, ``squeue``, ``sbatch``, ``srun`` and ``scancel`` that keep the cluster in one JSON file.
 
-:func:`install` writes the four executables into a directory (put it first on ``PATH``) and the
+:func:`install` writes the five executables into a directory (put it first on ``PATH``) and the
 state file with the given nodes. What they understand (the subset the Slurm backend uses, with
 Slurm's own syntax and output formats):
 
@@ -11,11 +11,19 @@ Slurm's own syntax and output formats):
 - ``srun --job-name=N --nodes=K --ntasks=K --ntasks-per-node=1 --nodelist=a,b [--exclude=c]
   [--kill-on-bad-exit=1] [--partition=P] [--export=ALL] CMD...``: refuses drained, down, excluded or
   unknown nodes as Slurm does; runs one task per node as a local process with ``SLURM_PROCID``,
-  ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURMD_NODENAME``, ``SLURM_JOB_ID``; exits with the worst
-  task code; with kill-on-bad-exit, a failed task ends the others;
-- ``scancel --name=NAME`` or ``scancel ID``: SIGTERM to the job's srun, state CANCELLED.
+  ``SLURM_NODEID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURMD_NODENAME``, ``SLURM_JOB_ID``,
+  ``SLURM_STEP_NODELIST``; exits with the worst task code; with kill-on-bad-exit, a failed task
+  ends the others. Tasks are numbered as the real srun numbers them: by the cluster's node table
+  (the order :func:`install` was given, as slurm.conf's), not by the order of ``--nodelist``;
+- ``sbatch --parsable --job-name=N --nodes=K --ntasks=K --ntasks-per-node=1 --nodelist=a,b [--exclude=c]
+  [--output=F] [--chdir=D] SCRIPT``: the same checks as srun; prints the job id at once and runs
+  the executable SCRIPT (its shebang) in a detached batch process (``SLURM_JOB_ID``,
+  ``SLURM_JOB_NODELIST``); an ``srun`` without ``--nodelist`` inside it runs one step on the
+  allocation's nodes;
+- ``scancel --name=NAME`` or ``scancel ID``: SIGTERM to the job's srun or batch process, state CANCELLED.
 
-Node names stand for hosts: ``MASTER_ADDR`` equal to a node name becomes 127.0.0.1.
+Every task runs on this machine: the controller's agent table (``--node NAME=127.0.0.1:PORT``) is
+what maps node names to addresses, as it does on a real cluster.
 The state file path is in ``FAKE_SLURM_STATE`` (baked into the executables by :func:`install`).
 """
 
@@ -52,7 +60,7 @@ def install(bin_dir: str | os.PathLike, state_file: str | os.PathLike, nodes: li
     bin_dir.mkdir(parents=True, exist_ok=True)
     state_file.write_text(json.dumps({"nodes": {n: {"state": "IDLE", "reason": ""} for n in nodes},
                                       "jobs": {}, "next_id": 100}))
-    for tool in ("scontrol", "squeue", "srun", "scancel"):
+    for tool in ("scontrol", "squeue", "sbatch", "srun", "scancel"):
         exe = bin_dir / tool
         exe.write_text(f"#!{sys.executable}\nimport os, sys\nos.environ.setdefault('FAKE_SLURM_STATE', "
                        f"{str(state_file)!r})\nfrom transom.controller.fakes.slurm import main\n"
@@ -71,7 +79,7 @@ def _opts(argv: list[str]) -> tuple[dict[str, str], list[str]]:
             break
         if "=" in arg:
             k, v = arg.split("=", 1)
-        elif arg in ("--noheader", "-h", "--oneliner", "-o"):
+        elif arg in ("--noheader", "-h", "--oneliner", "--parsable"):
             k, v = arg, "1"
         else:
             k, v = arg, argv[i + 1]
@@ -149,8 +157,8 @@ def scancel(argv: list[str], path: str) -> int:
     return 0
 
 
-def srun(argv: list[str], path: str) -> int:
-    opts, command = _opts(argv)
+def _allocate(opts: dict[str, str], path: str) -> tuple[str, list[str]] | None:
+    """A new RUNNING job for the request in ``opts``: (job id, its nodes in the node table's order)."""
     nodelist = [n for n in opts.get("nodelist", opts.get("w", "")).split(",") if n]
     exclude = {n for n in opts.get("exclude", opts.get("x", "")).split(",") if n}
     ntasks = int(opts.get("ntasks", opts.get("n", len(nodelist) or 1)))
@@ -158,21 +166,87 @@ def srun(argv: list[str], path: str) -> int:
     with _state(path) as data:
         bad = [n for n in nodelist if n not in data["nodes"] or data["nodes"][n]["state"] in ("DRAIN", "DOWN")
                or n in exclude]
-        if bad or not command or len(nodelist) != ntasks:
-            print(f"srun: error: Unable to allocate resources: Requested node configuration is not available "
+        if bad or len(nodelist) != ntasks:
+            print(f"error: Unable to allocate resources: Requested node configuration is not available "
                   f"({','.join(bad) or 'bad request'})", file=sys.stderr)
-            return 1
+            return None
+        table = list(data["nodes"])
+        nodes = sorted(nodelist, key=table.index)           # Slurm's order: the node table's, not the request's
         jid = str(data["next_id"])
         data["next_id"] += 1
-        data["jobs"][jid] = {"name": name, "nodes": nodelist, "state": "RUNNING", "pid": os.getpid(),
+        data["jobs"][jid] = {"name": name, "nodes": nodes, "state": "RUNNING", "pid": os.getpid(),
                              "submitted": time.time()}
+    return jid, nodes
+
+
+def _finish(path: str, jid: str, codes: list[int]) -> int:
+    worst = max(codes, key=lambda c: (c != 0, abs(c))) if codes else 0
+    with _state(path) as data:
+        j = data["jobs"][jid]
+        if j["state"] == "RUNNING":
+            j["state"] = "COMPLETED" if worst == 0 else "FAILED"
+        j["exit_codes"] = codes
+    return 0 if worst == 0 else (worst if worst > 0 else 128 - worst)
+
+
+def sbatch(argv: list[str], path: str) -> int:
+    opts, rest = _opts(argv)
+    if not rest:
+        print("sbatch: error: this fake runs an executable batch script only (no --wrap)", file=sys.stderr)
+        return 1
+    got = _allocate(opts, path)
+    if got is None:
+        return 1
+    jid, nodes = got
+    out = open(opts.get("output", opts.get("o", os.devnull)), "ab")
+    env = {**os.environ, "SLURM_JOB_ID": jid, "SLURM_JOB_NAME": opts.get("job-name", ""),
+           "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NNODES": str(len(nodes)), "SLURM_NTASKS": str(len(nodes)),
+           "FAKE_SLURM_ALLOCATION": jid}
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from transom.controller.fakes.slurm import batch; "
+                             "sys.exit(batch(sys.argv[1], sys.argv[2:]))", jid, *rest],
+                            env=env, cwd=opts.get("chdir") or None, stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    with _state(path) as data:
+        data["jobs"][jid]["pid"] = proc.pid
+    print(jid)
+    return 0
+
+
+def batch(jid: str, script: list[str]) -> int:
+    """The batch process of job ``jid``: runs ``script`` (an argv); SIGTERM (scancel) goes to its group."""
+    path = os.environ["FAKE_SLURM_STATE"]
+    child = subprocess.Popen(script, start_new_session=True)
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    return _finish(path, jid, [child.wait()])
+
+
+def srun(argv: list[str], path: str) -> int:
+    opts, command = _opts(argv)
+    if not command:
+        print("srun: error: no command", file=sys.stderr)
+        return 1
+    alloc = os.environ.get("FAKE_SLURM_ALLOCATION")
+    if alloc and not opts.get("nodelist", opts.get("w")):          # a step of the batch job's allocation
+        with _state(path) as data:
+            jid, nodes, name = alloc, data["jobs"][alloc]["nodes"], data["jobs"][alloc]["name"]
+    else:
+        got = _allocate(opts, path)
+        if got is None:
+            return 1
+        (jid, nodes), name = got, opts.get("job-name", opts.get("J", "srun"))
     procs = []
-    for rank, node in enumerate(nodelist):
+    for rank, node in enumerate(nodes):
         env = dict(os.environ)
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks), SLURM_LOCALID="0", SLURMD_NODENAME=node,
-                   SLURM_JOB_ID=jid, SLURM_JOB_NAME=name, SLURM_NODELIST=",".join(nodelist))
-        if env.get("MASTER_ADDR") in nodelist:
-            env["MASTER_ADDR"] = "127.0.0.1"
+        env.update(SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURM_NTASKS=str(len(nodes)), SLURM_LOCALID="0",
+                   SLURMD_NODENAME=node, SLURM_JOB_ID=jid, SLURM_JOB_NAME=name, SLURM_NODELIST=",".join(nodes),
+                   SLURM_JOB_NODELIST=",".join(nodes), SLURM_STEP_NODELIST=",".join(nodes))
         procs.append(subprocess.Popen(command, env=env, start_new_session=True))
 
     def forward(signum, _frame):
@@ -193,13 +267,11 @@ def srun(argv: list[str], path: str) -> int:
                 if p.returncode != 0 and kill_on_bad:
                     forward(signal.SIGTERM, None)
         time.sleep(0.1)
-    worst = max(codes.values(), key=lambda c: (c != 0, abs(c)))
-    with _state(path) as data:
-        j = data["jobs"][jid]
-        if j["state"] == "RUNNING":
-            j["state"] = "COMPLETED" if worst == 0 else "FAILED"
-        j["exit_codes"] = [codes[i] for i in range(len(procs))]
-    return 0 if worst == 0 else (worst if worst > 0 else 128 - worst)
+    ordered = [codes[i] for i in range(len(procs))]
+    if alloc and jid == alloc:
+        worst = max(ordered, key=lambda c: (c != 0, abs(c)))
+        return 0 if worst == 0 else (worst if worst > 0 else 128 - worst)
+    return _finish(path, jid, ordered)
 
 
 def main(tool: str, argv: list[str]) -> int:
@@ -207,4 +279,4 @@ def main(tool: str, argv: list[str]) -> int:
     if not path:
         print(f"{tool}: FAKE_SLURM_STATE is not set (this is the fake Slurm of Transom's tests)", file=sys.stderr)
         return 2
-    return {"scontrol": scontrol, "squeue": squeue, "srun": srun, "scancel": scancel}[tool](argv, path)
+    return {"scontrol": scontrol, "squeue": squeue, "sbatch": sbatch, "srun": srun, "scancel": scancel}[tool](argv, path)

@@ -1,0 +1,71 @@
+"""The Kubernetes backend's objects against the client's OpenAPI models, and its cleanup, on FakeKubeAPI.
+
+No API server runs here: the pods the backend creates are validated against the ``kubernetes``
+client's models (tests/k8s_models.py), and the fake API server records what was created and deleted.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from transom.controller.fakes.kube import FakeKubeAPI
+from transom.controller.kubernetes import GPU_RESOURCE, TAINT_KEY, KubernetesBackend
+
+from k8s_models import validate
+from util import wait_until
+
+NODES = ["node0", "node1", "node2"]
+
+
+@pytest.fixture()
+def kube(tmp_path):
+    api = FakeKubeAPI(NODES, tmp_path / "pods").start()
+    try:
+        yield api
+    finally:
+        api.stop()
+
+
+def test_rank_pods_validate_and_request_a_gpu_the_checkpoint_volume_and_the_nodes_agent(kube):
+    backend = KubernetesBackend(api_url=kube.url, namespace="training", ckpt_dir="/mnt/ckpt", ckpt_pvc="lm-ckpt",
+                                gpus=8, agents={"node1": "10.1.2.3:7100"}, bootstrap="kafka:9092")
+    for rank in range(3):
+        pod = backend.pod_spec("LM job", 2, rank, NODES, ("python", "train.py"), 40)
+        model = validate(pod)
+        (c,) = model.spec.containers
+        assert c.resources.limits == {GPU_RESOURCE: "8"}
+        assert model.spec.node_name == NODES[rank]
+        assert not any(t.key == TAINT_KEY for t in model.spec.tolerations or [])   # evicted ranks must go
+        env = {e.name: e for e in c.env}
+        assert env["TRANSOM_HOST_IP"].value_from.field_ref.field_path == "status.hostIP"
+        assert env["TRANSOM_AGENT_ADDR"].value == ("10.1.2.3:7100" if rank == 1 else "$(TRANSOM_HOST_IP):7100")
+        names = [e.name for e in c.env]
+        assert names.index("TRANSOM_HOST_IP") < names.index("TRANSOM_AGENT_ADDR")  # $(VAR) needs it defined first
+        mounts = {m.mount_path: m.name for m in c.volume_mounts}
+        volumes = {v.name: v for v in model.spec.volumes}
+        assert volumes[mounts[env["TRANSOM_CKPT_DIR"].value]].persistent_volume_claim.claim_name == "lm-ckpt"
+        assert volumes[mounts[env["TRANSOM_CKPT_RUNTIME"].value]].host_path.path == env["TRANSOM_CKPT_RUNTIME"].value
+        assert env["MASTER_ADDR"].value == "lm-job-g2-r0.lm-job-g2.training.svc" and env["RANK"].value == str(rank)
+    no_gpu = KubernetesBackend(api_url=kube.url, gpus=0, ckpt_pvc="").pod_spec("j", 0, 0, NODES, ("true",), None)
+    model = validate(no_gpu)
+    assert model.spec.containers[0].resources is None and [v.name for v in model.spec.volumes] == ["ckpt-runtime"]
+    with pytest.raises(ValueError, match="gpus"):
+        KubernetesBackend(api_url=kube.url, gpus=-1)
+
+
+def test_vanished_pods_fail_the_generation_and_stop_deletes_every_object(kube):
+    backend = KubernetesBackend(api_url=kube.url, gpus=1)
+    backend.launch("job", 0, tuple(NODES), ("sleep", "300"), None)
+    wait_until(lambda: [s.running for s in backend.status("job", 0)] == [True] * 3, 30, "the pods to run")
+    assert set(kube.services) == {("default", "job-g0")}
+    assert kube.delete_pods("job-g0-r1") == ["job-g0-r1"]            # deleted behind the controller's back
+    assert [(s.rank, s.running, s.exit_code) for s in backend.status("job", 0)] == \
+        [(0, True, None), (1, False, -int(signal.SIGKILL)), (2, True, None)]
+    kube.delete_pods("job-g0")                                         # the whole generation vanishes
+    assert [(s.running, s.exit_code) for s in backend.status("job", 0)] == [(False, -int(signal.SIGKILL))] * 3
+    backend.stop("job", 0)
+    assert not kube.pods and not kube.services                          # the Service too
+    assert backend.status("job", 0) == []                               # stopped: nothing left to report
+    assert ("DELETE", "/api/v1/namespaces/default/services/job-g0") in kube.requests
