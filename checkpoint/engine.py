@@ -183,8 +183,8 @@ class CheckpointEngine:
                     "(start `transom ckpt-server --node %s` so a crash keeps the memory copies)",
                     self.rank, self.node, self.runtime, self.node)
         budget = env_str("TRANSOM_CKPT_SHM_BYTES")
-        self._embedded = CheckpointServer(self.node, self.runtime, transport="tcp", register=False,
-                                          bootstrap=self.bootstrap,
+        self._embedded = CheckpointServer(self.node, self.runtime, host="127.0.0.1", transport="tcp",
+                                          register=False, bootstrap=self.bootstrap,
                                           max_bytes=int(float(budget)) if budget else None).start()
         return self._embedded.addr
 

@@ -119,7 +119,7 @@ class CheckpointServer:
     """The daemon's state and pipeline; :meth:`serve` listens, :meth:`close` removes its segments."""
 
     def __init__(self, node: str, runtime: str | os.PathLike | None = None, *, disk_dir: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, transport: str = "auto", protocol: str = "auto",
+                 host: str | None = None, port: int = 0, transport: str = "auto", protocol: str = "auto",
                  mem_keep: int = 1, disk_keep: int = 3, max_bytes: int | None = None,
                  bootstrap: str | None = None, register: bool = True, advertise: str | None = None,
                  secret: bytes | None | bool = True) -> None:
@@ -139,7 +139,13 @@ class CheckpointServer:
         self.queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._producer = None
+        if host is None:                # see registry.default_bind: loopback only for one host
+            host = registry.default_bind(bootstrap, explicit=advertise)
         self.advertise = registry.advertise_address(bootstrap, bind=host, explicit=advertise)
+        if register and bootstrap and registry.is_loopback(host) and \
+                not registry.is_loopback(registry.default_bind(bootstrap, explicit=advertise)):
+            log.warning("%s: listening on %s only, while the broker is on another host: daemons on other "
+                        "hosts cannot reach this one (use --host 0.0.0.0 or this host's address)", node, host)
         self.generations: dict[str, int] = {}      # job -> newest launch generation seen
         self._writer: registry.RegistryWriter | None = None
         self._reader: registry.RegistryReader | None = None

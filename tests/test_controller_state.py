@@ -281,8 +281,9 @@ def test_a_checkpoint_of_a_replaced_generation_is_ignored():
 def test_a_rank_exit_names_the_node_the_backend_says_it_ran_on():
     """Slurm orders a step's tasks itself: rank 0 of a launch on node4,node1,... ran on node1."""
     nodes = {0: "node1", 1: "node2", 2: "node3", 3: "node0"}
-    d = decide(running_job(), RanksExited(0, {0: 1, 1: 0, 2: 0, 3: 0}, ts=300.0, nodes=nodes))
+    trained = decide(running_job(), StepSeen(0, 5, 150.0)).job      # (an exit before any step fails the job)
+    d = decide(trained, RanksExited(0, {0: 1, 1: 0, 2: 0, 3: 0}, ts=300.0, nodes=nodes))
     assert d.name == "relaunching" and "rank 0 on node1 exited with code 1" in d.detail["reason"], d.detail
     assert d.cause == {"kind": "rank_exit", "node": "node1", "rank": 0}
-    plain = decide(running_job(), RanksExited(0, {0: 0, 1: 0, 2: 1, 3: 0}, ts=300.0))
+    plain = decide(trained, RanksExited(0, {0: 0, 1: 0, 2: 1, 3: 0}, ts=300.0))
     assert plain.cause["node"] == running_job().nodes[2]          # no word from the backend: nodes[r]
