@@ -25,16 +25,21 @@ $(STAMP): pyproject.toml
 
 deps: $(STAMP) system-deps
 
-# Debian packages some tests and parts need: the InfluxDB server (sink and dashboard tests),
-# libibverbs (Mooncake transfer engine), Chromium (the run report's render test), Slurm and munge
-# (the real Slurm cluster on the hosts test bed: transom/slurmbed.py).
-DEBS := influxdb libibverbs1 chromium slurm-wlm munge
+# Debian packages some tests and parts need, as COMMAND:PACKAGE (a package is installed when its
+# command is missing): the InfluxDB server (sink and dashboard tests), Chromium (the run report's
+# render test), kubectl (`kubectl kustomize` renders deploy/kustomize), openssl (the TLS tests' test
+# CA), setpriv (the agent run as nobody), Slurm and munge (the real Slurm
+# cluster on the hosts test bed: transom/slurmbed.py), and libibverbs (Mooncake transfer
+# engine, a library: checked with ldconfig). tests/test_checkout.py checks that every command a test
+# looks up is named here.
+TOOLS := influxd:influxdb chromium:chromium kubectl:kubernetes-client openssl:openssl setpriv:util-linux \
+	slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge
 system-deps:
-	@if ! command -v influxd >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 \
-	    || ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1 \
-	    || ! ldconfig -p | grep -q libibverbs.so.1; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEBS) >/dev/null; \
-	  else echo "note: install the Debian packages $(DEBS) (needs root)"; fi; \
+	@missing="$$(for t in $(TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || echo $${t#*:}; done | sort -u)"; \
+	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
+	if [ -n "$$(echo $$missing)" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "note: install the Debian packages $$missing (needs root)"; fi; \
 	fi
 
 # SCHEDULER=slurm: the loop on the hosts test bed under a real Slurm cluster (needs root, slurm-wlm, munge)

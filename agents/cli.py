@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="directory for the spool and the sequence numbers (default: a temporary one, "
                         "so seq restarts at 0 and undelivered batches are lost on exit)")
-    add_bootstrap(p)
+    add_bootstrap(p, embedded=True)
     p.set_defaults(func=run_agent)
 
     q = sub.add_parser(
@@ -92,7 +92,7 @@ def run_agent(args: argparse.Namespace) -> int:
         return 0
     from .agent import Agent
 
-    with bootstrap_or_embedded(cfg.agent.bootstrap or None) as bootstrap:
+    with bootstrap_or_embedded(cfg.agent.bootstrap or None, args.embedded_broker) as bootstrap:
         cfg.agent.bootstrap = bootstrap
         agent = Agent(config=cfg)
         agent.start()

@@ -18,6 +18,10 @@ Client side (imported by training scripts; standard library only):
   interpreter exit one ``{"type":"exit"}`` is sent. A SIGSTOPped or GIL-stuck rank stops its
   heartbeat; a rank that exits says so. Every datagram carries the process's PID namespace
   (``pidns``) so an agent in the same namespace may also ask the kernel.
+- :func:`report_event` ``(name, **fields)`` sends a one-off event of the rank (a checkpoint save and
+  how long it stalled training, a restore and where it came from): the agent publishes each event
+  once, as a ``TRAIN`` sample tagged ``event=NAME``, instead of keeping only the newest report.
+  The checkpoint engine reports its own events; training scripts may add theirs.
 - :func:`send_inject` sends ``{"type":"inject","fault":"xid79"|"hang"|"straggler",...}`` and returns the
   agent's answer ``{"ok": bool, ...}`` (the agent answers injections, not reports).
 
@@ -50,7 +54,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["report", "phase", "stats", "send_inject", "parse_addr", "parse_datagram",
+__all__ = ["report", "report_event", "phase", "stats", "send_inject", "parse_addr", "parse_datagram",
            "TrainReport", "InjectRequest", "IntakeError", "IntakeServer", "FAULTS", "MAX_DATAGRAM"]
 
 #: Fault names an inject datagram may carry.
@@ -223,6 +227,15 @@ def phase(name: str | None) -> str:
 
 def report(**fields: Any) -> bool:
     """Send one training report to the local agent; True when handed to the socket. Never raises."""
+    return _report(None, fields)
+
+
+def report_event(name: str, **fields: Any) -> bool:
+    """Send one event of this rank (kept once by the agent, never overwritten); like :func:`report`."""
+    return _report(str(name)[:64], fields)
+
+
+def _report(event: str | None, fields: Mapping[str, Any]) -> bool:
     try:
         target = _resolve_target()
         if target is None:
@@ -242,6 +255,8 @@ def report(**fields: Any) -> bool:
         else:
             msg["phase"] = _live["phase"]
         msg["type"] = "train"
+        if event:
+            msg["event"] = event
         _send(msg, target)
         _count("sent")
         return True
@@ -302,6 +317,7 @@ class TrainReport:
     phase: str = ""
     stack: str = ""
     pidns: str = ""
+    event: str = ""            # a one-off event (report_event), not the rank's newest state
 
 
 @dataclass(frozen=True)
@@ -354,11 +370,14 @@ def parse_datagram(data: bytes) -> TrainReport | InjectRequest:
             ts = time.time()
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
             raise IntakeError(f"training report: field 'ts' must be an epoch time, got {ts!r}")
+        event = d.get("event", "")
+        if not isinstance(event, str) or len(event) > 64:
+            raise IntakeError("training report: field 'event' must be a name of at most 64 characters")
         text = {k: d.get(k) if isinstance(d.get(k), str) else "" for k in ("phase", "stack", "pidns")}
         return TrainReport(job=job, rank=_int(d, "rank", minimum=0), generation=_int(d, "generation", minimum=0, default=0),
                            pid=_int(d, "pid", minimum=1), node=node, ts=float(ts),
                            values=_values(d) if kind == "train" else {}, kind=kind, phase=text["phase"][:32],
-                           stack=text["stack"][:MAX_STACK], pidns=text["pidns"][:64])
+                           stack=text["stack"][:MAX_STACK], pidns=text["pidns"][:64], event=event)
     if kind == "inject":
         fault = d.get("fault")
         if fault not in FAULTS:

@@ -20,6 +20,11 @@ kernel's process state). The values are re-sent every interval while the rank li
 reads as "alive, step not advancing". Once it is gone the rank gets one sample with
 ``alive = 0`` and is forgotten. The sample's time is the batch's: liveness is measured then.
 
+Events (``report_event``: a checkpoint save and its stall, a restore and its tier) are not a rank's
+state: each is published once, in the next collect, as a ``TRAIN`` sample with the event's own
+time and fields, tagged ``event=NAME`` besides ``job``/``generation``/``pid`` (at most
+``MAX_EVENTS`` wait between collects; beyond that the oldest are dropped and counted in the log).
+
 ``job`` is the job of the newest report (``None`` before any, or when it was empty).
 Thread-safe: reports arrive on the intake thread, collects on the agent's loop.
 """
@@ -48,6 +53,8 @@ __all__ = ["TrainingCollector"]
 log = get("agent.train")
 
 _Key = tuple[str, int, int]
+#: Events kept between two collects (beyond: the oldest are dropped).
+MAX_EVENTS = 1000
 
 
 #: A rank heard from by nothing (report, heartbeat) for this long is given up (alive = 0).
@@ -128,6 +135,8 @@ class TrainingCollector:
         self.node = node
         self._lock = threading.Lock()
         self._ranks: dict[_Key, _Rank] = {}
+        self._events: list[TrainReport] = []
+        self._dropped_events = 0
         self._job: str | None = None
         self._once = LogOnce(log)
 
@@ -141,6 +150,13 @@ class TrainingCollector:
                        "a training process of node %s (pid %d) reports to the agent of node %s; "
                        "check TRANSOM_NODE and TRANSOM_AGENT_ADDR", report.node, report.pid, self.node)
         key = (report.job, report.generation, report.rank)
+        if report.event:
+            with self._lock:
+                self._events.append(report)
+                if len(self._events) > MAX_EVENTS:
+                    del self._events[0]
+                    self._dropped_events += 1
+            return
         now = time.time()
         with self._lock:
             known = self._ranks.get(key)
@@ -177,7 +193,14 @@ class TrainingCollector:
         now = time.time()
         with self._lock:
             ranks = list(self._ranks.items())
-        samples = []
+            events, self._events = self._events, []
+            dropped, self._dropped_events = self._dropped_events, 0
+        if dropped:
+            log.warning("%d training events dropped: more than %d arrived between two collects", dropped, MAX_EVENTS)
+        samples = [contracts.Sample(contracts.Source.TRAIN, dict(e.values), index=e.rank, ts=e.ts,
+                                    tags={"job": e.job, "generation": str(e.generation), "pid": str(e.pid),
+                                          "event": e.event})
+                   for e in events]
         gone = []
         for key, r in ranks:
             rep = r.report

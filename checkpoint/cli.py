@@ -57,11 +57,13 @@ def register(sub) -> None:
                                      "persists them and announces complete checkpoints.")
     srv.add_argument("--node", required=True, help="node id (ranks find the daemon by TRANSOM_NODE)")
     srv.add_argument("--runtime", default=None, help="runtime dir shared by the node's daemons and ranks "
-                                                     "(env TRANSOM_CKPT_RUNTIME; default /dev/shm/transom-ckpt-UID)")
+                                                     "(env TRANSOM_CKPT_RUNTIME; default /dev/shm/transom-ckpt-UID-HASH, HASH naming the stack's --bootstrap)")
     srv.add_argument("--disk-dir", default=None, help="local disk dir for persisted shards "
-                                                      "(env TRANSOM_CKPT_LOCAL_DIR; default /tmp/transom-ckpt-local-UID)")
-    srv.add_argument("--host", "--bind", dest="host", default="127.0.0.1",
-                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+                                                      "(env TRANSOM_CKPT_LOCAL_DIR; default /tmp/transom-ckpt-local-UID-HASH)")
+    srv.add_argument("--host", "--bind", dest="host", default=None,
+                     help="address to listen on (0.0.0.0: every interface; default: the address of the "
+                          "interface that routes to the broker, every interface when --advertise is given, "
+                          "127.0.0.1 without a broker or with one on loopback)")
     srv.add_argument("--advertise", default=os.environ.get("TRANSOM_ADVERTISE_ADDR") or None, metavar="ADDR",
                      help="address peers on other hosts connect to, published in the service registry (env "
                           "TRANSOM_ADVERTISE_ADDR; default: the bind address if it is a specific one, else the "

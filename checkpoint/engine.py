@@ -49,6 +49,7 @@ from typing import Any
 
 from transom import contracts
 from transom.agents.intake import phase as declare_phase
+from transom.agents.intake import report_event
 from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
@@ -100,7 +101,7 @@ class CheckpointEngine:
         self.snapshot_child: int | None = None     # pid of the fork snapshot in flight
         self._said_cuda = False
         self.disk, self.shared, self.wait_timeout = disk, shared, wait_timeout
-        self.runtime = segments.runtime_dir(runtime)
+        self.runtime = segments.runtime_dir(runtime, bootstrap)
         self.last_snapshot_s = 0.0
         self.last_restore: dict[str, Any] | None = None
         self.last_result: dict[str, Any] | None = None
@@ -182,8 +183,8 @@ class CheckpointEngine:
                     "(start `transom ckpt-server --node %s` so a crash keeps the memory copies)",
                     self.rank, self.node, self.runtime, self.node)
         budget = env_str("TRANSOM_CKPT_SHM_BYTES")
-        self._embedded = CheckpointServer(self.node, self.runtime, transport="tcp", register=False,
-                                          bootstrap=self.bootstrap,
+        self._embedded = CheckpointServer(self.node, self.runtime, host="127.0.0.1", transport="tcp",
+                                          register=False, bootstrap=self.bootstrap,
                                           max_bytes=int(float(budget)) if budget else None).start()
         return self._embedded.addr
 
@@ -264,6 +265,7 @@ class CheckpointEngine:
             raise
         self.last_snapshot_s = time.perf_counter() - t0
         self.last_snapshot_mode = SnapshotMode.COPY if pid is None else SnapshotMode.FORK
+        report_event("checkpoint_save", step=step, ckpt_stall_s=self.last_snapshot_s, ckpt_bytes=plan.size)
         self.snapshot_child = pid
         self._thread = threading.Thread(target=self._await, args=(step, pid, str(seg.path)),
                                         name=f"ckpt-wait-{step}", daemon=True)
@@ -378,8 +380,8 @@ class CheckpointEngine:
         self.close()
 
     # ------------------------------------------------------------------ load
-    def load(self, step: int | None = None, *, rank: int | None = None, template: Any = None,
-             **_: Any) -> tuple[int, Any] | None:
+    def load(self, step: int | None = None, *, rank: int | None = None,
+             template: Any = None) -> tuple[int, Any] | None:
         """This rank's state of a committed step, as ``(step, state)``, from its fastest good copy.
 
         Without ``step``: the newest committed step with a good copy (a step without one is
@@ -478,6 +480,8 @@ class CheckpointEngine:
                                  "seconds": time.perf_counter() - t0, "bytes": shard.size, "rank": rank}
             log.info("rank %d: restored step %d (rank %d's shard) from %s on %s (%d bytes, %.3fs)", self.rank,
                      step, rank, TIERS[tier], node, shard.size, self.last_restore["seconds"])
+            report_event("restore", restore_step=step, restore_tier=tier, restore_s=self.last_restore["seconds"],
+                         restore_bytes=shard.size, restore_shard_rank=rank)
             return state
         raise CorruptCheckpoint(str(layout.step_dir(self.directory, step) / shard.name),
                                 "no copy verifies: " + ("; ".join(problems) or "no copy is reachable"))

@@ -1,6 +1,7 @@
 """Shared-memory segments and the runtime directory where a TCE daemon meets the ranks of its host.
 
-Runtime directory (``TRANSOM_CKPT_RUNTIME``, default ``/dev/shm/transom-ckpt-<uid>``)::
+Runtime directory (``TRANSOM_CKPT_RUNTIME``, default ``/dev/shm/transom-ckpt-<uid>-<hash of the
+bootstrap>``: one per user and stack, see :func:`stack_tag`)::
 
     RUNTIME/daemons/NODE.json      {"node", "addr", "pid", "transport", "mooncake"}: one per daemon
     RUNTIME/NODE/seg-*             segments of that node's daemon (files on tmpfs = host memory)
@@ -22,14 +23,15 @@ import json
 import mmap
 import os
 import re
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 from .wire import pid_alive
 
-__all__ = ["alloc_buffer", "default_runtime", "runtime_dir", "registry_path", "register", "unregister", "registered",
-           "neighbour", "ring", "Segment", "safe_name"]
+__all__ = ["alloc_buffer", "default_runtime", "default_local_dir", "stack_tag", "runtime_dir",
+           "registry_path", "register", "unregister", "registered", "neighbour", "ring", "Segment", "safe_name"]
 
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
@@ -80,13 +82,28 @@ def alloc_buffer(size: int) -> mmap.mmap:
     return mm
 
 
-def default_runtime() -> Path:
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path("/tmp")
-    return base / f"transom-ckpt-{os.getuid()}"
+def stack_tag(bootstrap: str | None = None) -> str:
+    """``UID`` or ``UID-HASH``: the defaults below are per user and per stack, the stack being named by
+    its Kafka bootstrap (``bootstrap``, else env TRANSOM_BOOTSTRAP), so two stacks one user runs on
+    one host never share a runtime directory, and so never join one replication ring."""
+    import hashlib
+
+    bootstrap = bootstrap if bootstrap is not None else os.environ.get("TRANSOM_BOOTSTRAP")
+    tag = str(os.getuid())
+    return f"{tag}-{hashlib.sha256(bootstrap.encode()).hexdigest()[:10]}" if bootstrap else tag
 
 
-def runtime_dir(value: str | os.PathLike | None = None) -> Path:
-    return Path(value or os.environ.get("TRANSOM_CKPT_RUNTIME") or default_runtime())
+def default_runtime(bootstrap: str | None = None) -> Path:
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+    return base / f"transom-ckpt-{stack_tag(bootstrap)}"
+
+
+def default_local_dir(bootstrap: str | None = None) -> Path:
+    return Path(tempfile.gettempdir()) / f"transom-ckpt-local-{stack_tag(bootstrap)}"
+
+
+def runtime_dir(value: str | os.PathLike | None = None, bootstrap: str | None = None) -> Path:
+    return Path(value or os.environ.get("TRANSOM_CKPT_RUNTIME") or default_runtime(bootstrap))
 
 
 def safe_name(text: str) -> str:

@@ -119,17 +119,17 @@ class CheckpointServer:
     """The daemon's state and pipeline; :meth:`serve` listens, :meth:`close` removes its segments."""
 
     def __init__(self, node: str, runtime: str | os.PathLike | None = None, *, disk_dir: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, transport: str = "auto", protocol: str = "auto",
+                 host: str | None = None, port: int = 0, transport: str = "auto", protocol: str = "auto",
                  mem_keep: int = 1, disk_keep: int = 3, max_bytes: int | None = None,
                  bootstrap: str | None = None, register: bool = True, advertise: str | None = None,
                  secret: bytes | None | bool = True) -> None:
         self.node = node
         # every connection is authenticated when the daemons share a secret (TRANSOM_CKPT_SECRET)
         self.secret = ckpt_secret() if secret is True else (secret or None)
-        self.runtime = segments.runtime_dir(runtime)
+        self.runtime = segments.runtime_dir(runtime, bootstrap)
         self.seg_dir = self.runtime / safe_name(node)
         self.disk_dir = Path(disk_dir or os.environ.get("TRANSOM_CKPT_LOCAL_DIR")
-                             or f"/tmp/transom-ckpt-local-{os.getuid()}") / safe_name(node)
+                             or segments.default_local_dir(bootstrap)) / safe_name(node)
         self.mem_keep, self.disk_keep = mem_keep, disk_keep
         self.max_bytes = max_bytes
         self.bootstrap = bootstrap
@@ -139,7 +139,13 @@ class CheckpointServer:
         self.queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._producer = None
+        if host is None:                # see registry.default_bind: loopback only for one host
+            host = registry.default_bind(bootstrap, explicit=advertise)
         self.advertise = registry.advertise_address(bootstrap, bind=host, explicit=advertise)
+        if register and bootstrap and registry.is_loopback(host) and \
+                not registry.is_loopback(registry.default_bind(bootstrap, explicit=advertise)):
+            log.warning("%s: listening on %s only, while the broker is on another host: daemons on other "
+                        "hosts cannot reach this one (use --host 0.0.0.0 or this host's address)", node, host)
         self.generations: dict[str, int] = {}      # job -> newest launch generation seen
         self._writer: registry.RegistryWriter | None = None
         self._reader: registry.RegistryReader | None = None

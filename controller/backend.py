@@ -73,6 +73,14 @@ class Cordons:
         write_atomic(str(self.path), json.dumps(cordoned, indent=1))
         return True
 
+    def remove(self, node: str) -> bool:
+        """Uncordon ``node``; False if it was not cordoned."""
+        cordoned = self.read()
+        if cordoned.pop(node, None) is None:
+            return False
+        write_atomic(str(self.path), json.dumps(cordoned, indent=1))
+        return True
+
 
 class Backend(abc.ABC):
     """Launch, stop and watch one job's ranks on a set of nodes; cordon nodes; report node health."""
@@ -81,9 +89,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
         """Start ``generation`` of ``job``, rank r on ``nodes[r]``; adopt it if already started.
 
+        ``workdir``: the ranks' working directory (the submitter's; None: the backend's own); ``env``:
+        variables set for the ranks over the backend's own environment (the submitter's, filtered);
+        the launcher's variables (RANK, MASTER_ADDR, TRANSOM_*) win over both.
         Returns a JSON-able handle that is recorded in the lifecycle event.
         """
 
@@ -107,6 +119,15 @@ class Backend(abc.ABC):
     def health(self, nodes: Sequence[str]) -> dict[str, str]:
         """What the platform says is wrong with each of ``nodes`` (node -> reason); healthy ones absent."""
 
+    def cordoned(self) -> dict[str, str]:
+        """Nodes kept out of launches -> the reason (for `transom nodes`)."""
+        return {}
+
+    def uncordon(self, node: str, reason: str) -> None:
+        """Let ``node`` run ranks again (an operator's decision, with ``reason``)."""
+        raise NotImplementedError(f"the {self.name} backend cannot uncordon nodes from Transom; "
+                                  "use the platform's own tools")
+
     def collective_test(self, job: str, generation: int, nodes: Sequence[str], timeout: float) -> dict[str, str] | None:
         """Run a tiny all-reduce across ``nodes``; node -> reason for those that failed.
 
@@ -116,6 +137,23 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release what the backend holds (helper processes, connections); the jobs keep running."""
+
+    def rank_log(self, job: str, generation: int, rank: int, lines: int = 10) -> dict[str, Any]:
+        """Where rank ``rank``'s output is and its last ``lines`` lines: ``{"log": path, "tail": [...]}``
+        ({} when unknown). Default: ``RUN_DIR/JOB/gen-G/rank-R.log`` of backends with a ``run_dir``."""
+        run_dir = getattr(self, "run_dir", None)
+        if run_dir is None:
+            return {}
+        path = Path(run_dir) / job / f"gen-{generation}" / f"rank-{rank}.log"
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(0, 2)
+                fh.seek(max(fh.tell() - 8192, 0))
+                text = fh.read().decode(errors="replace")
+        except OSError:
+            return {}
+        tail = [line[-300:] for line in text.splitlines()[-lines:] if line.strip()]
+        return {"log": str(path.resolve()), "tail": tail}
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {}

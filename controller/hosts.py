@@ -197,8 +197,16 @@ class HostsBackend(Backend):
         if self.cordons.add(node, reason):
             log.info("cordoned %s: %s", node, reason)
 
+    def cordoned(self) -> dict[str, str]:
+        return self.cordons.read()
+
+    def uncordon(self, node: str, reason: str) -> None:
+        if self.cordons.remove(node):
+            log.info("uncordoned %s: %s", node, reason)
+
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
         record = LaunchRecord(self.run_dir, job, generation)
         if (adopted := record.adopt(log)) is not None:
             self._track(job, generation, adopted)
@@ -220,11 +228,12 @@ class HostsBackend(Backend):
         def start(node: str) -> Any:
             items = []
             for rank in ranks[node]:
-                env = {**self.extra_env, **rank_env(job, generation, rank, node, len(nodes), master_addr, port,
-                                                     ckpt_dir, resume_step, self.bootstrap)}
-                items.append({"rank": rank, "env": env})
+                rank_vars = {**dict(env or {}), **self.extra_env,
+                             **rank_env(job, generation, rank, node, len(nodes), master_addr, port, ckpt_dir,
+                                        resume_step, self.bootstrap)}
+                items.append({"rank": rank, "env": rank_vars})
             return self._call(node, "launch", self.launch_timeout, job=job, generation=generation, ranks=items,
-                              command=list(command))
+                              command=list(command), workdir=workdir)
 
         results = self._each([n for n in ranks if n not in failed], start)
         pids: dict[str, dict[str, int]] = {}

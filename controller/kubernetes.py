@@ -127,7 +127,9 @@ class KubernetesBackend(Backend):
 
     # ------------------------------------------------------------------ ranks
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+        user_env = dict(env or {})        # the image's working directory stays: the submitter's is not in it
         svc, selector = self._names(job, generation)
         labels = {"transom.io/job": _label_value(job), "transom.io/generation": str(generation)}
         try:
@@ -141,7 +143,7 @@ class KubernetesBackend(Backend):
                 raise
         pods = []
         for rank, node in enumerate(nodes):
-            body = self.pod_spec(job, generation, rank, nodes, command, resume_step)
+            body = self.pod_spec(job, generation, rank, nodes, command, resume_step, user_env)
             try:
                 self.api.create_namespaced_pod(self.namespace, body)
             except Exception as exc:
@@ -153,14 +155,16 @@ class KubernetesBackend(Backend):
         return {"pods": pods, "service": svc, "nodes": list(nodes), "resume_step": resume_step}
 
     def pod_spec(self, job: str, generation: int, rank: int, nodes: Sequence[str], command: Sequence[str],
-                 resume_step: int | None) -> dict[str, Any]:
-        """The pod of ``rank`` (a V1Pod as a dict; tests validate it against the client's models)."""
+                 resume_step: int | None, user_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The pod of ``rank`` (a V1Pod as a dict; tests validate it against the client's models).
+
+        ``user_env``: the submitter's environment (``JobSpec.env``); Transom's own variables win."""
         svc, _ = self._names(job, generation)
         node = nodes[rank]
         env: list[dict[str, Any]] = [
             # the node's address, for the agent (hostNetwork DaemonSet) on this pod's node
             {"name": "TRANSOM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
-        plain = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
+        plain = {**(user_env or {}), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(len(nodes)),
                  "MASTER_ADDR": f"{svc}-r0.{svc}.{self.namespace}.svc", "MASTER_PORT": str(PORT),
                  "TRANSOM_JOB": job, "TRANSOM_NODE": node, "TRANSOM_GENERATION": str(generation),
                  "TRANSOM_CKPT_DIR": self.ckpt_dir, "TRANSOM_CKPT_RUNTIME": self.ckpt_runtime,

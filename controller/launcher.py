@@ -6,7 +6,7 @@ authenticated channel (:mod:`transom.channel`: HMAC under the cluster key, the s
 events; a request without it is refused and logged), and keeps one zygote (:mod:`.zygote`), so a
 rank on this host starts warm. Operations (the channel's ops; arguments as keywords):
 
-``launch(job, generation, ranks=[{"rank", "env"}], command=[...])``
+``launch(job, generation, ranks=[{"rank", "env"}], command=[...], workdir=None)``
     start each rank (its environment: this launcher's, then ``env`` from the controller, then this
     host's own ``TRANSOM_NODE``, ``TRANSOM_AGENT_ADDR`` and ``GLOO_SOCKET_IFNAME``); idempotent: a
     generation already started here is adopted. -> ``{"pids": {rank: pid}, "forked": N}``
@@ -98,10 +98,12 @@ class Launcher:
 
     # ------------------------------------------------------------------ ops
     def launch(self, job: str, generation: int, ranks: Sequence[Mapping[str, Any]],
-               command: Sequence[str]) -> dict[str, Any]:
+               command: Sequence[str], workdir: str | None = None) -> dict[str, Any]:
         gen_dir = self._gen_dir(job, generation)
         if not command or not all(isinstance(a, str) for a in command):
             raise ValueError("command must be a non-empty list of strings")
+        if workdir and not os.path.isdir(workdir):
+            raise ValueError(f"the job's working directory {workdir} does not exist on {self.node}")
         with self._lock:
             pids = self._pids(job, generation)
             if pids is not None:
@@ -111,7 +113,7 @@ class Launcher:
             for item in ranks:
                 env = {**os.environ, **{str(k): str(v) for k, v in dict(item["env"]).items()}, **self.host_env}
                 wanted.append((int(item["rank"]), env))
-            pids, forked = self.host.start(gen_dir, wanted, list(command))
+            pids, forked = self.host.start(gen_dir, wanted, list(command), workdir or None)
             write_atomic(str(gen_dir / "host.json"), json.dumps({"node": self.node, "pids": pids}))
             self._gens[(job, int(generation))] = pids
         log.info("launched ranks %s of job %s generation %d on %s (%d forked from the zygote)",

@@ -28,7 +28,7 @@ from transom import contracts
 from transom.kafka import client_config, make_producer, publish
 from transom.log import get
 
-__all__ = ["Lease", "LeaseLost", "LEASE_KEY"]
+__all__ = ["Lease", "LeaseLost", "LEASE_KEY", "current_holder"]
 
 log = get("controller.lease")
 LEASE_KEY = "__controller__"
@@ -164,3 +164,23 @@ class Lease:
             self._write("released", self.my_term)
             self.producer.flush(5)
         self.consumer.close()
+
+
+def current_holder(bootstrap: str) -> tuple[str, float] | None:
+    """``(holder, seconds since its newest renewal)`` of the controller holding the lease now, or None
+    (no lease event, released, or not renewed within its duration)."""
+    from transom.kafka import read_topic
+
+    newest = None
+    for key, value, _p, _o in read_topic(bootstrap, contracts.LIFECYCLE):
+        if key == LEASE_KEY.encode():
+            try:
+                newest = contracts.decode(contracts.LIFECYCLE, value)
+            except contracts.ContractError:
+                continue
+    if newest is None or newest.state == "released":
+        return None
+    age = max(time.time() - newest.ts, 0.0)
+    if age > float(newest.detail.get("duration_s", 3.0)) + 1.0:
+        return None
+    return str(newest.detail.get("holder", "?")), age

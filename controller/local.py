@@ -43,10 +43,10 @@ class LocalBackend(Backend):
     def __init__(self, run_dir: str | os.PathLike, agents: Mapping[str, str], *, ckpt_dir: str | None = None,
                  bootstrap: str | None = None, env: Mapping[str, str] | None = None, warm: bool = True,
                  preload: str = PRELOAD) -> None:
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()      # absolute: ranks run in the submitter's directory
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.agents = dict(agents)
-        self.ckpt_dir = ckpt_dir
+        self.ckpt_dir = os.path.abspath(ckpt_dir) if ckpt_dir else None
         self.bootstrap = bootstrap
         self.extra_env = dict(env or {})
         self.host = RankHost(self.run_dir, env=self.extra_env, warm=warm, preload=preload)
@@ -65,8 +65,16 @@ class LocalBackend(Backend):
         if self.cordons.add(node, reason):
             log.info("cordoned %s: %s", node, reason)
 
+    def cordoned(self) -> dict[str, str]:
+        return self.cordons.read()
+
+    def uncordon(self, node: str, reason: str) -> None:
+        if self.cordons.remove(node):
+            log.info("uncordoned %s: %s", node, reason)
+
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
         record = LaunchRecord(self.run_dir, job, generation)
         if (adopted := record.adopt(log)) is not None:
             return adopted
@@ -76,15 +84,19 @@ class LocalBackend(Backend):
         port = free_port()
         ckpt_dir = self.ckpt_dir or str(self.run_dir / job / "ckpt")
         ranks = []
+        user_env = dict(env or {})
+        if workdir and not os.path.isdir(workdir):
+            raise ValueError(f"the job's working directory {workdir} does not exist on this host")
         for rank, node in enumerate(nodes):
-            env = dict(os.environ)
-            env.update(self.extra_env)
-            env.pop("TRANSOM_RESUME_STEP", None)
-            env.update(rank_env(job, generation, rank, node, len(nodes), "127.0.0.1", port, ckpt_dir, resume_step,
-                                self.bootstrap))
-            env["TRANSOM_AGENT_ADDR"] = self.agents[node]
-            ranks.append((rank, env))
-        pids, forked = self.host.start(record.dir, ranks, command)
+            rank_vars = dict(os.environ)
+            rank_vars.update(user_env)
+            rank_vars.update(self.extra_env)
+            rank_vars.pop("TRANSOM_RESUME_STEP", None)
+            rank_vars.update(rank_env(job, generation, rank, node, len(nodes), "127.0.0.1", port, ckpt_dir,
+                                      resume_step, self.bootstrap))
+            rank_vars["TRANSOM_AGENT_ADDR"] = self.agents[node]
+            ranks.append((rank, rank_vars))
+        pids, forked = self.host.start(record.dir, ranks, command, workdir)
         handle = {"pids": [pids[r] for r in range(len(nodes))], "port": port, "run_dir": str(record.dir),
                   "nodes": list(nodes), "resume_step": resume_step}
         record.write(handle)

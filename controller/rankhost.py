@@ -85,21 +85,22 @@ class RankHost:
         self._zy_answers: dict[int, list[dict]] = {}       # request id -> answers not yet taken
 
     # ------------------------------------------------------------------ ranks
-    def start(self, gen_dir: Path, ranks: Sequence[tuple[int, Mapping[str, str]]],
-              command: Sequence[str]) -> tuple[dict[int, int], int]:
-        """Start ``command`` once per ``(rank, env)`` (``env`` complete); rank -> pid, and how many were forked."""
+    def start(self, gen_dir: Path, ranks: Sequence[tuple[int, Mapping[str, str]]], command: Sequence[str],
+              workdir: str | None = None) -> tuple[dict[int, int], int]:
+        """Start ``command`` once per ``(rank, env)`` (``env`` complete) in ``workdir`` (None: this process's);
+        rank -> pid, and how many were forked."""
         gen_dir.mkdir(parents=True, exist_ok=True)
         self.kill_strays(gen_dir)          # a launch interrupted before its record was written
         pids, forked = {}, 0
         for rank, env in ranks:
-            pid = self._fork_rank(gen_dir, rank, command, env)
+            pid = self._fork_rank(gen_dir, rank, command, env, workdir)
             forked += pid is not None
             if pid is None:
                 pid = subprocess.Popen(
                     [sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir),
                      "--rank", str(rank), "--", *command],
                     env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    start_new_session=True).pid
+                    start_new_session=True, cwd=workdir or None).pid
             pids[rank] = pid
         return pids, forked
 
@@ -282,14 +283,15 @@ class RankHost:
             self._zy_answers.setdefault(msg.get("id"), []).append(msg)
         return True
 
-    def _fork_rank(self, gen_dir: Path, rank: int, command: Sequence[str], env: Mapping[str, str]) -> int | None:
+    def _fork_rank(self, gen_dir: Path, rank: int, command: Sequence[str], env: Mapping[str, str],
+                   workdir: str | None = None) -> int | None:
         """The pid of the rank forked from the zygote, or None to start it cold."""
         argv = warm_argv(command) if self.warm else None
         if argv is None:
             return None
         with self._lock:
             rid = self._zy_send({"op": "rank", "dir": str(gen_dir), "rank": rank, "argv": argv, "env": dict(env),
-                                 "cwd": os.getcwd()})
+                                 "cwd": workdir or os.getcwd()})
             if rid is None:
                 return None
             pid = self._zy_wait([rid], "pid", 120.0).get(rid, {}).get("pid")   # the first answer waits for imports

@@ -47,16 +47,26 @@ from transom.security import FaultVerifier, fault_verifier, valid_name
 from .backend import Backend
 from .health import HealthBook
 from .lease import LEASE_KEY, Lease, LeaseLost
-from .state import (CheckpointSeen, Cordon, Decision, FaultSeen, Job, JobSpec, JobState, Launch, Launched,
-                    Precheck, PrecheckDone, RanksExited, RecoveryStep, StepDone, StepSeen, Stop, Submitted, decide,
-                    pending_actions)
+from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, Cordon, Decision, FaultSeen, Job, JobSpec, JobState,
+                    Launch, Launched, Precheck, PrecheckDone, RanksExited, RecoveryStep, StartOverdue, StepDone,
+                    StepSeen, Stop, Submitted, decide, pending_actions)
 
-__all__ = ["Controller", "PrecheckConfig", "replay", "CRASH_ENV"]
+__all__ = ["Controller", "PrecheckConfig", "replay", "CRASH_ENV", "NODES_KEY", "request_key"]
 
 log = get("controller")
-TERMINAL = (JobState.COMPLETED, JobState.FAILED)
+TERMINAL = TERMINAL_STATES
 CRASH_ENV = "TRANSOM_TEST_CRASH_AT"
 EXIT_LEASE_LOST = 3
+
+
+#: Lifecycle key of the node view the controller publishes and of the operators' node requests.
+NODES_KEY = "__nodes__"
+
+
+def request_key(job: str) -> str:
+    """Lifecycle key of ``transom run``/``cancel`` requests for ``job``: not the job's own key, so a
+    request never shadows the job's snapshot when the broker compacts the topic."""
+    return f"__request__{job}"
 
 
 def replay(bootstrap: str) -> tuple[dict[str, Job], dict[str, int]]:
@@ -64,7 +74,7 @@ def replay(bootstrap: str) -> tuple[dict[str, Job], dict[str, int]]:
     jobs: dict[str, Job] = {}
     seqs: dict[str, int] = {}
     for key, value, _p, _o in read_topic(bootstrap, contracts.LIFECYCLE):
-        if key == LEASE_KEY.encode():
+        if key is None or key.startswith(b"__"):           # the lease, the node view
             continue
         try:
             ev = contracts.decode(contracts.LIFECYCLE, value)
@@ -116,6 +126,9 @@ class Controller:
         self.stopping = threading.Event()
         self.crash_at = os.environ.get(CRASH_ENV) or None
         self._metrics: Consumer | None = None
+        self._started_ts = time.time()
+        self._nodes_at, self._nodes_last, self._node_error = 0.0, None, ""
+        self._driven: set[str] = set()
 
     # ------------------------------------------------------------------ submission
     def submit(self, job_id: str, spec: JobSpec, nodes: tuple[str, ...]) -> None:
@@ -126,7 +139,7 @@ class Controller:
         if job_id in self.jobs:
             log.info("job %s is already known (%s); not submitting again", job_id, self.jobs[job_id].state.value)
             return
-        job = Job(job=job_id, spec=spec)
+        job = Job(job=job_id, spec=spec, submitted_ts=time.time())
         self.jobs[job_id] = job
         self._record(Decision(job, (), "submitted", {}, {"command": list(spec.command), "nodes": list(nodes),
                                                          "spec": spec.to_dict()}))
@@ -155,7 +168,8 @@ class Controller:
             elif isinstance(action, Launch):
                 self._wait_until(action.not_before)
                 handle = self.backend.launch(job.job, action.generation, action.nodes, job.spec.command,
-                                             action.resume_step)
+                                             action.resume_step, workdir=job.spec.workdir or None,
+                                             env=dict(job.spec.env) or None)
                 outcome.append(Launched(action.generation, time.time(), dict(handle)))
             else:
                 raise TypeError(f"unknown action {action!r}")
@@ -174,7 +188,8 @@ class Controller:
         seq = self.seqs.get(d.job.job, 0)
         ev = contracts.LifecycleEvent(job=d.job.job, seq=seq, ts=time.time(), name=d.name, state=d.job.state.value,
                                       cause=dict(d.cause), detail=dict(d.detail), snapshot=d.job.to_dict())
-        publish(self.producer, contracts.LIFECYCLE, d.job.job, ev)
+        publish(self.producer, contracts.LIFECYCLE, d.job.job, ev)     # compacted: the newest snapshot
+        publish(self.producer, contracts.HISTORY, d.job.job, ev)       # the timeline users read
         remaining = self.producer.flush(30)
         if remaining:
             raise RuntimeError(f"could not write lifecycle event '{d.name}' of {d.job.job} to the broker; "
@@ -254,14 +269,17 @@ class Controller:
         self.health.observe(batch)
         for sample in batch.of(Source.TRAIN):
             job_id = sample.tags.get("job")
-            if job_id in self.jobs and "step" in sample.fields and "generation" in sample.tags:
+            if job_id in self.jobs and "step" in sample.fields and "generation" in sample.tags \
+                    and not sample.tags.get("event"):        # a one-off event is not the rank's progress
                 self.apply(job_id, StepSeen(int(sample.tags["generation"]), int(sample.fields["step"]),
                                             sample.ts or batch.ts))
 
     def _on_event(self, msg) -> None:
         topic = msg.topic()
         if topic == contracts.LIFECYCLE:
-            if msg.key() != LEASE_KEY.encode():
+            if msg.key() == NODES_KEY.encode():
+                self._on_node_request(msg)
+            elif msg.key() != LEASE_KEY.encode():
                 self._on_lifecycle(msg)
             return
         if topic == contracts.FAULTS and self.verifier is not None:
@@ -310,32 +328,112 @@ class Controller:
             ev = contracts.decode(contracts.LIFECYCLE, msg.value())
         except ContractError:
             return
+        if ev.name == "cancel_requested":
+            if ev.job in self.jobs:
+                self.apply(ev.job, Cancel(str(ev.detail.get("reason") or "cancelled")))
+            return
         if ev.name != "submit_requested" or ev.job in self.jobs:
             return
         try:
-            spec = JobSpec.from_dict(ev.detail["spec"])
-            spares = int(ev.detail.get("spares", 0))
+            spec = JobSpec.from_dict({**ev.detail["spec"], "spares": int(ev.detail.get("spares", 0))})
         except (KeyError, TypeError, ValueError) as exc:
             self.deadletters.reject(topic=msg.topic(), key=msg.key(), value=msg.value(),
                                     reason=f"submit_requested: bad spec ({exc!r})", offset=msg.offset())
             return
+        schedulable = self.backend.nodes()
+        if len(schedulable) < spec.world_size:
+            why = (f"{spec.world_size} ranks need {spec.world_size} nodes; this cluster has {len(schedulable)} "
+                   f"schedulable ({', '.join(schedulable) or 'none'}): not queued")
+            failed = Job(job=ev.job, spec=spec, submitted_ts=time.time()).moved(JobState.FAILED, failure=why)
+            self.jobs[ev.job] = failed
+            self._record(Decision(failed, (), "failed", {}, {"reason": why}))
+            return
+        job = Job(job=ev.job, spec=spec, submitted_ts=time.time())
+        self.jobs[ev.job] = job
+        self._driven.add(ev.job)
+        self._record(Decision(job, (), "queued", {}, {"command": list(spec.command), "spec": spec.to_dict()}))
+        self._start_queued()
+
+    def _on_node_request(self, msg) -> None:
+        """`transom nodes cordon|uncordon NODE --reason R`: carried out once (requests after this controller
+        took the lease; older ones were answered by the view of the controller before it)."""
+        try:
+            ev = contracts.decode(contracts.LIFECYCLE, msg.value())
+        except ContractError:
+            return
+        if ev.name not in ("cordon_requested", "uncordon_requested") or ev.ts < self._started_ts:
+            return
+        node, reason = str(ev.detail.get("node", "")), str(ev.detail.get("reason") or "operator")
+        known = set(self.backend.nodes()) | set(self.backend.cordoned())
+        try:
+            if node not in known:
+                raise RuntimeError(f"no node {node!r} (known: {', '.join(sorted(known)) or 'none'})")
+            if ev.name == "cordon_requested":
+                self.backend.cordon(node, f"operator: {reason}")
+            else:
+                self.backend.uncordon(node, reason)
+            self._node_error = ""
+        except (NotImplementedError, OSError, RuntimeError) as exc:
+            self._node_error = f"{ev.name.split('_')[0]} {node}: {exc}"
+        self._publish_nodes(force=True)
+
+    def node_view(self) -> dict[str, dict[str, Any]]:
+        cordoned = self.backend.cordoned()
+        names = list(dict.fromkeys([*self.backend.nodes(), *cordoned]))
+        problems = self.backend.health(names) if names else {}
+        running = {n: j.job for j in self.jobs.values() if j.state not in TERMINAL for n in j.nodes}
+        spare = {n: j.job for j in self.jobs.values() if j.state not in TERMINAL for n in j.spares}
+        return {n: {"health": problems.get(n) or self.health.problem(n) or "ok", "cordoned": cordoned.get(n),
+                    "job": running.get(n), "spare_for": spare.get(n)} for n in names}
+
+    def _publish_nodes(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._nodes_at < 5.0:
+            return
+        self._nodes_at = now
+        view = self.node_view()
+        if not force and view == self._nodes_last:
+            return
+        self._nodes_last = view
+        ev = contracts.LifecycleEvent(job=NODES_KEY, seq=0, ts=time.time(), name="nodes", state="view",
+                                      detail={"nodes": view, "holder": self.lease.holder, "error": self._node_error})
+        publish(self.producer, contracts.LIFECYCLE, NODES_KEY, ev)
+        self.producer.poll(0)
+
+    def _free_nodes(self) -> list[str]:
         busy = {n for j in self.jobs.values() if j.state not in TERMINAL for n in j.nodes + j.spares}
-        free = [n for n in self.backend.nodes() if n not in busy]
-        self._submit_now(ev.job, spec, tuple(free[: spec.world_size + spares]))
+        return [n for n in self.backend.nodes() if n not in busy]
+
+    def _start_queued(self) -> None:
+        """Start the queued jobs (PENDING, never launched) in submission order while enough nodes are free."""
+        for job in list(self.jobs.values()):
+            if job.state != JobState.PENDING or job.generation >= 0:
+                continue
+            free = self._free_nodes()
+            if len(free) < job.spec.world_size:
+                return                       # first come, first served: later jobs wait behind it
+            nodes = tuple(free[: job.spec.world_size + job.spec.spares])
+            self.apply(job.job, Submitted(nodes))
+            got = len(nodes) - job.spec.world_size
+            if got < job.spec.spares and self.jobs[job.job].state not in TERMINAL:
+                self._record(Decision(self.jobs[job.job], (), "warning", {}, {
+                    "warning": f"asked for {job.spec.spares} spare node(s), got {got}: no other node is free; "
+                               "a faulty node is replaced only while a spare is free"}))
 
     def _poll_ranks(self) -> None:
         for job in list(self.jobs.values()):
             if not (job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING):
                 continue
             statuses = self.backend.status(job.job, job.launched_generation)
-            if not statuses:
-                continue
             failed = {s.rank: s.exit_code for s in statuses if not s.running and s.exit_code != 0}
-            if failed or all(not s.running for s in statuses):
+            if statuses and (failed or all(not s.running for s in statuses)):
                 codes = {s.rank: (s.exit_code if s.exit_code is not None else 0) for s in statuses
                          if not s.running}
+                logs = {r: self.backend.rank_log(job.job, job.launched_generation, r) for r in failed}
                 self.apply(job.job, RanksExited(job.launched_generation, codes, time.time(),
-                                                {s.rank: s.node for s in statuses if s.node}))
+                                                nodes={s.rank: s.node for s in statuses if s.node}, logs=logs))
+            elif job.stepped_generation < job.launched_generation and job.launched_ts:
+                self.apply(job.job, StartOverdue(job.launched_generation, time.time() - job.launched_ts, time.time()))
 
     # ------------------------------------------------------------------ loop
     def run(self, *, exit_when_done: bool = False) -> int:
@@ -349,10 +447,12 @@ class Controller:
         try:
             if not self.lease.acquire(self.stopping, idle=lambda: self._pump_metrics(0)):
                 return 0
+            self._started_ts = time.time()
             self.jobs, self.seqs = replay(self.bootstrap)
             if self.jobs:
                 log.info("replayed %d job(s) from %s: %s", len(self.jobs), contracts.LIFECYCLE,
                          ", ".join(f"{j.job}={j.state.value}/gen{j.generation}" for j in self.jobs.values()))
+            self._driven = {j.job for j in self.jobs.values() if j.state not in TERMINAL}
             self.reconcile()
             for submission in self.submissions:
                 self._submit_now(*submission)
@@ -369,6 +469,8 @@ class Controller:
                 now = time.monotonic()
                 if now >= next_poll:
                     self._poll_ranks()
+                    self._start_queued()
+                    self._publish_nodes()
                     next_poll = now + self.poll_interval
                     if exit_when_done and self._watched() and all(j.state in TERMINAL for j in self._watched()):
                         break
@@ -385,9 +487,10 @@ class Controller:
         return 1 if any(j.state == JobState.FAILED for j in self._watched()) else 0
 
     def _watched(self) -> list[Job]:
-        """The jobs submitted on this controller's command line, or, without any, every job it knows."""
-        mine = {s[0] for s in self.submissions}
-        return [j for j in self.jobs.values() if not mine or j.job in mine]
+        """The jobs submitted on this controller's command line, or, without any, every job it has driven
+        (live when it took over, or submitted since): jobs that had ended before it started do not count."""
+        mine = {s[0] for s in self.submissions} or self._driven
+        return [j for j in self.jobs.values() if j.job in mine]
 
     def stop(self) -> None:
         self.stopping.set()

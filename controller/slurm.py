@@ -145,7 +145,8 @@ class SlurmBackend(Backend):
 
     # ------------------------------------------------------------------ ranks
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
-               resume_step: int | None) -> Mapping[str, Any]:
+               resume_step: int | None, *, workdir: str | None = None,
+               env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
         record = LaunchRecord(self.run_dir, job, generation)
         if (adopted := record.adopt(log)) is not None:
             return adopted
@@ -154,7 +155,8 @@ class SlurmBackend(Backend):
         if self._queued(name):
             self._run("scancel", f"--name={name}")       # a launch interrupted before launch.json was written
         port = free_port()
-        env = {**self._env(), "MASTER_PORT": str(port), "TRANSOM_JOB": job,
+        user_env = {k: v for k, v in (env or {}).items() if k != "MASTER_ADDR"}   # the submitter's, ours win
+        env = {**self._env(), **user_env, "MASTER_PORT": str(port), "TRANSOM_JOB": job,
                "TRANSOM_GENERATION": str(generation), "PYTHONUNBUFFERED": "1",
                "TRANSOM_CKPT_DIR": self.ckpt_dir or str((self.run_dir / job / "ckpt").resolve())}
         env.pop("TRANSOM_RESUME_STEP", None)
@@ -162,12 +164,14 @@ class SlurmBackend(Backend):
             env["TRANSOM_RESUME_STEP"] = str(resume_step)
         if self.bootstrap:
             env["TRANSOM_BOOTSTRAP"] = self.bootstrap
-        step = ["srun", "--kill-on-bad-exit=1", "--export=ALL", sys.executable, "-m", "transom.controller.rankwrap",
-                "--dir", str(gen_dir), "--", *command]
+        # the controller's srun and sbatch, not ones on the submitter's PATH (env carries the submitter's)
+        step = [shutil.which("srun") or "srun", "--kill-on-bad-exit=1", "--export=ALL",
+                *([f"--chdir={workdir}"] if workdir else []),
+                sys.executable, "-m", "transom.controller.rankwrap", "--dir", str(gen_dir), "--", *command]
         script = gen_dir / "batch.py"            # no shell anywhere: Python execs srun with the argv list
         script.write_text(f"#!{sys.executable}\nimport os\nargv = {json.dumps(step)}\nos.execvp(argv[0], argv)\n")
         script.chmod(0o755)
-        argv = ["sbatch", "--parsable", *self._allocation(name, nodes), f"--output={gen_dir / 'sbatch.log'}",
+        argv = [shutil.which("sbatch") or "sbatch", "--parsable", *self._allocation(name, nodes), f"--output={gen_dir / 'sbatch.log'}",
                 f"--chdir={gen_dir}", str(script)]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
         if proc.returncode != 0:

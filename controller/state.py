@@ -38,6 +38,7 @@ __all__ = [
     "JobState", "RecoveryStep", "TRANSITIONS", "RECOVERY_STEPS", "IllegalTransition", "FAULT_POLICY",
     "policy_for", "JobSpec", "Job",
     "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CheckpointSeen", "RanksExited", "StepSeen",
+    "Cancel", "StartOverdue", "TERMINAL_STATES",
     "Precheck", "Launch", "Stop", "Cordon", "Decision", "decide", "pending_actions", "surviving_checkpoint",
 ]
 
@@ -49,6 +50,7 @@ class JobState(str, enum.Enum):
     RECOVERING = "recovering"       # see Job.step for where in the recovery
     COMPLETED = "completed"
     FAILED = "failed"
+    CANCELLED = "cancelled"         # `transom cancel`: every rank stopped
 
 
 class RecoveryStep(str, enum.Enum):
@@ -60,13 +62,15 @@ class RecoveryStep(str, enum.Enum):
 
 
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.PRECHECKING, JobState.FAILED}),
-    JobState.PRECHECKING: frozenset({JobState.RUNNING, JobState.FAILED}),
-    JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.COMPLETED, JobState.FAILED}),
-    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.COMPLETED, JobState.FAILED}),
+    JobState.PENDING: frozenset({JobState.PRECHECKING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.PRECHECKING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}),
     JobState.COMPLETED: frozenset(),
     JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
 }
+TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
 
 #: The steps of a recovery and where each may go next (a fault while RESUMING starts a new recovery).
 RECOVERY_STEPS: Mapping[RecoveryStep, frozenset[RecoveryStep]] = {
@@ -112,19 +116,26 @@ class JobSpec:
     world_size: int
     max_restarts: int = 5             # relaunches allowed within restart_window_s ...
     restart_window_s: float = 3600.0  # ... after which the job fails with the reason
-    backoff_s: float = 0.0            # delay before the 2nd restart in the window; doubles each time after
-    backoff_max_s: float = 60.0
+    backoff_s: float = 1.0            # delay before a restart (not before the first one that replaced a node);
+    backoff_max_s: float = 60.0       # doubles with each restart in the window, up to backoff_max_s
     min_world_size: int = 0           # 0: same as world_size (never shrink)
+    spares: int = 0                   # spare nodes asked for (fewer free: a warning event)
+    report_warn_s: float = 60.0       # no training report from a generation this long after its launch: a warning
+    start_timeout_s: float = 600.0    # no first step this long after a launch: that launch failed
+    workdir: str = ""                 # the ranks' working directory ("": the backend's own)
+    env: Mapping[str, str] = field(default_factory=dict)   # set for the ranks over the backend's environment
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["command"] = list(self.command)
+        d["env"] = dict(self.env)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "JobSpec":
         kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
         kw["command"] = tuple(d["command"])
+        kw["env"] = {str(k): str(v) for k, v in dict(d.get("env") or {}).items()}
         return cls(**kw)
 
     @property
@@ -159,6 +170,8 @@ class Job:
     last_step: int = -1                       # newest training step seen in the launched generation
     prev_last_step: int = -1                  # newest step seen in the generation before it
     stepped_generation: int = -1              # newest generation whose first step has been seen
+    warned_generation: int = -1               # newest generation warned about for sending no report
+    submitted_ts: float = 0.0                 # when the controller accepted it (orders `transom jobs`)
     failure: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -236,6 +249,23 @@ class RanksExited:
     codes: Mapping[int, int]    # rank -> exit code, for every rank once all have exited or one failed
     ts: float = 0.0
     nodes: Mapping[int, str] = field(default_factory=dict)   # rank -> node where the backend knows (Slurm: srun's order)
+    logs: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)   # rank -> {"log": path, "tail": [lines]}
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """`transom cancel`: stop every rank and end the job."""
+
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True)
+class StartOverdue:
+    """``waited_s`` since ``generation`` was launched and no training step seen (from the service's clock)."""
+
+    generation: int
+    waited_s: float
+    ts: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -245,7 +275,8 @@ class StepSeen:
     ts: float
 
 
-Event = Union[Submitted, PrecheckDone, StepDone, Launched, FaultSeen, CheckpointSeen, RanksExited, StepSeen]
+Event = Union[Submitted, PrecheckDone, StepDone, Launched, FaultSeen, CheckpointSeen, RanksExited, StepSeen, Cancel,
+              StartOverdue]
 
 
 # --------------------------------------------------------------------------- actions
@@ -310,7 +341,7 @@ def pending_actions(job: Job) -> tuple[Any, ...]:
         if job.launched_generation < job.generation:
             return (Launch(job.generation, job.nodes, job.resume_step),)
         return ()
-    if job.state == JobState.FAILED:
+    if job.state in (JobState.FAILED, JobState.CANCELLED):
         return (Stop(job.launched_generation),) if job.launched_generation >= 0 else ()
     if job.state != JobState.RECOVERING:
         return ()
@@ -369,7 +400,10 @@ def _recover(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any],
     nodes, spares, detail = replaced
     evicted = job.evicted + ((evict,) if evict else ())
     resume = surviving_checkpoint(job.checkpoints, evicted)
-    backoff = 0.0 if not recent else min(job.spec.backoff_s * 2 ** (len(recent) - 1), job.spec.backoff_max_s)
+    # a restart on the same nodes (a crash, a hang) waits from the first one on: a script that fails at
+    # start must not be relaunched in a tight loop; the first restart that replaced a node does not wait
+    doublings = len(recent) - (1 if evict else 0)
+    backoff = 0.0 if doublings < 0 else min(job.spec.backoff_s * 2 ** doublings, job.spec.backoff_max_s)
     generation = job.generation + 1
     new = job.moved(JobState.RECOVERING, RecoveryStep.STOPPING, generation=generation, nodes=tuple(nodes),
                     spares=tuple(spares), evicted=evicted, to_evict=(evict,) if evict else (),
@@ -538,6 +572,40 @@ def decide(job: Job, event: Event) -> Decision:
         rank = min(failed)
         node = event.nodes.get(rank) or job.nodes[rank]
         why = f"rank {rank} on {node} exited with code {failed[rank]}"
-        return _recover(job, evict=None, why=why, now=event.ts,
-                        cause={"kind": FaultKind.RANK_EXIT.value, "node": node, "rank": rank})
+        log = event.logs.get(rank) or {}
+        cause = {"kind": FaultKind.RANK_EXIT.value, "node": node, "rank": rank, **log}
+        if log.get("log"):
+            why += f" (log: {log['log']})"
+        if failed[rank] > 0 and job.stepped_generation < 0:
+            # the script itself failed before it ever trained (a typo, a missing file): relaunching it
+            # cannot help; say where its output is
+            tail = " | ".join(log.get("tail", ())[-3:])
+            return _fail(job, f"{why} before its first training step" + (f"; last lines: {tail}" if tail else ""),
+                         cause)
+        return _recover(job, evict=None, why=why, now=event.ts, cause=cause)
+
+    if isinstance(event, Cancel):
+        if job.state in TERMINAL_STATES:
+            return Decision(job)
+        new = job.moved(JobState.CANCELLED, failure=event.reason)
+        return _decision(new, "cancelled", {}, {"reason": event.reason})
+
+    if isinstance(event, StartOverdue):
+        live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
+        if not live or event.generation != job.launched_generation or job.stepped_generation >= event.generation:
+            return Decision(job)
+        if event.waited_s >= job.spec.start_timeout_s:
+            why = (f"generation {event.generation} did not reach its first training step within "
+                   f"{job.spec.start_timeout_s:.0f}s of its launch (stuck in rendezvous, pods Pending, a "
+                   "scheduler queue, or a script that never calls report())")
+            return _recover(job, evict=None, why=why, now=event.ts, cause={"kind": "start_timeout"})
+        if event.waited_s >= job.spec.report_warn_s and job.warned_generation < event.generation:
+            new = dataclasses.replace(job, warned_generation=event.generation)
+            return Decision(new, (), "warning", {}, {
+                "generation": event.generation,
+                "warning": f"no training report from generation {event.generation} within "
+                           f"{job.spec.report_warn_s:.0f}s of its launch: hang detection is off until the "
+                           "script calls transom's report() (docs: README, 'Run your own script'); the launch "
+                           f"fails after {job.spec.start_timeout_s:.0f}s without one"})
+        return Decision(job)
     raise TypeError(f"unknown event {event!r}")

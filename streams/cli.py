@@ -28,7 +28,7 @@ def register(sub) -> None:
                      "peers), and write fault events with evidence to transom.faults; malformed metrics go to "
                      "transom.deadletter. Several workers share the partitions (consumer group transom-tee). "
                      "Stops on SIGINT/SIGTERM. See docs/tee.md."))
-    add_bootstrap(p)
+    add_bootstrap(p, embedded=True)
     p.add_argument("--hang-timeout", type=_positive, default=None, metavar="S",
                    help="seconds without step progress (sample time) before a live rank is hung; "
                         "at least 5 median step times are allowed anyway (default 10)")
@@ -57,5 +57,5 @@ def _run(args: argparse.Namespace) -> int:
                                      "heartbeat_timeout": args.heartbeat_timeout,
                                      "soft_detector": args.soft_detector, "cooldown_s": args.cooldown,
                                      "clock": args.clock})
-    with bootstrap_or_embedded(args.bootstrap) as bootstrap:
+    with bootstrap_or_embedded(args.bootstrap, args.embedded_broker) as bootstrap:
         return run_worker(bootstrap, config, datadir=args.datadir)

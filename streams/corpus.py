@@ -27,7 +27,8 @@ a straggler, power cap or hot node slows the whole job (its peers' utilisation f
 Half of the jobs come from agents that report ``heartbeat_age_s``, half from ones that do not.
 
 The fault mix follows the real GPU-cluster trace in ``shared/data/infinitehbd_faults``
-(:func:`trace_mix`): each trace description maps onto a :class:`FaultClass`; every class gets at
+(:func:`trace_mix`; the mix derived from it ships as ``fault_mix.json``, so no copy of the trace is
+needed at run time): each trace description maps onto a :class:`FaultClass`; every class gets at
 least ``min_per_class`` injections. The real rate (about 2e-4 faults per node-hour) is far too low
 to measure anything, so faults are injected at ``faults_per_node_hour``; their durations are the
 trace's repair times scaled by ``seconds_per_trace_day`` and clamped per class. Each injection has
@@ -103,22 +104,22 @@ _DURATION = {c: (60.0, 600.0) for c in FaultClass}
 _DURATION.update({FaultClass.LINK_DOWN: (20.0, 300.0), FaultClass.NODE_LOST: (30.0, 300.0),
                   FaultClass.HANG: (60.0, 300.0), FaultClass.LINK_FLAP: (60.0, 180.0)})
 
-DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "infinitehbd_faults",
-                             "fault_trace.json")
-
-
-def _default_trace() -> str:
-    for cand in (os.environ.get("TRANSOM_FAULT_TRACE", ""), DEFAULT_TRACE, "/work/shared/data/infinitehbd_faults/fault_trace.json"):
-        if cand and os.path.exists(cand):
-            return cand
-    return ""
+#: The fault mix derived from the trace, shipped with the package (written by :func:`write_mix`).
+PACKAGED_MIX = os.path.join(os.path.dirname(__file__), "fault_mix.json")
 
 
 def trace_mix(path: str | None = None) -> tuple[dict[FaultClass, float], dict[FaultClass, list[float]], dict]:
-    """Class shares, repair times (days) per class and summary figures from the fault trace."""
-    path = path or _default_trace()
-    if not path:
-        raise FileNotFoundError("no fault trace: set TRANSOM_FAULT_TRACE to shared/data/infinitehbd_faults/fault_trace.json")
+    """Class shares, repair times (days) per class and summary figures from the fault trace.
+
+    ``path`` (or env TRANSOM_FAULT_TRACE): the trace itself (shared/data/infinitehbd_faults/
+    fault_trace.json); without either, the mix derived from it that ships as ``fault_mix.json``.
+    """
+    path = path or os.environ.get("TRANSOM_FAULT_TRACE") or None
+    if path is None:
+        with open(PACKAGED_MIX) as fh:
+            doc = json.load(fh)
+        return ({FaultClass(k): v for k, v in doc["shares"].items()},
+                {FaultClass(k): v for k, v in doc["durations_days"].items()}, doc["summary"])
     with open(path) as fh:
         events = json.load(fh)
     open_: dict[tuple[str, str], float] = {}
@@ -143,6 +144,18 @@ def trace_mix(path: str | None = None) -> tuple[dict[FaultClass, float], dict[Fa
     summary = {"trace_faults_mapped": total, "trace_nodes": len(nodes), "trace_days": round(last, 1),
                "trace_rate_per_node_hour": round(total / (400 * max(last, 1.0) * 24), 6)}
     return shares, durations, summary
+
+
+def write_mix(trace: str, out: str = PACKAGED_MIX) -> None:
+    """Write the mix of ``trace`` as the packaged ``fault_mix.json`` (run once when the trace changes)."""
+    shares, durations, summary = trace_mix(trace)
+    doc = {"source": "InfiniteHBD fault trace (github.com/stepfun-ai/InfiniteHBD-Trace, Apache-2.0), "
+                     "derived by transom.streams.corpus.write_mix",
+           "shares": {c.value: v for c, v in shares.items()},
+           "durations_days": {c.value: v for c, v in durations.items()}, "summary": summary}
+    with open(out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+        fh.write("\n")
 
 
 @dataclass(frozen=True)

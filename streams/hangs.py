@@ -143,6 +143,8 @@ class HangDetector:
             return []
         mine: list[tuple[str, tuple[str, str, int], RankView]] = []
         for s in trains:
+            if s.tags.get("event"):          # a one-off event (a save, a restore), not the rank's progress
+                continue
             job_id = s.tags.get("job") or batch.job or ""
             job = self.jobs.get(job_id)
             if job is None:

@@ -228,7 +228,7 @@ class PeerDetector:
                     g[name].append(float(f[name]))
             win.reasons[s.index] |= int(f.get(_REASONS, 0))
         for s in batch.of(Source.TRAIN):
-            if "step" in s.fields:
+            if "step" in s.fields and not s.tags.get("event"):     # events (a save, a restore) are not progress
                 win.steps.append(s.fields["step"])
         for s in batch.of(Source.NIC):
             f = s.fields

@@ -111,9 +111,11 @@ SCHEMA: Mapping[str, Mapping[str, frozenset[str]]] = {
              "fields": frozenset({"cpu_percent", "mem_used_percent", "mem_available_mib", "swap_used_percent",
                                   "load1", "load5", "load15", "procs", "disk_read_bytes_per_s",
                                   "disk_write_bytes_per_s", "net_recv_bytes_per_s", "net_sent_bytes_per_s"})},
-    "train": {"tags": frozenset({"node", "job", "rank", "generation"}),
+    # "event": a one-off event of the rank (report_event: checkpoint_save, restore), one point each
+    "train": {"tags": frozenset({"node", "job", "rank", "generation", "event"}),
               "fields": frozenset({"step", "loss", "tokens_per_s", "step_time", "alive", "report_age_s",
-                                   "loss_nonfinite", "ckpt_stall_s", "restore_s", "restore_tier"})},
+                                   "loss_nonfinite", "ckpt_stall_s", "ckpt_bytes", "restore_s", "restore_tier",
+                                   "restore_step", "restore_bytes", "restore_shard_rank"})},
     "agent": {"tags": frozenset({"node", "job", "index"}),
               "fields": frozenset({"uptime_s", "interval_s", "batches_sent", "collector_errors", "dropped_fields",
                                    "intake_received", "intake_rejected", "training_ranks", "gpus", "produced",

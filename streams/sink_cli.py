@@ -19,7 +19,7 @@ def register(sub) -> None:
                      "write path follows the server's version: the v2 API for InfluxDB 2.x, 3.x and 1.8+, "
                      "the v1 /write API for older 1.x. Malformed events go to transom.deadletter. Stops on "
                      "SIGINT/SIGTERM. Every flag has an environment variable (shown in brackets)."))
-    add_bootstrap(p)
+    add_bootstrap(p, embedded=True)
     p.add_argument("--influx-url", default=None, metavar="URL",
                    help="InfluxDB URL, e.g. http://127.0.0.1:8086 [TRANSOM_INFLUX_URL]")
     p.add_argument("--influx-db", default=None, metavar="NAME",
@@ -47,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
     # a flag would show them in the process list
     config = SinkConfig.from_env(url=args.influx_url, database=args.influx_db, org=args.influx_org,
                                  api=args.influx_api, batch_size=args.batch, flush_s=args.flush)
-    with bootstrap_or_embedded(args.bootstrap) as bootstrap:
+    with bootstrap_or_embedded(args.bootstrap, args.embedded_broker) as bootstrap:
         try:
             return run_sink(bootstrap, config, datadir=args.datadir)
         except SinkError as exc:     # the server never answered, or refused the database

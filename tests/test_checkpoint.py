@@ -425,6 +425,8 @@ def test_step_missing_one_ranks_shard_is_never_loaded(tmp_path, engines):
         r0.load(20)
     with pytest.raises(NoCheckpoint, match="no checkpoint of step 30"):
         r0.load(30)
+    with pytest.raises(TypeError, match="map_location"):
+        r0.load(10, map_location="cpu")       # an unknown keyword is refused, not swallowed
     info = {s.step: s for s in list_steps(tmp_path)}
     assert not info[20].complete and info[20].ranks == (0,)
 

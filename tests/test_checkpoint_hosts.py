@@ -251,8 +251,9 @@ def _run_py(bed, host, code, *args, timeout=120):
 
 @pytest.mark.e2e
 def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(bed, tmp_path, monkeypatch):
-    """Three hosts (own network, PID space, /tmp and /dev/shm), a TCE daemon on each bound to 0.0.0.0
-    and finding the others through the registry on a broker only the bed's network reaches. Host
+    """Three hosts (own network, PID space, /tmp and /dev/shm), a TCE daemon on each listening where it
+    chooses by default (its interface to the broker) and finding the others through the registry on a
+    broker only the bed's network reaches. Host
     node0 saves; node0 is killed (processes, memory, disk gone); a rank on node2 restores node0's
     shard from node1's memory over the bed's network (generation 1). Then node1 is partitioned and
     healed, and a rank of generation 0 on it saves: refused as a stale generation."""
@@ -266,7 +267,7 @@ def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(
     monkeypatch.delenv("TRANSOM_CKPT_RUNTIME", raising=False)
     monkeypatch.delenv("TRANSOM_CKPT_LOCAL_DIR", raising=False)
     with EmbeddedBroker(host=b.root_addr, log_path=str(tmp_path / "broker.log")) as broker:
-        daemons = {h: b.python(h, ["-m", "transom.cli", "ckpt-server", "--node", h, "--host", "0.0.0.0",
+        daemons = {h: b.python(h, ["-m", "transom.cli", "ckpt-server", "--node", h,      # no --host: the default
                                    "--bootstrap", broker.bootstrap, "--transport", "tcp"],
                                stdout=open(tmp_path / f"daemon-{h}.log", "wb"), stderr=subprocess.STDOUT)
                    for h in ("node0", "node1", "node2")}

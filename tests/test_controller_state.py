@@ -8,7 +8,8 @@ import pytest
 from transom import contracts as c
 from transom.controller.state import (FAULT_POLICY, CheckpointSeen, Cordon, FaultSeen, IllegalTransition, Job,
                                       JobSpec, JobState, Launch, Launched, Precheck, PrecheckDone, RanksExited,
-                                      RecoveryStep, StepDone, StepSeen, Stop, Submitted, decide, pending_actions)
+                                      RecoveryStep, StartOverdue, StepDone, StepSeen, Stop, Submitted, Cancel, decide,
+                                      pending_actions)
 
 NODES = ("node0", "node1", "node2", "node3", "node4")
 
@@ -155,13 +156,47 @@ def test_hang_restarts_in_place_and_rank_exit_counts_against_the_budget():
 def test_restart_budget_is_per_window_and_backs_off():
     job = running_job(max_restarts=2, restart_window_s=100.0, backoff_s=2.0)
     seen, job = recover(job, FaultSeen(fault(kind=c.FaultKind.HANG, fid="a", ts=200.0), ts=200.0))
-    assert seen[0].detail["backoff_s"] == 0.0
+    assert seen[0].detail["backoff_s"] == 2.0          # same nodes again: never a tight restart loop
     seen, job = recover(job, FaultSeen(fault(kind=c.FaultKind.HANG, fid="b", ts=350.0), ts=350.0))
-    assert seen[0].detail["backoff_s"] == 0.0          # the first restart fell out of the window
+    assert seen[0].detail["backoff_s"] == 2.0          # the first restart fell out of the window
     seen, job = recover(job, FaultSeen(fault(kind=c.FaultKind.HANG, fid="c", ts=400.0), ts=400.0))
-    assert seen[0].detail["backoff_s"] == 2.0 and job.not_before == 402.0
+    assert seen[0].detail["backoff_s"] == 4.0 and job.not_before == 404.0
     d = decide(job, FaultSeen(fault(kind=c.FaultKind.HANG, fid="d", ts=420.0), ts=420.0))
     assert d.job.state == JobState.FAILED and "restart budget of 2 per 100s" in d.job.failure
+    job = running_job(backoff_s=2.0)
+    seen, job = recover(job, FaultSeen(fault(fid="e", ts=200.0), ts=200.0))
+    assert seen[0].detail["backoff_s"] == 0.0          # a node was replaced: the first relaunch does not wait
+
+
+def test_a_rank_that_fails_before_its_first_step_fails_the_job_with_its_log():
+    job = running_job()
+    logs = {1: {"log": "runs/j/gen-0/rank-1.log", "tail": ["Traceback", "FileNotFoundError: train.py"]}}
+    d = decide(job, RanksExited(0, {0: 0, 1: 2}, ts=101.0, logs=logs))
+    assert d.job.state == JobState.FAILED and d.actions == (Stop(0),)
+    assert d.detail["reason"] == ("rank 1 on node1 exited with code 2 (log: runs/j/gen-0/rank-1.log) before its "
+                                  "first training step; last lines: Traceback | FileNotFoundError: train.py")
+    job = decide(job, StepSeen(0, 1, 102.0)).job            # once it trained, a crash is healed
+    seen, job = recover(job, RanksExited(0, {0: 0, 1: 2}, ts=110.0, logs=logs))
+    assert seen[0].name == "relaunching" and "rank-1.log" in seen[0].detail["reason"]
+
+
+def test_no_report_warns_once_then_a_launch_without_a_first_step_fails():
+    job = running_job(report_warn_s=60, start_timeout_s=300, max_restarts=1)
+    assert decide(job, StartOverdue(0, 30.0)).name == ""
+    d = decide(job, StartOverdue(0, 61.0))
+    assert d.name == "warning" and "no training report from generation 0 within 60s" in d.detail["warning"]
+    assert decide(d.job, StartOverdue(0, 70.0)).name == ""              # once per generation
+    seen, job = recover(d.job, StartOverdue(0, 301.0, ts=401.0))
+    assert seen[0].name == "relaunching" and "did not reach its first training step within 300s" in \
+        seen[0].detail["reason"]
+    d = decide(job, StartOverdue(1, 301.0, ts=800.0))
+    assert d.job.state == JobState.FAILED and "restart budget" in d.job.failure
+
+
+def test_cancel_stops_the_ranks_and_ends_the_job():
+    d = decide(running_job(), Cancel("by alice"))
+    assert d.job.state == JobState.CANCELLED and d.name == "cancelled" and d.actions == (Stop(0),)
+    assert decide(d.job, Cancel("again")).name == ""
 
 
 def test_all_ranks_exiting_zero_completes_the_job():
@@ -246,8 +281,9 @@ def test_a_checkpoint_of_a_replaced_generation_is_ignored():
 def test_a_rank_exit_names_the_node_the_backend_says_it_ran_on():
     """Slurm orders a step's tasks itself: rank 0 of a launch on node4,node1,... ran on node1."""
     nodes = {0: "node1", 1: "node2", 2: "node3", 3: "node0"}
-    d = decide(running_job(), RanksExited(0, {0: 1, 1: 0, 2: 0, 3: 0}, ts=300.0, nodes=nodes))
+    trained = decide(running_job(), StepSeen(0, 5, 150.0)).job      # (an exit before any step fails the job)
+    d = decide(trained, RanksExited(0, {0: 1, 1: 0, 2: 0, 3: 0}, ts=300.0, nodes=nodes))
     assert d.name == "relaunching" and "rank 0 on node1 exited with code 1" in d.detail["reason"], d.detail
     assert d.cause == {"kind": "rank_exit", "node": "node1", "rank": 0}
-    plain = decide(running_job(), RanksExited(0, {0: 0, 1: 0, 2: 1, 3: 0}, ts=300.0))
+    plain = decide(trained, RanksExited(0, {0: 0, 1: 0, 2: 1, 3: 0}, ts=300.0))
     assert plain.cause["node"] == running_job().nodes[2]          # no word from the backend: nodes[r]

@@ -69,6 +69,9 @@ def test_advertise_address_is_never_a_wildcard(monkeypatch):
     assert registry.advertise_address("127.0.0.1:9092", bind="0.0.0.0") == "127.0.0.1"
     assert registry.advertise_address("127.0.0.1:9092", bind="127.0.0.3") == "127.0.0.3"
     assert registry.advertise_address("127.0.0.1:9092", bind="0.0.0.0", explicit="198.18.0.7") == "198.18.0.7"
+    assert registry.default_bind(None) == "127.0.0.1" == registry.default_bind("127.0.0.1:9092")
+    assert registry.default_bind("127.0.0.1:9092", explicit="198.18.0.7") == "0.0.0.0"
+    assert registry.is_loopback("127.0.0.3") and not registry.is_loopback("198.18.0.7")
     monkeypatch.setenv("TRANSOM_ADVERTISE_ADDR", "0.0.0.0")
     with pytest.raises(ConfigError, match="TRANSOM_ADVERTISE_ADDR"):
         registry.advertise_address("127.0.0.1:9092")

@@ -111,3 +111,27 @@ def test_report_renders_in_headless_chromium_without_console_errors(report_file,
     assert any("boom" in line for line in caught) and any("notDefined" in line for line in caught)
     assert chromium_console(out, tmp_path / "report.png") == []
     shutil.copy(tmp_path / "report.png", tmp_path.parent / "transom-report.png")   # to look at
+
+
+@pytest.mark.parametrize("detail", [
+    {"spec": {"command": ["python", "train.py"], "world_size": 2}, "spares": 1},    # transom run --spares 1
+    {"spec": {"command": ["python", "train.py"], "world_size": 2}, "spares": 0},    # transom run
+    {"command": ["python", "train.py"], "nodes": ["node0", "node1", "node2"],       # transom controller --job-id
+     "spec": {"command": ["python", "train.py"], "world_size": 2}},
+], ids=["run-spares", "run", "controller-job-id"])
+def test_report_works_for_every_way_a_job_is_submitted(broker, detail):
+    """`transom run --spares N` writes the spare *count* into submit_requested; the report read it as
+    a node list and crashed (TypeError: 'int' object is not iterable)."""
+    from transom import contracts as c
+    from transom.report import collect, render
+
+    job = f"job-way-{len(detail)}-{detail.get('spares', 'c')}-{time.time_ns()}"
+    t0 = time.time() - 30
+    name, seq = ("submit_requested", -1) if "spares" in detail else ("submitted", 0)
+    events = [(c.LIFECYCLE, job, c.LifecycleEvent(job=job, seq=seq, ts=t0, name=name, state="pending",
+                                                  detail=detail))]
+    events += [ev for ev in run_events(job, t0 + 1, metrics=False) if ev[0] == c.LIFECYCLE and ev[2].seq > seq]
+    publish_all(broker.bootstrap, events)
+    data = collect(broker.bootstrap, job)
+    assert {"node0", "node1", "node2"} <= set(data.nodes)
+    assert job in render(data)

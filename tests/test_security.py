@@ -349,6 +349,58 @@ def test_systemd_agent_unit_runs_unprivileged_with_only_the_nvidia_devices():
     assert "PermissionsStartOnly" not in one and not [v for v in entries.get("ExecStartPre", []) if v.startswith("+")]
 
 
+AS_NOBODY = ["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+             "--no-new-privs"]
+#: What `transom agent` imports from the checkout and the virtual environment (checked by the copy's own run).
+AGENT_MODULES = ("transom.cli", "transom.agents.cli", "transom.agents.agent", "transom.agents.gpu",
+                 "transom.agents.simulated", "transom.agents.delivery", "transom.kafka")
+
+
+def _python_for_nobody(setpriv: str, into: Path, *, force_copy: bool = False) -> tuple[list[str], dict[str, str]]:
+    """A python (argv, extra env) that ``nobody`` can run the agent with.
+
+    The venv's python, when nobody can run it from where the checkout lives; otherwise (a checkout in
+    a mode-700 home or a ``mktemp -d`` folder) the system's python with a copy of what the agent
+    imports (the transom packages, the few venv packages) in ``into``, which nobody can read."""
+    probe = [setpriv, *AS_NOBODY, sys.executable, "-c", "import " + ", ".join(AGENT_MODULES)]
+    if not force_copy and subprocess.run(probe, capture_output=True, cwd="/", timeout=60).returncode == 0:
+        return [sys.executable], {}
+    listing = subprocess.run([sys.executable, "-c", f"""
+import os, sys
+import {", ".join(AGENT_MODULES)}
+import transom.cli; transom.cli.build_parser()
+prefix = os.path.realpath(sys.prefix)
+for name, m in list(sys.modules.items()):
+    f = getattr(m, "__file__", None)
+    if f and "." not in name and os.path.realpath(f).startswith(prefix) and not name.startswith(("_", "transom")):
+        print(os.path.realpath(f))
+"""], capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    site = into / "site"
+    site.mkdir(parents=True)
+    for f in map(Path, listing):
+        if f.name == "__init__.py":
+            shutil.copytree(f.parent, site / f.parent.name, ignore=shutil.ignore_patterns("__pycache__"))
+            libs = f.parent.with_name(f.parent.name + ".libs")        # auditwheel's vendored libraries
+            if libs.is_dir():
+                shutil.copytree(libs, site / libs.name)
+        else:
+            shutil.copy2(f, site / f.name)
+    for package, source in (("transom", "transom"), ("transom/agents", "agents"), ("transom/streams", "streams"),
+                            ("transom/controller", "controller"), ("transom/checkpoint", "checkpoint")):
+        shutil.copytree(ROOT / source, site / package, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "agents", "streams", "controller", "checkpoint")
+                        if package == "transom" else shutil.ignore_patterns("__pycache__"))
+    for d in [into, *into.rglob("*")]:
+        d.chmod(0o755 if d.is_dir() else 0o644)
+    base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    env = {"PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"}
+    got = subprocess.run([setpriv, *AS_NOBODY, base, "-c", "import " + ", ".join(AGENT_MODULES)],
+                         capture_output=True, text=True, cwd="/", timeout=60, env={**os.environ, **env})
+    if got.returncode != 0:
+        pytest.skip(f"nobody cannot run the agent from a copy either: {got.stderr.strip().splitlines()[-1:]}")
+    return [base], env
+
+
 @pytest.mark.integration
 def test_the_agent_runs_as_nobody_without_capabilities_and_publishes(broker, tmp_path):
     if os.geteuid() != 0:
@@ -356,15 +408,17 @@ def test_the_agent_runs_as_nobody_without_capabilities_and_publishes(broker, tmp
     setpriv = shutil.which("setpriv")
     assert setpriv, "setpriv (util-linux) is needed to drop to nobody"
     state = Path(tempfile.mkdtemp(prefix="transom-nobody-"))
+    state.chmod(0o755)
+    python, extra_env = _python_for_nobody(setpriv, state / "py", force_copy=bool(os.environ.get("TRANSOM_TEST_NOBODY_COPY")))
     os.chown(state, 65534, 65534)
     node = f"nobody-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "agent.log"
     proc = subprocess.Popen(
-        [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
-         "--no-new-privs", sys.executable, "-m", "transom.cli", "agent", "--node", node, "--gpu-source", "simulated",
+        [setpriv, *AS_NOBODY, *python, "-m", "transom.cli", "agent", "--node", node, "--gpu-source", "simulated",
          "--interval", "0.5", "--state-dir", str(state / "agent"), "--bootstrap", broker.bootstrap],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        env={**os.environ, "HOME": str(state), "TMPDIR": str(state), "PYTHONDONTWRITEBYTECODE": "1"}, cwd=state)
+        env={**os.environ, **extra_env, "HOME": str(state), "TMPDIR": str(state), "PYTHONDONTWRITEBYTECODE": "1"},
+        cwd=state)
     try:
         got = wait_until(lambda: proc.poll() is not None or [
             b for b in topic_values(broker.bootstrap, c.METRICS, valid_only=True) if b.node == node],   # shared broker:

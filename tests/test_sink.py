@@ -127,6 +127,8 @@ def publish_all(bootstrap: str, events, extra_raw=()) -> None:
     producer = kafka.make_producer(bootstrap)
     for topic, key, ev in events:
         kafka.publish(producer, topic, key, ev)
+        if topic == c.LIFECYCLE:                 # as the controller writes them: the history topic too
+            kafka.publish(producer, c.HISTORY, key, ev)
     for topic, key, raw in extra_raw:
         producer.produce(topic, value=raw, key=key.encode())
     assert producer.flush(30) == 0

@@ -4,7 +4,7 @@
 - killed mid-run and relaunched, both ranks resume from the newest complete checkpoint;
 - a resumed run continues bit for bit as the uninterrupted run (model, optimizer, data position);
 - a rank relaunched on a spare node restores from its old node's replica in the neighbour's memory,
-  and reports ``ckpt_stall_s``, ``restore_s`` and ``restore_tier`` to the agent;
+  and its checkpoint engine reports ``ckpt_stall_s``, ``restore_s`` and ``restore_tier`` to the agent as events;
 - a node whose shared memory cannot hold the checkpoints stops the job before its first step.
 
 The ranks checkpoint through real TCE daemons (``transom ckpt-server``), one per simulated node.
@@ -257,11 +257,14 @@ def test_killed_rank_then_relaunch_resumes_from_newest_checkpoint(tmp_path, laun
     assert f"rank 1: restored step {newest} from peer-memory on node2" in second.output(1), second.explain(codes)
     # its model and optimizer come from rank 0's shard (saved once for all data-parallel replicas)
     assert "(model and optimizer: rank 0's shard from peer-memory on node" in second.output(1), second.explain(codes)
-    restore = {r["rank"]: r for r in reports if "restore_tier" in r}
+    # the checkpoint engine reports its own restores and save stalls, as events (not the script)
+    restore = {r["rank"]: r for r in reports if r.get("event") == "restore" and r["restore_shard_rank"] == r["rank"]}
     assert restore[0]["restore_tier"] == 0 and restore[1]["restore_tier"] == 1, reports[:4]
-    assert all(r["restore_s"] > 0 and r["step"] == newest + 1 for r in restore.values())
-    stalls = [r for r in reports if "ckpt_stall_s" in r]
+    assert all(r["restore_s"] > 0 and r["restore_step"] == newest for r in restore.values())
+    assert not [r for r in reports if "restore_tier" in r and not r.get("event")]
+    stalls = [r for r in reports if r.get("event") == "checkpoint_save"]
     assert sorted({r["step"] for r in stalls}) == [newest + 10, newest + 20]
+    assert len(stalls) == 4 and not [r for r in reports if "ckpt_stall_s" in r and not r.get("event")]
     assert all(r["ckpt_stall_s"] > 0 for r in stalls)
     steps = [int(m.group(1)) for m in _PROGRESS.finditer(out)]
     assert steps and steps[0] == newest + 10 and steps[-1] == newest + 20, steps

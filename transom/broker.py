@@ -16,7 +16,7 @@ from typing import Iterator
 from . import kafka
 from .log import get
 
-__all__ = ["EmbeddedBroker", "free_port", "bootstrap_or_embedded"]
+__all__ = ["EmbeddedBroker", "free_port", "bootstrap_or_embedded", "NO_BOOTSTRAP"]
 
 log = get("broker")
 
@@ -82,13 +82,20 @@ class EmbeddedBroker:
         self.stop()
 
 
+NO_BOOTSTRAP = ("no broker given: set TRANSOM_BOOTSTRAP (the line `transom up` prints) or give --bootstrap "
+                "HOST:PORT; --embedded-broker starts a private broker instead")
+
+
 @contextlib.contextmanager
-def bootstrap_or_embedded(bootstrap: str | None) -> Iterator[str]:
-    """Yield ``bootstrap`` if given (creating missing topics), else start an embedded broker."""
+def bootstrap_or_embedded(bootstrap: str | None, embedded: bool = False) -> Iterator[str]:
+    """Yield ``bootstrap`` if given (creating missing topics), else start an embedded broker when
+    ``embedded`` (--embedded-broker) asks for one; else :class:`~transom.kafka.BrokerUnavailable`."""
     if bootstrap:
-        kafka.wait_ready(bootstrap)
+        kafka.wait_ready(bootstrap, kafka.PROBE_S)
         kafka.ensure_topics(bootstrap)
         yield bootstrap
         return
+    if not embedded:
+        raise kafka.BrokerUnavailable(NO_BOOTSTRAP)
     with EmbeddedBroker() as broker:
         yield broker.bootstrap

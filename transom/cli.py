@@ -16,7 +16,7 @@ import threading
 
 from . import __version__, log
 
-__all__ = ["main", "add_bootstrap", "wait_for_signal"]
+__all__ = ["main", "add_bootstrap", "need_bootstrap", "wait_for_signal"]
 
 _COMPONENT_CLIS = (
     "transom.broker_cli",
@@ -29,14 +29,33 @@ _COMPONENT_CLIS = (
     "transom.report",
     "transom.demo",
     "transom.testbed",
+    "transom.up",
 )
 
 
-def add_bootstrap(parser: argparse.ArgumentParser) -> None:
+def add_bootstrap(parser: argparse.ArgumentParser, *, embedded: bool = False) -> None:
+    """--bootstrap (required: a command never starts a private broker unless asked); with ``embedded``,
+    also --embedded-broker for services that can run on a broker of their own."""
     parser.add_argument(
         "--bootstrap", default=os.environ.get("TRANSOM_BOOTSTRAP") or None, metavar="HOST:PORT",
-        help="Kafka bootstrap servers (env TRANSOM_BOOTSTRAP); when unset, an embedded broker is started",
+        help="Kafka bootstrap servers (env TRANSOM_BOOTSTRAP; required" +
+             (" unless --embedded-broker)" if embedded else ")") + "; an unreachable broker is an error within 4 s",
     )
+    if embedded:
+        parser.add_argument("--embedded-broker", action="store_true",
+                            help="start a private embedded broker when no --bootstrap is given "
+                                 "(other components will not see it)")
+
+
+def need_bootstrap(bootstrap: str | None) -> str:
+    """The broker at ``bootstrap`` once it answers (within 4 s); else the one-line error."""
+    from .broker import NO_BOOTSTRAP
+    from .kafka import PROBE_S, BrokerUnavailable, wait_ready
+
+    if not bootstrap:
+        raise BrokerUnavailable(NO_BOOTSTRAP)
+    wait_ready(bootstrap, PROBE_S)
+    return bootstrap
 
 
 def wait_for_signal() -> int:

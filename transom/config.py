@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 #: Environment variables the code reads, with what each means (the deploy tests check these).
 ENV: Mapping[str, str] = {
-    "TRANSOM_BOOTSTRAP": "Kafka bootstrap servers, host:port[,host:port]; unset: start the embedded broker",
+    "TRANSOM_BOOTSTRAP": "Kafka bootstrap servers, host:port[,host:port]; required (services: or --embedded-broker)",
     "TRANSOM_LOG_LEVEL": "log level of every service (DEBUG, INFO, WARNING)",
     "TRANSOM_TOPIC_PARTITIONS": "partition counts of Transom's topics, TOPIC=N[,TOPIC=N] (transom/topics.py)",
     "TRANSOM_REPLICATION_FACTOR": "replicas of every topic partition, or auto (3 with 3+ brokers, else the broker count)",
@@ -33,8 +33,8 @@ ENV: Mapping[str, str] = {
     "TRANSOM_AGENTS": "node=host:port table of agent intakes (set by the Slurm backend for its ranks)",
     "TRANSOM_TEST_CRASH_AT": "test hook, off by default: the controller exits at this recovery step",
     "TRANSOM_FAULT_TRACE": "benchmarks only: the real fault trace the corpus generator takes its fault mix from",
-    "TRANSOM_CKPT_RUNTIME": "checkpoint daemons' registry and shared-memory segments (default /dev/shm/transom-ckpt-<uid>)",
-    "TRANSOM_CKPT_LOCAL_DIR": "a checkpoint daemon's local-disk directory (default /tmp/transom-ckpt-local-<uid>)",
+    "TRANSOM_CKPT_RUNTIME": "checkpoint daemons' registry and shared-memory segments (default /dev/shm/transom-ckpt-<uid>-<hash of TRANSOM_BOOTSTRAP>: one per stack)",
+    "TRANSOM_CKPT_LOCAL_DIR": "a checkpoint daemon's local-disk directory (default /tmp/transom-ckpt-local-<uid>-<hash of TRANSOM_BOOTSTRAP>)",
     "TRANSOM_CKPT_SNAPSHOT": "how save() snapshots a rank's tensors: copy (default; blocks for a memcpy) or fork "
                              "(copy-on-write child; blocks for the fork, later writes pay page faults)",
     "TRANSOM_CKPT_TRANSPORT": "replication transport of the checkpoint daemons: auto (default), mooncake or tcp",

@@ -40,7 +40,7 @@ import orjson      # 3-4x faster parsing of metric batches (the TEE reads thousa
 
 __all__ = [
     "SCHEMA_VERSION", "ContractError", "TopicSpec", "TOPICS",
-    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "DEADLETTER", "PEER_WINDOWS", "PeerWindow",
+    "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "HISTORY", "DEADLETTER", "PEER_WINDOWS", "PeerWindow",
     "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
     "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
     "REGISTRY", "ServiceKind", "Registration", "UNROUTABLE", "registry_key",
@@ -53,6 +53,7 @@ METRICS = "transom.metrics"
 FAULTS = "transom.faults"
 CHECKPOINTS = "transom.checkpoints"
 LIFECYCLE = "transom.lifecycle"
+HISTORY = "transom.history"
 DEADLETTER = "transom.deadletter"
 REGISTRY = "transom.registry"
 #: The TEE's own repartition topic: per-node window summaries keyed by job (see streams/app.py).
@@ -73,13 +74,18 @@ class TopicSpec:
 #: Every topic Transom uses, created up front by :func:`transom.kafka.ensure_topics`.
 #: Metrics are partitioned by node so a node's samples stay in order and one TEE worker owns
 #: a node's window; the lifecycle topic is compacted and keyed by job (each value carries the
-#: job's full snapshot, so compaction keeps what a restarted controller needs).
+#: job's full snapshot, so compaction keeps what a restarted controller needs: the newest snapshot
+#: per job, the newest lease event). What users read (a job's timeline: `transom jobs show`,
+#: `transom report`) is the history topic: every lifecycle event again, in order, never compacted,
+#: deleted after its retention (90 days).
 #: Partition counts here are the defaults; :mod:`transom.topics` takes others from configuration.
+HISTORY_RETENTION_MS = 90 * 24 * 3600 * 1000
 TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec(METRICS, 12, {"retention.ms": str(24 * 3600 * 1000)}),
     TopicSpec(FAULTS, 2),
     TopicSpec(CHECKPOINTS, 2),
     TopicSpec(LIFECYCLE, 1, {"cleanup.policy": "compact"}),
+    TopicSpec(HISTORY, 1, {"cleanup.policy": "delete", "retention.ms": str(HISTORY_RETENTION_MS)}),
     TopicSpec(DEADLETTER, 1),
     TopicSpec(REGISTRY, 1, {"cleanup.policy": "compact"}),
     TopicSpec(PEER_WINDOWS, 12, {"retention.ms": str(3600 * 1000)}),
@@ -692,8 +698,8 @@ class PeerWindow:
 
 _BY_TOPIC: dict[str, type] = {
     METRICS: MetricBatch, FAULTS: FaultEvent, CHECKPOINTS: CheckpointReady,
-    LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter, REGISTRY: Registration,
-    LIFECYCLE: LifecycleEvent, DEADLETTER: DeadLetter, PEER_WINDOWS: PeerWindow,
+    LIFECYCLE: LifecycleEvent, HISTORY: LifecycleEvent, DEADLETTER: DeadLetter, REGISTRY: Registration,
+    PEER_WINDOWS: PeerWindow,
 }
 
 

@@ -132,7 +132,7 @@ def run_demo(args: argparse.Namespace) -> int:
             topic, ev = got
             if topic == contracts.METRICS:
                 for s in ev.of(contracts.Source.TRAIN):
-                    if s.tags.get("job") != job or s.index != 0 or "step" not in s.fields:
+                    if s.tags.get("job") != job or s.index != 0 or "step" not in s.fields or s.tags.get("event"):
                         continue
                     step = int(s.fields["step"])
                     last_step = max(last_step, step)
@@ -147,7 +147,7 @@ def run_demo(args: argparse.Namespace) -> int:
                         clock.say(f"INJECT XID 79 on {args.fault_node} (GPU 0)")
             elif topic == contracts.FAULTS and ev.job in (job, None):
                 clock.say(f"fault  {ev.kind.value} on {ev.node} by {ev.detector}: {ev.summary}", ev.detected_ts)
-                if ev.kind == contracts.FaultKind.XID and "fault_event" not in timeline:
+                if ev.kind == contracts.FaultKind.XID and "fault event (TEE)" not in timeline:   # the first XID
                     timeline["fault observed (XID sample)"] = ev.observed_ts
                     timeline["fault event (TEE)"] = ev.detected_ts
             elif topic == contracts.CHECKPOINTS and ev.job == job:

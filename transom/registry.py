@@ -32,6 +32,8 @@ Addresses: :func:`advertise_address` returns, in order, the explicit address (``
 ``TRANSOM_ADVERTISE_ADDR``), the bind address when it is a specific one, else the source address
 of the route from this host to the broker (the interface a peer on the broker's network reaches),
 which is loopback only when the broker itself is on loopback. A wildcard is never advertised.
+:func:`default_bind` is where a service listens when not told: that same interface (or every
+interface when an address to advertise is given; loopback when the broker is on loopback).
 
 Scope: ``TRANSOM_CLUSTER`` (default ``default``) names the cluster; readers see only their own, so
 several clusters (or concurrent test runs) can share one broker. ``TRANSOM_REGISTRY_TTL``
@@ -59,7 +61,7 @@ from .config import ConfigError
 from .contracts import Registration, ServiceKind, registry_key
 from .log import get
 
-__all__ = ["advertise_address", "boot_id", "cluster_name", "registry_ttl", "registration", "RegistryWriter",
+__all__ = ["advertise_address", "default_bind", "is_loopback", "route_source", "boot_id", "cluster_name", "registry_ttl", "registration", "RegistryWriter",
            "RegistryView", "RegistryReader", "read_registry", "INSTANCE"]
 
 log = get("registry")
@@ -132,6 +134,32 @@ def advertise_address(bootstrap: str | None = None, *, bind: str | None = None,
             raise ConfigError(f"cannot tell which address of this host reaches the broker {host}:{port} "
                               f"({exc}): set --advertise / TRANSOM_ADVERTISE_ADDR") from None
     return "127.0.0.1"      # one host, no broker: everything meets on loopback
+
+
+def default_bind(bootstrap: str | None = None, *, explicit: str | None = None) -> str:
+    """Where a service listens when not told: every interface when an address to advertise is given
+    (``--advertise`` / ``TRANSOM_ADVERTISE_ADDR``: it may be a NAT or load balancer address), else
+    the address of the interface that routes to the broker (peers on the broker's network reach it,
+    nothing else is exposed), else, with no broker or a broker on loopback, 127.0.0.1 (one host)."""
+    if explicit or os.environ.get("TRANSOM_ADVERTISE_ADDR"):
+        return "0.0.0.0"
+    if bootstrap:
+        host, port = _first_broker(bootstrap)
+        try:
+            return route_source(host, port)
+        except OSError as exc:
+            raise ConfigError(f"cannot tell which address of this host reaches the broker {host}:{port} "
+                              f"({exc}): give --host / --advertise (TRANSOM_ADVERTISE_ADDR)") from None
+    return "127.0.0.1"
+
+
+def is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr.strip("[]")).is_loopback
+    except ValueError:
+        return addr == "localhost"
 
 
 def registration(kind: ServiceKind | str, node: str, *, addr: str, port: int, meta: Mapping[str, Any] | None = None,

@@ -5,8 +5,10 @@ job, and writes one HTML file with inline SVG plots and no script or outside res
 
 - loss and throughput over time (per launch generation), with faults, evictions, relaunches,
   resumes and checkpoints marked;
-- checkpoint stalls (``ckpt_stall_s`` that the training script reports on save steps) and the
-  checkpoint-ready events, and where each restore came from (``restore_tier``, ``restore_s``);
+- checkpoint stalls (``ckpt_stall_s``, one ``checkpoint_save`` event per save and rank, sent by the
+  checkpoint engine) and the checkpoint-ready events, and where each restore came from (the
+  engine's ``restore`` events: ``restore_tier``, ``restore_s``; a rank that loaded several shards
+  shows its slowest tier and their summed time);
 - a per-node health heatmap over the job's time: no heartbeat, healthy, warning, fault;
 - the timeline table of lifecycle events, faults and checkpoints.
 
@@ -89,13 +91,16 @@ def collect(bootstrap: str, job: str, *, progress: Any = None) -> RunData:
                 continue                     # the dead-letter topic already has it
         say(f"read {n} messages of {topic}")
 
-    data.lifecycle = sorted((ev for ev in events(contracts.LIFECYCLE) if ev.job == job), key=lambda e: e.seq)
+    data.lifecycle = sorted((ev for ev in events(contracts.HISTORY) if ev.job == job), key=lambda e: e.seq)
     data.checkpoints = sorted((c for c in events(contracts.CHECKPOINTS) if c.job == job), key=lambda c: c.ts)
     nodes: set[str] = set()
     for ev in data.lifecycle:
         for key in ("nodes", "spares", "evicted"):
-            value = ev.snapshot.get(key) or ev.detail.get(key) or ()
-            nodes.update(v for v in ([value] if isinstance(value, str) else value) if isinstance(v, str))
+            for value in (ev.snapshot.get(key), ev.detail.get(key)):    # submit_requested's spares is a count
+                if isinstance(value, str):
+                    nodes.add(value)
+                elif isinstance(value, (list, tuple)):
+                    nodes.update(v for v in value if isinstance(v, str))
     batches = []
     for batch in events(contracts.METRICS):
         mine = False
@@ -103,7 +108,8 @@ def collect(bootstrap: str, job: str, *, progress: Any = None) -> RunData:
             if s.tags.get("job") == job:
                 mine = True
                 data.train.append({"ts": s.ts or batch.ts, "node": batch.node, "rank": s.index or 0,
-                                   "generation": int(s.tags.get("generation") or 0), **s.fields})
+                                   "generation": int(s.tags.get("generation") or 0),
+                                   "event": s.tags.get("event") or "", **s.fields})
         if mine or batch.job == job:
             nodes.add(batch.node)
         batches.append(batch)
@@ -320,10 +326,16 @@ def _timeline(data: RunData, t0: float) -> str:
 
 
 def _restores(data: RunData) -> str:
-    rows = {}
+    rows: dict[tuple[int, int], tuple[str, int, float | None]] = {}
     for t in data.train:
         if "restore_tier" in t:
-            rows[(t["generation"], t["rank"])] = (t["node"], int(t["restore_tier"]), t.get("restore_s"))
+            key, s = (t["generation"], t["rank"]), t.get("restore_s")
+            if key in rows and t.get("event"):          # one more shard loaded by this rank: its slowest tier,
+                node, tier, before = rows[key]          # the time of all
+                s = None if s is None and before is None else (s or 0.0) + (before or 0.0)
+                rows[key] = (t["node"], max(tier, int(t["restore_tier"])), s)
+            else:
+                rows[key] = (t["node"], int(t["restore_tier"]), s)
     if not rows:
         return '<p class="empty">no restore reported (the job never resumed from a checkpoint)</p>'
     body = "".join(f"<tr><td>{g}</td><td>{r}</td><td>{_esc(n)}</td><td>{_esc(TIER_NAMES.get(tier, tier))}</td>"
@@ -428,13 +440,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .config import ConfigError
-    from .kafka import wait_ready
+    from .cli import need_bootstrap
 
-    if not args.bootstrap:
-        raise ConfigError("report: give --bootstrap HOST:PORT (or set TRANSOM_BOOTSTRAP): the report reads the "
-                          "topics of a running broker")
-    wait_ready(args.bootstrap)
+    need_bootstrap(args.bootstrap)
     try:
         path = write_report(args.bootstrap, args.job, args.output,
                             progress=lambda text: print(f"report: {text}", file=sys.stderr, flush=True))

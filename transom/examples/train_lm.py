@@ -18,9 +18,9 @@ Contract with the rest of Transom:
   budget) can hold its checkpoints, and exits 4 with the reason when it cannot;
 - saves every ``--ckpt-every`` steps and after the last one, and waits for that save to persist
   before exiting 0;
-- reports checkpoint figures to the agent: ``ckpt_stall_s`` (how long ``save()`` blocked) on a
-  save step, ``restore_s`` and ``restore_tier`` (0 local memory, 1 peer memory, 2 local disk,
-  3 shared) on the first step after a resume;
+- reports nothing about checkpoints itself: the checkpoint engine sends each save's stall
+  (``ckpt_stall_s``) and each restore's tier and time (``restore_tier``: 0 local memory, 1 peer
+  memory, 2 local disk, 3 shared; ``restore_s``) as training events (``report_event``);
 - reports every step to the node agent (``transom.agents.intake.report``) and prints, on rank 0,
   ``step 50/300 loss 2.87 tok/s 12345 gen 0`` every ``--log-every`` steps;
 - with ``--slowdown-dir D`` (a benchmark hook, off by default): while the file ``D/<node>`` exists
@@ -330,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     _check_capacity(engine, model)
     step = 0
     got = _resume(engine, world)
-    restored: dict[str, float] = {}
     if got is not None:
         step, state = got
         model.load_state_dict(state["model"])
@@ -339,10 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         where = engine.last_restore or {}
-        restored = {"restore_s": where.get("seconds", 0.0), "restore_tier": where.get("tier", 3)}
         also = f" (model and optimizer: rank 0's shard from {where['replicas_from']})" if "replicas_from" in where else ""
         print(f"rank {rank}: restored step {step} from {where.get('tier_name')} on {where.get('node')} "
-              f"in {restored['restore_s']:.3f}s{also}", flush=True)
+              f"in {where.get('seconds', 0.0):.3f}s{also}", flush=True)
         if rank == 0:
             print(f"resumed from step {step} gen {generation}", flush=True)
     elif rank == 0:
@@ -363,22 +361,19 @@ def main(argv: list[str] | None = None) -> int:
             slowdown(args.slowdown_dir, time.perf_counter() - t0)
         step_time = time.perf_counter() - t0
         value = loss.item()
-        ckpt: dict[str, float] = {}
         if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
             state = {"data": data.state_dict(), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                      "step": step, "world_size": world}
             if rank == 0 or not args.dedup_replicas:
                 state.update(model=model.state_dict(), optimizer=opt.state_dict())
-            engine.save(step, state)
+            engine.save(step, state)        # the engine reports the save's stall itself (report_event)
             last_saved = step
-            ckpt["ckpt_stall_s"] = engine.last_snapshot_s
-        report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time, **ckpt, **restored)
+        report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time)
         if args.eval_pause and step == args.eval_pause[0]:
             time.sleep(args.eval_pause[1])       # every rank at the same step: a job-wide pause, no marker
         if steps_out is not None:
             steps_out.write(f"{step} {generation} {time.time():.6f}\n")
             steps_out.flush()
-        restored = {}
         recent = (recent + [(value, step_time)])[-args.log_every:]
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             mean_loss = sum(v for v, _ in recent) / len(recent)
