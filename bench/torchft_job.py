@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "as TorchFT's train_ddp.py)")
     p.add_argument("--manager-timeout", type=float, default=10.0, help="Manager timeout, s (default 10)")
     p.add_argument("--slowdown-dir", default=None)
+    p.add_argument("--ready-dir", default=None, help="first launch: wait until every group has a file here, so "
+                                                     "the first quorum has them all (min_replicas is 1)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from torch.distributed import TCPStore
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchft.process_group import ProcessGroupGloo
 
     group = int(os.environ["REPLICA_GROUP_ID"])
-    os.environ["RANK"] = str(group)          # the slowdown hook's slot name; the Manager gets rank=0
+    os.environ["TRANSOM_NODE"] = f"slot{group}"    # the slowdown hook's slot name
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1, True,
                      timeout=timedelta(seconds=30))
     torch.manual_seed(args.seed)
@@ -69,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                       timeout=timedelta(seconds=args.manager_timeout), rank=0, world_size=1,
                       store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
                       replica_id=f"group{group}")
+    if args.ready_dir:
+        groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+        open(os.path.join(args.ready_dir, f"group-{group}"), "w").close()
+        while len([f for f in os.listdir(args.ready_dir) if f.startswith("group-")]) < groups:
+            time.sleep(0.1)
     ft_opt = Optimizer(manager, opt)
     loss_fn = nn.CrossEntropyLoss()
     params = [q for q in model.parameters()]
