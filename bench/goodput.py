@@ -763,6 +763,7 @@ class TransomRun(Runner):
         a = self.args
         replaced = sum(1 for f in self.schedule if f.kind in ("xid79", "straggler"))   # each takes a spare
         kw = {"hosts": True} if a.hosts else {}
+        self._agent_config()
         self.stack = LocalStack(self.work / "stack", nodes=a.world + max(a.spares, replaced + 1), **kw)
         self.stack.start_broker()
         self.stack.start_agents()
@@ -775,6 +776,28 @@ class TransomRun(Runner):
         self.ctl = self.stack.start_controller(self.job, cmd, world_size=a.world,
                                                extra=["--exit-when-done", "--max-restarts", "1000",
                                                       "--precheck", a.precheck])
+
+    def _agent_config(self) -> None:
+        """The agents read only the NIC of the default route (unless TRANSOM_AGENT_CONFIG is set): on a
+        shared machine other people's test-bed links (tb*, veth*) come and go, and an agent that
+        reads every link would report them down as this node's links (a first run lost every node)."""
+        if os.environ.get("TRANSOM_AGENT_CONFIG"):
+            return
+        nic = None
+        try:
+            for ln in open("/proc/net/route").read().splitlines()[1:]:
+                f = ln.split()
+                if len(f) > 2 and f[1] == "00000000":
+                    nic = f[0]
+                    break
+        except OSError:
+            pass
+        if nic is None:
+            return
+        path = self.work / "agent.toml"
+        path.write_text(f'[collectors.nic]\ninclude = ["{nic}"]\n')
+        os.environ["TRANSOM_AGENT_CONFIG"] = str(path)
+        self._set_env = True
 
     def _renice(self, now: float) -> None:
         """Transom's services (broker, agents, daemons, TEE, controller, zygotes) at nice
@@ -888,6 +911,8 @@ class TransomRun(Runner):
             print(f"  transom: could not inject {fault} on {slot}: {exc}", flush=True)
 
     def teardown(self) -> None:
+        if getattr(self, "_set_env", False):
+            os.environ.pop("TRANSOM_AGENT_CONFIG", None)
         if self.monitor is not None:
             self.monitor.close()
         if self.stack is not None:
