@@ -78,34 +78,66 @@ RESTARTING = ("crash", "xid79", "hang")
 
 @dataclass(frozen=True)
 class ScheduledFault:
-    """Fault ``index`` of the schedule: ``kind`` on rank slot ``rank`` at ``offset_s`` of wall time."""
+    """Fault ``index`` of the schedule: ``kind`` on rank slot ``rank`` once the job has done ``after_step`` steps."""
 
     index: int
-    offset_s: float
+    after_step: int
     kind: str
     rank: int
 
 
-def make_schedule(seed: int, every_s: float, count: int, world: int, kinds: Iterable[str] = KINDS,
+@dataclass(frozen=True)
+class EvalPause:
+    """The job's evaluation pause: every rank stops stepping for ``seconds`` after step ``after_step``."""
+
+    after_step: int
+    seconds: float
+
+
+def make_schedule(seed: int, every_steps: float, count: int, world: int, kinds: Iterable[str] = KINDS,
                   jitter: float = 0.2) -> list[ScheduledFault]:
-    """The seeded fault schedule: the same seed, interval, count, world and kinds give the same list."""
+    """The seeded fault schedule by training progress: the same arguments give the same list.
+
+    Fault i comes after step about ``(i + 1) * every_steps`` (jitter +-20 %, strictly increasing),
+    kinds in shuffled rounds of ``kinds``, the target rank from the seed.
+    """
     kinds = tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"--kinds: {unknown or 'nothing'} given; expected some of {', '.join(KINDS)}")
-    if every_s <= 0 or world < 1 or count < 0 or not 0 <= jitter < 0.5:
-        raise ValueError("make_schedule: every_s > 0, world >= 1, count >= 0 and 0 <= jitter < 0.5 expected")
+    if every_steps < 1 or world < 1 or count < 0 or not 0 <= jitter < 0.5:
+        raise ValueError("make_schedule: every_steps >= 1, world >= 1, count >= 0 and 0 <= jitter < 0.5 expected")
     rng = random.Random(seed)
     order: list[str] = []
     while len(order) < count:
         round_ = list(kinds)
         rng.shuffle(round_)
         order += round_
-    out = []
+    out: list[ScheduledFault] = []
     for i in range(count):
-        offset = every_s * (i + 1) + rng.uniform(-jitter, jitter) * every_s
-        out.append(ScheduledFault(i, round(offset, 2), order[i], rng.randrange(world)))
+        step = max(1, round(every_steps * (i + 1) + rng.uniform(-jitter, jitter) * every_steps))
+        if out and step <= out[-1].after_step:
+            step = out[-1].after_step + 1
+        out.append(ScheduledFault(i, step, order[i], rng.randrange(world)))
     return out
+
+
+def make_eval_pause(seed: int, steps: int, schedule: list[ScheduledFault], low_s: float = 30.0,
+                    high_s: float = 60.0) -> EvalPause:
+    """One evaluation pause of ``low_s``-``high_s`` seconds (from the seed) half way between the two
+    faults around the middle of the job (never at a fault's step), or at the middle without faults."""
+    if not 0 < low_s <= high_s or steps < 2:
+        raise ValueError("make_eval_pause: 0 < low_s <= high_s and steps >= 2 expected")
+    rng = random.Random(seed * 7919 + 17)
+    seconds = round(rng.uniform(low_s, high_s), 1)
+    marks = [0] + [f.after_step for f in schedule if f.after_step < steps] + [steps]
+    mid = steps // 2
+    i = max(k for k in range(len(marks) - 1) if marks[k] <= mid)   # the gap that holds the middle
+    lo, hi = marks[i], marks[i + 1]
+    step = (lo + hi) // 2
+    if step in (lo, hi) or step < 1:
+        step = mid if mid not in marks else max(1, mid - 1)
+    return EvalPause(step, seconds)
 
 
 # --------------------------------------------------------------------------- shared measurement parts
@@ -113,12 +145,16 @@ def make_schedule(seed: int, every_s: float, count: int, world: int, kinds: Iter
 class StepsFile:
     """Reads the ``step generation epoch_seconds`` lines rank 0 appends (partial last lines wait)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, first_only: bool = False) -> None:
         self.path = path
         path.touch()
         self._pos = 0
         self._rest = b""
         self.rows: list[tuple[int, int, float]] = []
+        # TorchFT: every replica group writes ``step group ts``; a step counts once, when the first
+        # group commits it, as generation 0 (no job-wide restart); ``group_last`` per group
+        self.first_only = first_only
+        self.group_last: dict[int, float] = {}
 
     def read(self) -> list[tuple[int, int, float]]:
         with open(self.path, "rb") as fh:
@@ -132,7 +168,14 @@ class StepsFile:
         for ln in lines:
             parts = ln.split()
             if len(parts) == 3:
-                new.append((int(parts[0]), int(parts[1]), float(parts[2])))
+                row = (int(parts[0]), int(parts[1]), float(parts[2]))
+                if self.first_only:
+                    self.group_last[row[1]] = row[2]
+                    top = new[-1][0] if new else (self.rows[-1][0] if self.rows else 0)
+                    if row[0] <= top:
+                        continue
+                    row = (row[0], 0, row[2])
+                new.append(row)
         self.rows += new
         return new
 
@@ -146,7 +189,7 @@ class FaultRecord:
     index: int
     kind: str
     rank: int
-    offset_s: float
+    after_step: int
     delivered_s: float | None = None        # seconds after the run's start
     target: str = ""                        # node (Transom) or local rank slot (torchrun)
     step_at_fault: int | None = None
@@ -162,7 +205,20 @@ class FaultRecord:
     slowdown_s: float | None = None         # stragglers: extra time of the steps it slowed
     tee_event_s: float | None = None        # Transom: the TEE's fault event for this fault, if any
     restarted: bool = False                 # a straggler whose node the controller replaced
+    lost_s: float | None = None             # window wall time - its net progress x the steady step time
     note: str = ""
+
+
+@dataclass
+class PauseRecord:
+    """The evaluation pause as a run saw it; any restart or hang event during it is a false one."""
+
+    after_step: int
+    seconds: float
+    delivered_s: float | None = None
+    false_restarts: int = 0
+    false_events: list[str] = field(default_factory=list)
+    lost_s: float | None = None             # beyond the pause itself
 
 
 @dataclass
@@ -173,12 +229,15 @@ class RunResult:
     wall_s: float | None = None
     startup_s: float | None = None
     normal_step_s: float | None = None
+    steady_step_s: float | None = None      # mean step of undisturbed stretches, checkpoint stalls included
+    overhead: float | None = None           # steady_step_s / the plain run's step - 1
     ckpt_overhead_s: float | None = None
     useful_s: float | None = None
     effective_ratio: float | None = None
     attempts: int = 1
     normal_note: str = ""
     faults: list[FaultRecord] = field(default_factory=list)
+    pause: PauseRecord | None = None
     error: str = ""
 
 
@@ -211,11 +270,15 @@ class Runner(abc.ABC):
 
     name = "run"
 
-    def __init__(self, args: argparse.Namespace, work: Path, schedule: list[ScheduledFault]) -> None:
-        self.args, self.work, self.schedule = args, work, schedule
+    def __init__(self, args: argparse.Namespace, work: Path, schedule: list[ScheduledFault],
+                 pause: EvalPause | None = None, plain_step: float | None = None) -> None:
+        self.args, self.work, self.schedule, self.eval_pause = args, work, schedule, pause
+        self.plain_step = plain_step
         self.work.mkdir(parents=True, exist_ok=True)
-        self.steps = StepsFile(self.work / "steps.txt")
+        self.steps = StepsFile(self.work / "steps.txt", first_only=self.name == "torchft")
         self.result = RunResult(self.name, args.steps)
+        if pause is not None:
+            self.result.pause = PauseRecord(pause.after_step, pause.seconds)
         self.hung: set[int] = set()
         self.slow_dir = self.work / "slow"
         self.slow_dir.mkdir(exist_ok=True)
@@ -249,7 +312,11 @@ class Runner(abc.ABC):
                 self.tick(now)
                 if self.finished():
                     break
-                if pending and now - self.t0 >= pending[0].offset_s and self._ready():
+                top = self._top_step()
+                p = self.result.pause
+                if p is not None and p.delivered_s is None and top >= p.after_step and self._ready():
+                    self._pause(now)
+                elif pending and top >= pending[0].after_step and self._ready():
                     self._deliver(pending.pop(0), now)
                 if now >= last_progress + a.progress_every:
                     last_progress = now
@@ -270,6 +337,25 @@ class Runner(abc.ABC):
         self._measure()
         return self.result
 
+    def _top_step(self) -> int:
+        return max((r[0] for r in self.steps.rows[-50:]), default=0) if self.steps.rows else 0
+
+    def _pause(self, now: float) -> None:
+        """Every rank stops stepping until ``now + seconds`` (the hook reads ``slow/pause``); no phase marker."""
+        p = self.result.pause
+        p.delivered_s = now - self.t0
+        tmp = self.slow_dir / ".pause"
+        tmp.write_text(f"{now + p.seconds:.3f}\n")
+        os.replace(tmp, self.slow_dir / "pause")
+        print(f"  [{p.delivered_s:6.1f}s] {self.name}: EVALUATION PAUSE {p.seconds:.0f}s after step {self._top_step()}",
+              flush=True)
+
+    def in_pause(self, ts: float, grace: float = 15.0) -> bool:
+        """Whether epoch ``ts`` falls in the evaluation pause (or ``grace`` seconds after it)."""
+        p = self.result.pause
+        return p is not None and p.delivered_s is not None and \
+            self.t0 + p.delivered_s <= ts <= self.t0 + p.delivered_s + p.seconds + grace
+
     def _ready(self) -> bool:
         """The job is training: a step of the current attempt after the previous fault's recovery."""
         last = self.steps.last
@@ -282,7 +368,7 @@ class Runner(abc.ABC):
 
     def _deliver(self, f: ScheduledFault, now: float) -> None:
         last = self.steps.last
-        rec = FaultRecord(f.index, f.kind, f.rank, f.offset_s, delivered_s=now - self.t0,
+        rec = FaultRecord(f.index, f.kind, f.rank, f.after_step, delivered_s=now - self.t0,
                           step_at_fault=last[0] if last else 0, gen_at_fault=self.gen)
         slot = self.slot_of(f.rank)
         rec.target = slot
@@ -309,7 +395,7 @@ class Runner(abc.ABC):
                 rec.note = "slot already slow"
         self.result.faults.append(rec)
         print(f"  [{rec.delivered_s:6.1f}s] {self.name}: FAULT {f.index} {f.kind} on {slot} (rank {f.rank}) at step "
-              f"{rec.step_at_fault} (scheduled {f.offset_s:.0f}s)", flush=True)
+              f"{rec.step_at_fault} (scheduled after step {f.after_step})", flush=True)
 
     def _normal_so_far(self) -> float | None:
         """The median interval between consecutive steps of one attempt so far (None with under 3)."""
@@ -324,6 +410,9 @@ class Runner(abc.ABC):
             if rec.kind in RESTARTING and rec.detected_s is None and (gen_before is None or rec.gen_at_fault == gen_before):
                 rec.detected_s, rec.detector = ts - self.t0, detector
                 return
+        if self.in_pause(ts):
+            self.result.pause.false_restarts += 1
+            self.result.pause.false_events.append(f"restart at {ts - self.t0:.1f}s: {detector}")
 
     def _on_step(self, row: tuple[int, int, float]) -> None:
         step, gen, ts = row
@@ -381,6 +470,42 @@ class Runner(abc.ABC):
                     rec.slowdown_s = round(max(slow - r.normal_step_s, 0.0) * len(after), 1)
                     rec.note += f"; median step {slow:.2f}s vs {r.normal_step_s:.2f}s over {len(after)} steps"
 
+        self._window_figures()
+
+    def _window_figures(self) -> None:
+        """Steady step and overhead (before the first fault or pause), and each fault's lost seconds:
+        the wall time from it to the next fault, the pause or the end, less the net new steps in that
+        window x the steady step (a pause's own seconds are not lost)."""
+        r, rows = self.result, self.steps.rows
+        if not rows:
+            return
+        marks = sorted([(f.delivered_s + self.t0, f) for f in r.faults if f.delivered_s is not None]
+                       + ([(r.pause.delivered_s + self.t0, r.pause)] if r.pause and r.pause.delivered_s is not None else []),
+                       key=lambda m: m[0])
+        first = marks[0][0] if marks else math.inf
+        gen_start: dict[int, int] = {}
+        for s0, g0, _ in rows:
+            gen_start.setdefault(g0, s0)
+        gaps = [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
+                if g0 == g1 and s1 == s0 + 1 and t1 <= first and s0 >= gen_start[g0] + 3]
+        if len(gaps) >= 3:
+            r.steady_step_s = round(statistics.fmean(gaps), 4)
+            if self.plain_step:
+                r.overhead = round(r.steady_step_s / self.plain_step - 1.0, 3)
+        if not r.steady_step_s:
+            return
+        end = self.end_ts if self.end_ts is not None else rows[-1][2]
+
+        def top_at(ts: float) -> int:
+            return max((st for st, _, t in rows if t <= ts), default=0)
+
+        for i, (t, rec) in enumerate(marks):
+            t_next = marks[i + 1][0] if i + 1 < len(marks) else end
+            lost = (t_next - t) - (top_at(t_next) - top_at(t)) * r.steady_step_s
+            if isinstance(rec, PauseRecord):
+                lost -= rec.seconds
+            rec.lost_s = round(lost, 2)
+
     @abc.abstractmethod
     def is_save_interval(self, s0: int, s1: int) -> bool:
         """Whether the time from step ``s0`` to ``s1`` includes this job's checkpoint save."""
@@ -436,6 +561,8 @@ class TorchrunRun(Runner):
             self._relaunch(now, f"torchrun exited {self.proc.returncode}")
             return
         mine = last is not None and last[1] == self.gen
+        if mine and last[0] >= a.steps:
+            return                        # past its last step: saving, exiting
         if mine and now - last[2] > a.watchdog:
             self._relaunch(now, f"watchdog: no step for {a.watchdog:.0f}s")
         elif not mine and now - self.attempt_start > a.start_timeout:
@@ -479,6 +606,142 @@ class TorchrunRun(Runner):
         return s0 % self.args.ckpt_every == 0        # the step line is written before the save
 
 
+class PlainRun(TorchrunRun):
+    """The same job with no fault-tolerance system: one torchrun attempt, no checkpoint, no fault."""
+
+    name = "plain"
+
+    def _cmd(self) -> list[str]:
+        cmd = super()._cmd()
+        cmd[cmd.index("--ckpt-every") + 1] = str(10 ** 9)
+        return cmd
+
+    def is_save_interval(self, s0: int, s1: int) -> bool:
+        return False
+
+
+# --------------------------------------------------------------------------- TorchFT
+
+class TorchftRun(Runner):
+    """TorchFT 0.2.0: a Lighthouse and WORLD replica groups of one rank each (bench/torchft_job.py).
+
+    A group whose process exits is relaunched at once on its slot (the per-group retry loop
+    torchrun's --max-restarts would be); a group that commits no step for --watchdog seconds while
+    the others go on is killed and relaunched. The survivors keep training with fewer groups.
+    """
+
+    name = "torchft"
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.lighthouse: subprocess.Popen | None = None
+        self.groups: dict[int, subprocess.Popen] = {}
+        self.started: dict[int, float] = {}
+        self.restarts = 0
+        self.lh_addr = ""
+
+    def _start_group(self, g: int, first: bool = False) -> None:
+        from transom.broker import free_port
+        a = self.args
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "REPLICA_GROUP_ID": str(g),
+               "NUM_REPLICA_GROUPS": str(a.world), "TORCHFT_LIGHTHOUSE": self.lh_addr,
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        log = open(self.work / f"group-{g}.log", "a")
+        self.groups[g] = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "torchft_job.py"), "--steps", str(a.steps),
+             "--steps-file", str(self.steps.path), "--pg-timeout", str(a.torchft_pg_timeout),
+             *(["--ready-dir", str(self.work / "ready")] if first else []),
+             *model_args(a, self.work)], env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        self.started[g] = time.time()
+
+    def launch(self) -> None:
+        from transom.broker import free_port
+        port = free_port()
+        self.lh_addr = f"http://127.0.0.1:{port}"
+        exe = Path(sys.executable).with_name("torchft_lighthouse")
+        self.lighthouse = subprocess.Popen(
+            [str(exe) if exe.exists() else "torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}",
+             "--heartbeat_timeout_ms", str(self.args.torchft_heartbeat_ms)],
+            stdout=open(self.work / "lighthouse.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        (self.work / "ready").mkdir(exist_ok=True)
+        for g in range(self.args.world):
+            self._start_group(g, first=True)
+
+    def _restart(self, g: int, now: float, why: str) -> None:
+        proc = self.groups[g]
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.wait(30)
+        self.restarts += 1
+        self.result.attempts = 1 + self.restarts
+        for rec in reversed(self.result.faults):
+            if rec.kind in RESTARTING and rec.detected_s is None and rec.target == f"slot{g}":
+                rec.detected_s, rec.detector = now - self.t0, why
+                break
+        else:
+            if self.in_pause(now):
+                self.result.pause.false_restarts += 1
+                self.result.pause.false_events.append(f"group {g} restarted at {now - self.t0:.1f}s: {why}")
+        self._start_group(g)
+
+    def tick(self, now: float) -> None:
+        a, last = self.args, self.steps.last
+        if last is not None and last[0] >= a.steps:
+            if self.end_ts is None:
+                self.end_ts = last[2]
+            return
+        for g, proc in self.groups.items():
+            if proc.poll() is not None:
+                self._restart(g, now, f"group {g} exited {proc.returncode}")
+            elif last is not None and now - max(self.steps.group_last.get(g, 0.0), self.started[g]) > a.watchdog \
+                    and now - last[2] < a.watchdog:
+                self._restart(g, now, f"watchdog: group {g} no step for {a.watchdog:.0f}s while the others step")
+
+    def finished(self) -> bool:
+        return self.end_ts is not None
+
+    def rank_pid(self, rank: int) -> int | None:
+        proc = self.groups.get(rank)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def slot_of(self, rank: int) -> str:
+        return f"slot{rank}"
+
+    def inject_gpu(self, slot: str, fault: str) -> None:
+        return None          # as the retry loop: the process fault only, the same slot reused
+
+    def teardown(self) -> None:
+        for proc in [*self.groups.values(), self.lighthouse]:
+            if proc is not None and proc.poll() is None:
+                _kill_tree(proc.pid)
+                proc.wait(30)
+
+    def is_save_interval(self, s0: int, s1: int) -> bool:
+        return False         # no checkpoint: a restarted group heals from a live peer
+
+    def _ready(self) -> bool:
+        """Training (the survivors go on while a group restarts: no wait for it)."""
+        last = self.steps.last
+        return last is not None and last[0] < self.args.steps
+
+    def _measure(self) -> None:
+        super()._measure()
+        # no generation: a fault costs the survivors a stall (detection), the restarted group's heal
+        # shows in the window's lost seconds; nothing is redone (the failed step is discarded)
+        rows = self.steps.rows
+        for rec in self.result.faults:
+            if rec.kind not in RESTARTING or rec.delivered_s is None:
+                continue
+            t = rec.delivered_s + self.t0
+            nxt = next((ts for st, _, ts in rows if ts > t), None)
+            if nxt is not None and self.result.steady_step_s:
+                rec.detect_s = round(max(nxt - t - self.result.steady_step_s, 0.0), 2)
+                rec.recover_s, rec.steps_redone, rec.recompute_s = 0.0, 0, 0.0
+                rec.note += ("; " if rec.note else "") + "survivors' stall to their next step"
+
+
 # --------------------------------------------------------------------------- (b) Transom
 
 class TransomRun(Runner):
@@ -492,13 +755,16 @@ class TransomRun(Runner):
         self.job = f"goodput-{os.getpid()}"
         self.end: str | None = None
         self.nodes_of: dict[int, list[str]] = {}
+        self._reniced = 0.0
 
     def launch(self) -> None:
         from transom import contracts as c
         from transom.stack import LocalStack, Monitor, train_command
         a = self.args
         replaced = sum(1 for f in self.schedule if f.kind in ("xid79", "straggler"))   # each takes a spare
-        self.stack = LocalStack(self.work / "stack", nodes=a.world + max(a.spares, replaced + 1))
+        kw = {"hosts": True} if a.hosts else {}
+        self._agent_config()
+        self.stack = LocalStack(self.work / "stack", nodes=a.world + max(a.spares, replaced + 1), **kw)
         self.stack.start_broker()
         self.stack.start_agents()
         self.stack.start_tee()
@@ -511,8 +777,51 @@ class TransomRun(Runner):
                                                extra=["--exit-when-done", "--max-restarts", "1000",
                                                       "--precheck", a.precheck])
 
+    def _agent_config(self) -> None:
+        """The agents read only the NIC of the default route (unless TRANSOM_AGENT_CONFIG is set): on a
+        shared machine other people's test-bed links (tb*, veth*) come and go, and an agent that
+        reads every link would report them down as this node's links (a first run lost every node)."""
+        if os.environ.get("TRANSOM_AGENT_CONFIG"):
+            return
+        nic = None
+        try:
+            for ln in open("/proc/net/route").read().splitlines()[1:]:
+                f = ln.split()
+                if len(f) > 2 and f[1] == "00000000":
+                    nic = f[0]
+                    break
+        except OSError:
+            pass
+        if nic is None:
+            return
+        path = self.work / "agent.toml"
+        path.write_text(f'[collectors.nic]\ninclude = ["{nic}"]\n')
+        os.environ["TRANSOM_AGENT_CONFIG"] = str(path)
+        self._set_env = True
+
+    def _renice(self, now: float) -> None:
+        """Transom's services (broker, agents, daemons, TEE, controller, zygotes) at nice
+        --services-nice, its ranks at 0: on a cluster the services run on other cores or machines."""
+        if self.args.services_nice <= 0 or now < self._reniced + 1.0:
+            return
+        self._reniced = now
+        import psutil
+        ranks = {pid for pid in (self.rank_pid(r) for r in range(self.args.world)) if pid}
+        try:
+            procs = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return
+        for proc in procs:
+            want = 0 if proc.pid in ranks else self.args.services_nice
+            try:
+                if proc.nice() != want:
+                    proc.nice(want)
+            except psutil.Error:
+                pass
+
     def tick(self, now: float) -> None:
         from transom import contracts as c
+        self._renice(now)
         while True:
             got = self.monitor.poll(0)
             if got is None:
@@ -538,6 +847,10 @@ class TransomRun(Runner):
                         self.result.error = f"job failed: {ev.detail.get('reason')}"
             elif topic == c.FAULTS and ev.job in (self.job, None, ""):
                 cls = (ev.evidence or {}).get("class", ev.kind.value)
+                if self.in_pause(ev.detected_ts) and not any(
+                        r.delivered_s is not None and r.first_step_s is None and r.kind in RESTARTING
+                        for r in self.result.faults):
+                    self.result.pause.false_events.append(f"TEE {cls} on {ev.node} at {ev.detected_ts - self.t0:.1f}s")
                 for rec in self.result.faults:
                     if rec.target == ev.node and rec.tee_event_s is None and rec.delivered_s is not None \
                             and ev.detected_ts >= rec.delivered_s + self.t0 \
@@ -598,6 +911,8 @@ class TransomRun(Runner):
             print(f"  transom: could not inject {fault} on {slot}: {exc}", flush=True)
 
     def teardown(self) -> None:
+        if getattr(self, "_set_env", False):
+            os.environ.pop("TRANSOM_AGENT_CONFIG", None)
         if self.monitor is not None:
             self.monitor.close()
         if self.stack is not None:
@@ -615,9 +930,8 @@ def _tee_matches(kind: str, cls: str) -> bool:
 # --------------------------------------------------------------------------- report
 
 def model_args(a: argparse.Namespace, work: Path) -> list[str]:
-    pause = ["--eval-pause", f"{a.steps // 2}:{a.eval_pause:g}"] if a.eval_pause > 0 else []
     return ["--slowdown-dir", str(work / "slow"), "--width", str(a.width), "--layers", str(a.layers), "--heads", str(a.heads),
-            "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--seed", str(a.seed), *pause]
+            "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--seed", str(a.seed)]
 
 
 def _fmt(v, unit: str = "") -> str:
@@ -626,18 +940,25 @@ def _fmt(v, unit: str = "") -> str:
 
 def print_run(r: RunResult) -> None:
     print(f"\n{r.name}: {'completed' if r.completed else 'NOT completed'} {r.steps} steps; wall {_fmt(r.wall_s, 's')}; "
-          f"startup {_fmt(r.startup_s and round(r.startup_s, 1), 's')}; normal step {_fmt(r.normal_step_s, 's')}; "
-          f"useful {_fmt(r.useful_s, 's')}; effective ratio {_fmt(r.effective_ratio)}; "
+          f"startup {_fmt(r.startup_s and round(r.startup_s, 1), 's')}; steady step {_fmt(r.steady_step_s, 's')} "
+          f"(overhead {_fmt(r.overhead)}); useful {_fmt(r.useful_s, 's')}; effective ratio {_fmt(r.effective_ratio)}; "
           f"checkpoint stalls ~{_fmt(r.ckpt_overhead_s, 's')}; attempts/generations {r.attempts}"
           + (f"; ERROR: {r.error}" if r.error else "") + (f"; NOTE: {r.normal_note}" if r.normal_note else ""))
-    print(f"  {'#':>2} {'at(s)':>7} {'kind':<9} {'target':<7} {'step':>5} {'detect':>7} {'recover':>8} "
+    if not r.faults and r.pause is None:
+        return
+    print(f"  {'#':>2} {'at(s)':>7} {'kind':<9} {'target':<7} {'step':>5} {'lost':>7} {'detect':>7} {'recover':>8} "
           f"{'recomp':>7} {'redone':>6} {'slowdn':>7}  detector / note")
     for f in r.faults:
         print(f"  {f.index:>2} {_fmt(f.delivered_s and round(f.delivered_s, 1)):>7} {f.kind:<9} {f.target:<7} "
-              f"{_fmt(f.step_at_fault):>5} {_fmt(f.detect_s):>7} {_fmt(f.recover_s):>8} {_fmt(f.recompute_s):>7} "
-              f"{_fmt(f.steps_redone):>6} {_fmt(f.slowdown_s):>7}  {f.detector}"
+              f"{_fmt(f.step_at_fault):>5} {_fmt(f.lost_s):>7} {_fmt(f.detect_s):>7} {_fmt(f.recover_s):>8} "
+              f"{_fmt(f.recompute_s):>7} {_fmt(f.steps_redone):>6} {_fmt(f.slowdown_s):>7}  {f.detector}"
               + (f" TEE event +{f.tee_event_s}s" if f.tee_event_s is not None else "")
               + (f" ({f.note})" if f.note else ""))
+    p = r.pause
+    if p is not None:
+        print(f"  evaluation pause {p.seconds:.0f}s after step {p.after_step} at {_fmt(p.delivered_s and round(p.delivered_s, 1))}s:"
+              f" lost beyond the pause {_fmt(p.lost_s, 's')}, false restarts {p.false_restarts}"
+              + (f" ({'; '.join(p.false_events)})" if p.false_events else ""))
     lost = totals(r)
     print(f"  lost: detection {lost['detect_s']}s, recovery {lost['recover_s']}s, recomputation "
           f"{lost['recompute_s']}s, straggler slowdown {lost['slowdown_s']}s")
@@ -652,58 +973,125 @@ def totals(r: RunResult) -> dict[str, float]:
     return {k: s(k) for k in ("detect_s", "recover_s", "recompute_s", "slowdown_s")}
 
 
+def per_kind(r: RunResult) -> dict[str, dict]:
+    """Median lost seconds per fault kind (and of its detection, recovery, recomputation parts)."""
+    out: dict[str, dict] = {}
+    for kind in KINDS:
+        fs = [f for f in r.faults if f.kind == kind]
+        if not fs:
+            continue
+
+        def med(attr: str):
+            vals = [getattr(f, attr) for f in fs if getattr(f, attr) is not None]
+            return round(statistics.median(vals), 2) if vals else None
+        out[kind] = {"n": len(fs), "lost_s": med("lost_s"), "detect_s": med("detect_s"),
+                     "recover_s": med("recover_s"), "recompute_s": med("recompute_s")}
+    return out
+
+
 def summary(r: RunResult) -> dict:
     return {"completed": r.completed, "wall_s": r.wall_s, "startup_s": r.startup_s and round(r.startup_s, 1),
-            "normal_step_s": r.normal_step_s, "useful_s": r.useful_s, "effective_ratio": r.effective_ratio,
+            "steady_step_s": r.steady_step_s, "overhead": r.overhead, "normal_step_s": r.normal_step_s,
+            "useful_s": r.useful_s, "effective_ratio": r.effective_ratio,
             "ckpt_stalls_s": r.ckpt_overhead_s, "attempts": r.attempts, "faults": len(r.faults),
-            "lost_s": totals(r), "error": r.error or None,
+            "per_kind": per_kind(r), "lost_s": totals(r), "error": r.error or None,
+            "eval_pause": asdict(r.pause) if r.pause else None,
             "per_fault": [{k: v for k, v in asdict(f).items()
-                           if k in ("kind", "target", "delivered_s", "detect_s", "recover_s", "recompute_s",
-                                    "steps_redone", "slowdown_s", "tee_event_s", "detector")} for f in r.faults]}
+                           if k in ("kind", "target", "after_step", "delivered_s", "lost_s", "detect_s", "recover_s",
+                                    "recompute_s", "steps_redone", "slowdown_s", "tee_event_s", "detector")}
+                          for f in r.faults]}
+
+
+def effective(r: RunResult, plain_step: float | None, pause: EvalPause | None) -> None:
+    """Useful time = steps x the plain run's step (+ the evaluation pause, which the job asked for)."""
+    if plain_step and r.wall_s:
+        r.useful_s = round(r.steps * plain_step + (pause.seconds if pause and r.pause and r.pause.delivered_s is not None
+                                                   else 0.0), 1)
+        r.effective_ratio = round(r.useful_s / r.wall_s, 3)
+
+
+TARGET_LOSS = {"crash": 3.0, "xid79": 3.0, "hang": 15.0}
+
+
+def targets(results: dict[str, RunResult], fault_rate_s: float | None) -> dict:
+    """Issue 17's targets for Transom, each with its value and a met flag (None: not measured)."""
+    t = results.get("transom")
+    base = results.get("torchrun")
+    out: dict[str, dict] = {}
+    if t is None:
+        return out
+    tk, bk = per_kind(t), per_kind(base) if base else {}
+    for kind in KINDS:
+        v = (tk.get(kind) or {}).get("lost_s")
+        b = (bk.get(kind) or {}).get("lost_s")
+        if kind in TARGET_LOSS:
+            out[f"lost_{kind}_s"] = {"target": TARGET_LOSS[kind], "value": v,
+                                     "met": None if v is None else v <= TARGET_LOSS[kind]}
+        out[f"lost_{kind}_vs_retry_loop"] = {"target": 0.25, "value": None if v is None or not b else round(v / b, 3),
+                                             "met": None if v is None or not b else v <= 0.25 * b}
+    out["overhead"] = {"target": 0.05, "value": t.overhead, "met": None if t.overhead is None else t.overhead <= 0.05}
+    out["effective_ratio"] = {"target": 0.9, "value": t.effective_ratio,
+                              "met": None if t.effective_ratio is None else t.effective_ratio >= 0.9,
+                              "fault_every_s_of_training": fault_rate_s,
+                              "note": "the target is for one fault per 120 s of training"}
+    return out
 
 
 # --------------------------------------------------------------------------- main
 
-QUICK = {"steps": 100, "width": 256, "layers": 4, "batch_size": 4, "ckpt_every": 10, "fault_every": 40.0,
+QUICK = {"steps": 200, "width": 256, "layers": 4, "batch_size": 4, "ckpt_every": 10, "fault_every_steps": 40,
          "faults": 4, "run_timeout": 900.0}
+RUNS = ("torchrun", "torchft", "transom")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/goodput.py", description=__doc__.split("\n\n")[0],
                                 epilog="Method: see the module docstring and docs/goodput.md.")
     p.add_argument("--quick", action="store_true",
-                   help="a shorter run (about 10 minutes on a busy 2-core machine): " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+                   help="a shorter run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
                         + " (flags given explicitly win)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule, the model and the data (default 1)")
-    p.add_argument("--steps", type=int, default=None, help="training steps of the job (default 400: several "
-                                                           "fault intervals long, so both runs take many faults)")
-    p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint interval K in steps, both runs (default 10)")
-    p.add_argument("--width", type=int, default=None, help="model width (default 384: ~7M parameters, ~90 MB "
-                                                           "of model + AdamW state per rank)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule, the pause, the model and the data (default 1)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of the job (default 400)")
+    p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint interval K in steps, retry loop and Transom (default 10)")
+    p.add_argument("--width", type=int, default=None, help="model width (default 384: ~7M parameters)")
     p.add_argument("--layers", type=int, default=None, help="transformer layers (default 4)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step (default 2)")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
-    p.add_argument("--world", type=int, default=4, help="ranks (nodes) of the job (default 4)")
+    p.add_argument("--world", type=int, default=4, help="ranks (nodes, TorchFT replica groups) of the job (default 4)")
     p.add_argument("--spares", type=int, default=1, help="Transom spare nodes (at least one per scheduled XID 79 "
                                                          "and straggler, plus one; default 1)")
-    p.add_argument("--fault-every", type=float, default=None, help="seconds of wall time between faults (default 60)")
-    p.add_argument("--faults", type=int, default=None,
-                   help="faults in the schedule (default 16; a run only takes those within its wall time)")
+    p.add_argument("--fault-every-steps", type=int, default=None,
+                   help="steps between faults (default: --fault-every seconds of the plain run's step time)")
+    p.add_argument("--fault-every", type=float, default=120.0,
+                   help="seconds of plain training between faults, when --fault-every-steps is not given (default 120)")
+    p.add_argument("--faults", type=int, default=None, help="faults in the schedule (default 16; those after the "
+                                                            "last step never come)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds to mix (default {','.join(KINDS)})")
-    p.add_argument("--watchdog", type=float, default=60.0,
-                   help="baseline: seconds without a step before the retry loop kills the attempt (default 60; "
-                        "see docs/goodput.md for why)")
+    p.add_argument("--pause", default="30,60", help="evaluation pause LOW,HIGH seconds (the seed picks; default "
+                                                    "30,60); 'off' for none")
+    p.add_argument("--watchdog", type=float, default=75.0,
+                   help="retry loop and TorchFT: seconds without a step before a rank / group is killed and "
+                        "relaunched (default 75: above the longest evaluation pause; see docs/goodput.md)")
     p.add_argument("--start-timeout", type=float, default=300.0,
-                   help="baseline: seconds an attempt may take to its first step (default 300)")
+                   help="retry loop: seconds an attempt may take to its first step (default 300)")
     p.add_argument("--straggler-factor", type=float, default=0.7,
                    help="a straggling rank runs this fraction of the time (default 0.7)")
+    p.add_argument("--torchft-pg-timeout", type=float, default=5.0,
+                   help="TorchFT ProcessGroupGloo timeout, s (default 5, as its train_ddp.py example)")
+    p.add_argument("--torchft-heartbeat-ms", type=int, default=1000,
+                   help="TorchFT Lighthouse heartbeat timeout, ms (default 1000, tuned down from its 5000; "
+                        "../shared/notes/torchft-here.md)")
     p.add_argument("--precheck", default="full", choices=["full", "health", "off"],
                    help="Transom controller's pre-check before every launch (default full, as it ships)")
-    p.add_argument("--eval-pause", type=float, default=40.0,
-                   help="seconds every rank stands still at the middle step, without a phase marker, in both runs "
-                        "(an evaluation pass; Transom must not restart for it; 0: none; default 40)")
-    p.add_argument("--runs", default="torchrun,transom", help="which runs, in order (default torchrun,transom)")
+    p.add_argument("--services-nice", type=int, default=10,
+                   help="nice value of Transom's services (its ranks stay at 0), as on a cluster they run "
+                        "elsewhere; 0 leaves them alone (default 10)")
+    p.add_argument("--hosts", action="store_true",
+                   help="Transom on the hosts test bed (LocalStack(hosts=True)); the others on one host")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"which systems, in order (default {','.join(RUNS)}); "
+                                                         "the plain run always comes first")
+    p.add_argument("--plain-steps", type=int, default=60, help="steps of the plain run (default 60)")
     p.add_argument("--run-timeout", type=float, default=None, help="give up a run after this many seconds "
                                                                    "(default 1800)")
     p.add_argument("--settle", type=float, default=8.0,
@@ -712,77 +1100,131 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="where runs write (default: a new temp dir, removed at the end "
                                                     "unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, checkpoints, steps files)")
-    p.add_argument("--print-schedule", action="store_true", help="print the fault schedule as JSON and exit")
+    p.add_argument("--print-schedule", action="store_true",
+                   help="print the fault schedule and the pause as JSON and exit (needs --fault-every-steps)")
     args = p.parse_args(argv)
-    defaults = {"steps": 400, "width": 384, "layers": 4, "batch_size": 2, "ckpt_every": 10, "fault_every": 60.0,
-                "faults": 16, "run_timeout": 1800.0}
+    defaults = {"steps": 400, "width": 384, "layers": 4, "batch_size": 2, "ckpt_every": 10,
+                "fault_every_steps": None, "faults": 16, "run_timeout": 1800.0}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, QUICK[k] if args.quick else v)
     args.kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     args.runs = tuple(r.strip() for r in args.runs.split(",") if r.strip())
-    bad = [r for r in args.runs if r not in ("torchrun", "transom")]
+    bad = [r for r in args.runs if r not in RUNS]
     if bad or not args.runs:
-        p.error(f"--runs: {bad or 'nothing'} given; expected torchrun and/or transom")
-    if args.steps < 1 or args.ckpt_every < 1 or args.world < 2 or not 0 < args.straggler_factor <= 1:
-        p.error("--steps >= 1, --ckpt-every >= 1, --world >= 2 and 0 < --straggler-factor <= 1 expected")
+        p.error(f"--runs: {bad or 'nothing'} given; expected some of {', '.join(RUNS)}")
+    if args.steps < 2 or args.ckpt_every < 1 or args.world < 2 or not 0 < args.straggler_factor <= 1:
+        p.error("--steps >= 2, --ckpt-every >= 1, --world >= 2 and 0 < --straggler-factor <= 1 expected")
     if args.width % args.heads:
         p.error(f"--width ({args.width}) must be a multiple of --heads ({args.heads})")
-    try:
-        args.schedule = make_schedule(args.seed, args.fault_every, args.faults, args.world, args.kinds)
-    except ValueError as exc:
-        p.error(str(exc))
+    if args.pause.strip().lower() == "off":
+        args.pause_range = None
+    else:
+        try:
+            lo, hi = (float(v) for v in args.pause.split(","))
+            if not 0 < lo <= hi:
+                raise ValueError
+        except ValueError:
+            p.error(f"--pause: {args.pause!r} given; expected LOW,HIGH seconds with 0 < LOW <= HIGH, or off")
+        args.pause_range = (lo, hi)
+    if args.hosts:
+        import inspect
+        from transom.stack import LocalStack
+        if "hosts" not in inspect.signature(LocalStack).parameters:
+            p.error("--hosts: this checkout's LocalStack has no hosts test bed yet (LocalStack(hosts=True))")
+    args.schedule, args.eval_pause = None, None
+    if args.fault_every_steps is not None:
+        try:
+            plan(args, None)
+        except ValueError as exc:
+            p.error(str(exc))
     return args
+
+
+def plan(args: argparse.Namespace, plain_step: float | None) -> None:
+    """The schedule and the pause, by steps: from --fault-every-steps, else --fault-every / the plain step."""
+    every = args.fault_every_steps
+    if every is None:
+        every = max(1, round(args.fault_every / plain_step)) if plain_step else args.steps
+    args.every_steps = every
+    args.schedule = make_schedule(args.seed, every, args.faults, args.world, args.kinds)
+    args.eval_pause = make_eval_pause(args.seed, args.steps, args.schedule, *args.pause_range) \
+        if args.pause_range else None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.print_schedule:
-        print(json.dumps([asdict(f) for f in args.schedule]))
+        if args.schedule is None:
+            print("--print-schedule needs --fault-every-steps (otherwise the plain run decides)", file=sys.stderr)
+            return 2
+        print(json.dumps({"faults": [asdict(f) for f in args.schedule],
+                          "eval_pause": asdict(args.eval_pause) if args.eval_pause else None}))
         return 0
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="goodput-"))
     params = 12 * args.width * args.width * args.layers + (256 + args.seq_len + 256) * args.width
     print(f"goodput: {args.world} ranks, {args.steps} steps, width {args.width} x {args.layers} layers "
-          f"(~{params / 1e6:.1f}M parameters, ~{12 * params / 1e6:.0f} MB checkpoint per rank), batch "
-          f"{args.batch_size}x{args.seq_len}, checkpoint every {args.ckpt_every} steps; fault every "
-          f"~{args.fault_every:.0f}s (seed {args.seed}); baseline watchdog {args.watchdog:.0f}s; work dir {work}",
-          flush=True)
-    print("schedule: " + ", ".join(f"{f.offset_s:.0f}s {f.kind} rank {f.rank}" for f in args.schedule), flush=True)
+          f"(~{params / 1e6:.1f}M parameters), batch {args.batch_size}x{args.seq_len}, checkpoint every "
+          f"{args.ckpt_every} steps; seed {args.seed}; watchdog {args.watchdog:.0f}s; Transom services at nice "
+          f"{args.services_nice}; work dir {work}", flush=True)
     results: dict[str, RunResult] = {}
 
     def interrupted(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupted)     # a SIGTERM still tears down what the runs started
+    plain_step = None
     try:
+        print(f"\n== run plain (no fault tolerance, {args.plain_steps} steps) ==", flush=True)
+        pargs = argparse.Namespace(**{**vars(args), "steps": args.plain_steps})
+        plain = PlainRun(pargs, work / "plain", []).run()
+        results["plain"] = plain
+        plain_step = plain.steady_step_s or plain.normal_step_s
+        print_run(plain)
+        if not plain_step:
+            print("goodput: the plain run measured no step time; stopping", flush=True)
+            return 1
+        if args.schedule is None:
+            plan(args, plain_step)
+        else:
+            args.every_steps = args.fault_every_steps
+        print(f"\nplain step {plain_step:.4f}s; a fault every {args.every_steps} steps "
+              f"(~{args.every_steps * plain_step:.0f}s of plain training)", flush=True)
+        print("schedule: " + ", ".join(f"after step {f.after_step} {f.kind} rank {f.rank}" for f in args.schedule
+                                       if f.after_step < args.steps)
+              + (f"; evaluation pause {args.eval_pause.seconds:.0f}s after step {args.eval_pause.after_step}"
+                 if args.eval_pause else ""), flush=True)
+        classes = {"torchrun": TorchrunRun, "torchft": TorchftRun, "transom": TransomRun}
         for name in args.runs:
             print(f"\n== run {name} ==", flush=True)
-            cls = TorchrunRun if name == "torchrun" else TransomRun
-            results[name] = cls(args, work / name, args.schedule).run()
-            print_run(results[name])
+            r = classes[name](args, work / name, args.schedule, args.eval_pause, plain_step).run()
+            effective(r, plain_step, args.eval_pause)
+            results[name] = r
+            print_run(r)
     finally:
         if not args.keep and args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    a, b = results.get("torchrun"), results.get("transom")
-    ratio = in_steps = None
-    if a and b and a.completed and b.completed and a.wall_s and b.wall_s:
-        ratio = round(a.wall_s / b.wall_s, 3)
-        if a.normal_step_s and b.normal_step_s:   # the machine is shared: its load differs between the runs
-            in_steps = round((a.wall_s / a.normal_step_s) / (b.wall_s / b.normal_step_s), 3)
-    print(f"\nwall time to finish: torchrun {_fmt(a and a.wall_s, 's')}, transom {_fmt(b and b.wall_s, 's')}; "
-          f"ratio a/b = {_fmt(ratio)} (target >= {TARGET}); in units of each run's normal step time: "
-          f"{_fmt(in_steps)}", flush=True)
+    systems = [n for n in args.runs if n in results]
+    print("\nsystem     wall(s)  eff.ratio  overhead  " + "  ".join(f"{k:>9}" for k in KINDS) + "  pause false restarts")
+    for n in systems:
+        r, pk = results[n], per_kind(results[n])
+        print(f"{n:<10} {_fmt(r.wall_s):>7}  {_fmt(r.effective_ratio):>9}  {_fmt(r.overhead):>8}  "
+              + "  ".join(f"{_fmt((pk.get(k) or {}).get('lost_s')):>9}" for k in KINDS)
+              + f"  {r.pause.false_restarts if r.pause else '-'}", flush=True)
+    fault_rate = round(args.every_steps * plain_step, 1)
+    tg = targets(results, fault_rate)
     print(json.dumps({
         "bench": "goodput", "seed": args.seed, "world": args.world, "steps": args.steps, "width": args.width,
         "layers": args.layers, "batch_size": args.batch_size, "ckpt_every": args.ckpt_every,
-        "fault_every_s": args.fault_every, "kinds": list(args.kinds), "watchdog_s": args.watchdog,
-        "straggler_factor": args.straggler_factor, "quick": args.quick,
-        "torchrun": summary(a) if a else None, "transom": summary(b) if b else None,
-        "ratio_wall_torchrun_over_transom": ratio, "ratio_in_normal_steps": in_steps,
-        "precheck": args.precheck,
-        "targets": {"wall_ratio": {"target": TARGET, "value": ratio, "met": ratio is not None and ratio >= TARGET}},
+        "plain_step_s": plain_step, "fault_every_steps": args.every_steps, "fault_every_s_of_training": fault_rate,
+        "kinds": list(args.kinds), "watchdog_s": args.watchdog, "straggler_factor": args.straggler_factor,
+        "eval_pause": asdict(args.eval_pause) if args.eval_pause else None, "quick": args.quick,
+        "torchft": {"pg_timeout_s": args.torchft_pg_timeout, "heartbeat_timeout_ms": args.torchft_heartbeat_ms},
+        "services_nice": args.services_nice, "hosts": args.hosts, "precheck": args.precheck,
+        "runs": {n: summary(results[n]) for n in ["plain", *systems]},
+        "targets": tg, "met": all(v["met"] for v in tg.values() if v["met"] is not None) if tg else None,
     }), flush=True)
-    return 0 if (not a or a.completed) and (not b or b.completed) else 1
+    return 0 if all(results[n].completed for n in systems) else 1
 
 
 if __name__ == "__main__":

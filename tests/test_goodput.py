@@ -1,6 +1,7 @@
-"""bench/goodput.py's cheap parts: its --help, the seeded fault schedule, the straggler hook and injection.
+"""bench/goodput.py's cheap parts: --help, the seeded schedule by steps, the evaluation pause, the figures,
+the straggler and pause hooks, and injection.
 
-The bench itself (two runs of several minutes) is not run by the suite.
+The bench itself (four runs of several minutes) is not run by the suite.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -31,32 +33,110 @@ def _bench():
 def test_help_lists_the_knobs():
     out = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    for flag in ("--seed", "--quick", "--fault-every", "--kinds", "--watchdog", "--ckpt-every", "--width",
-                 "--straggler-factor", "--runs"):
+    for flag in ("--seed", "--quick", "--fault-every-steps", "--fault-every", "--kinds", "--watchdog", "--ckpt-every",
+                 "--width", "--straggler-factor", "--runs", "--pause", "--hosts", "--services-nice",
+                 "--torchft-pg-timeout", "--torchft-heartbeat-ms", "--plain-steps"):
         assert flag in out.stdout
 
 
-def test_schedule_is_a_function_of_the_seed_and_mixes_every_kind():
+def test_schedule_is_by_steps_a_function_of_the_seed_and_mixes_every_kind():
     g = _bench()
-    a = g.make_schedule(7, 60.0, 8, 4)
-    assert a == g.make_schedule(7, 60.0, 8, 4)
-    assert a != g.make_schedule(8, 60.0, 8, 4)
+    a = g.make_schedule(7, 40, 8, 4)
+    assert a == g.make_schedule(7, 40, 8, 4)
+    assert a != g.make_schedule(8, 40, 8, 4)
     assert sorted(f.kind for f in a[:4]) == sorted(g.KINDS) == sorted(f.kind for f in a[4:])
     for i, f in enumerate(a):
         assert f.index == i and 0 <= f.rank < 4
-        assert 60.0 * (i + 1) - 12.0 <= f.offset_s <= 60.0 * (i + 1) + 12.0
-    assert [f.kind for f in g.make_schedule(3, 10.0, 3, 2, kinds=("hang",))] == ["hang"] * 3
+        assert 40 * (i + 1) - 8 <= f.after_step <= 40 * (i + 1) + 8
+    assert all(x.after_step < y.after_step for x, y in zip(a, a[1:]))
+    tight = g.make_schedule(3, 1, 6, 2)                        # jitter cannot put two faults on one step
+    assert all(x.after_step < y.after_step for x, y in zip(tight, tight[1:]))
+    assert [f.kind for f in g.make_schedule(3, 10, 3, 2, kinds=("hang",))] == ["hang"] * 3
     with pytest.raises(ValueError, match="meltdown"):
-        g.make_schedule(1, 60.0, 4, 4, kinds=("crash", "meltdown"))
+        g.make_schedule(1, 60, 4, 4, kinds=("crash", "meltdown"))
 
 
-def test_bad_flags_name_what_is_wrong():
+def test_evaluation_pause_lies_between_faults_and_lasts_30_to_60s():
+    g = _bench()
+    for seed in range(20):
+        sched = g.make_schedule(seed, 40, 5, 4)
+        p = g.make_eval_pause(seed, 200, sched)
+        assert p == g.make_eval_pause(seed, 200, sched)
+        assert 30.0 <= p.seconds <= 60.0
+        assert 1 <= p.after_step < 200 and p.after_step not in {f.after_step for f in sched}
+    assert g.make_eval_pause(1, 100, []).after_step == 50
+
+
+def test_bad_flags_name_what_is_wrong(capsys):
     g = _bench()
     with pytest.raises(SystemExit):
         g.parse_args(["--runs", "slurm"])
+    assert "slurm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        g.parse_args(["--pause", "60,30"])
+    assert "--pause" in capsys.readouterr().err
     args = g.parse_args(["--quick", "--seed", "5"])
     assert (args.steps, args.width, args.seed) == (g.QUICK["steps"], g.QUICK["width"], 5)
-    assert args.schedule == g.make_schedule(5, g.QUICK["fault_every"], g.QUICK["faults"], 4)
+    assert args.schedule == g.make_schedule(5, g.QUICK["fault_every_steps"], g.QUICK["faults"], 4)
+    assert args.eval_pause == g.make_eval_pause(5, g.QUICK["steps"], args.schedule)
+    assert g.parse_args(["--pause", "off", "--fault-every-steps", "10"]).eval_pause is None
+    later = g.parse_args([])                     # the schedule waits for the plain run's step time
+    assert later.schedule is None
+    g.plan(later, 0.5)
+    assert later.every_steps == 240 and later.schedule == g.make_schedule(1, 240, 16, 4)
+
+
+def test_figures_lost_seconds_overhead_effective_ratio_and_targets(tmp_path):
+    g = _bench()
+    args = g.parse_args(["--steps", "40", "--fault-every-steps", "10", "--faults", "1", "--kinds", "crash",
+                         "--pause", "30,30"])
+    run = g.TorchrunRun(args, tmp_path, args.schedule, g.EvalPause(25, 30.0), plain_step=0.5)
+    run.t0 = 1000.0
+    rows = [(s, 0, 1000.0 + s) for s in range(1, 13)]                   # 1 s steps, fault after step 12
+    rows += [(s, 1, 1020.0 + s) for s in range(11, 26)]                  # relaunched: 8 s gap, steps 11-12 redone
+    rows += [(s, 1, 1065.0 + s) for s in range(26, 41)]                  # the pause: 30 s + one step of 10 s extra
+    run.steps.rows = rows
+    run.result.faults.append(g.FaultRecord(0, "crash", 1, 10, delivered_s=12.5, step_at_fault=12, gen_at_fault=0,
+                                           detected_s=14.0, first_step_s=31.0, resume_step=10))
+    run.result.pause.delivered_s = 45.2
+    run.end_ts = 1105.0
+    run._measure()
+    r = run.result
+    assert r.steady_step_s == pytest.approx(1.0) and r.overhead == pytest.approx(1.0)   # twice the plain step
+    f = r.faults[0]
+    assert (f.detect_s, f.recover_s, f.steps_redone) == (1.5, 17.0, 2)
+    assert f.lost_s == pytest.approx((1045.2 - 1012.5) - (25 - 12) * 1.0)
+    assert r.pause.lost_s == pytest.approx((1105.0 - 1045.2) - (40 - 25) * 1.0 - 30.0)
+    r.wall_s = 105.0
+    g.effective(r, 0.5, g.EvalPause(25, 30.0))
+    assert r.useful_s == pytest.approx(40 * 0.5 + 30.0) and r.effective_ratio == pytest.approx(50.0 / 105.0, abs=1e-3)
+    base = g.RunResult("torchrun", 40, faults=[g.FaultRecord(0, "crash", 1, 10, lost_s=40.0)])
+    t = g.targets({"torchrun": base, "transom": r}, 120.0)
+    assert t["lost_crash_s"] == {"target": 3.0, "value": f.lost_s, "met": False}
+    assert t["lost_crash_vs_retry_loop"]["met"] is (f.lost_s <= 10.0)
+    assert t["overhead"]["met"] is False and t["effective_ratio"]["met"] is False
+    assert t["lost_hang_s"]["met"] is None                                # not measured: no flag either way
+
+
+def test_a_false_restart_during_the_pause_is_counted(tmp_path):
+    g = _bench()
+    args = g.parse_args(["--steps", "40", "--fault-every-steps", "10", "--faults", "0"])
+    run = g.TorchrunRun(args, tmp_path, [], g.EvalPause(20, 40.0))
+    run.t0 = 1000.0
+    run.result.pause.delivered_s = 30.0
+    run.detected(1050.0, "watchdog")
+    run.detected(1200.0, "watchdog")                      # long after the pause: not this pause's
+    assert run.result.pause.false_restarts == 1 and "watchdog" in run.result.pause.false_events[0]
+
+
+def test_pause_hook_holds_every_rank_until_the_given_time(tmp_path, monkeypatch):
+    from transom.examples.train_lm import slowdown
+    monkeypatch.setenv("TRANSOM_NODE", "node1")
+    until = time.time() + 0.3
+    (tmp_path / "pause").write_text(f"{until}\n")
+    waited = slowdown(str(tmp_path), 0.01)
+    assert time.time() >= until and waited > 0
+    assert slowdown(str(tmp_path), 0.01) == 0.0           # a pause in the past: full speed
 
 
 def test_straggler_hook_stretches_steps_only_for_the_slow_node(tmp_path, monkeypatch):

@@ -238,19 +238,30 @@ def slowdown(directory: str, compute_s: float) -> float:
     that is not a fraction in (0, 1), means full speed. It spins rather than sleeps: a slow device
     still does the work, and where ranks share CPU cores a sleeping rank would hand its core to the
     others and the job would barely slow down.
+
+    ``directory/pause`` holds an epoch time: until then every rank sleeps (the benchmark's
+    evaluation pause: all ranks stop stepping together, with no phase marker).
     """
+    paused = 0.0
+    try:
+        until = float(open(os.path.join(directory, "pause")).read().split()[0])
+    except (OSError, ValueError, IndexError):
+        until = 0.0
+    while (left := until - time.time()) > 0:
+        time.sleep(min(left, 0.5))
+        paused += min(left, 0.5)
     node = os.environ.get("TRANSOM_NODE") or f"slot{os.environ.get('RANK', '0')}"
     try:
         values = [float(v) for v in open(os.path.join(directory, node)).read().split()[:2]]
     except (OSError, ValueError):
-        return 0.0
+        return paused
     if not values or not 0.0 < values[0] < 1.0:
-        return 0.0
+        return paused
     pause = values[1] if len(values) > 1 and values[1] >= 0 else compute_s * (1.0 / values[0] - 1.0)
     end = time.perf_counter() + pause
     while time.perf_counter() < end:
         pass
-    return pause
+    return paused + pause
 
 
 def _check_capacity(engine: CheckpointEngine, model: nn.Module) -> None:
