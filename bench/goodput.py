@@ -1,50 +1,27 @@
-"""Goodput: the same training job under the same seeded faults, torchrun retry loop vs. Transom.
+"""Goodput: one training job under the same faults, plain vs. torchrun retry loop vs. TorchFT vs. Transom.
 
-One invocation runs the job twice, one run after the other, on this machine:
+One invocation runs, one after the other on this machine: (0) **plain**: the job with no
+fault-tolerance system (one torchrun attempt, no checkpoint, no fault), whose step time is the
+yardstick; (a) **torchrun**: the retry loop with synchronous ``torch.save`` of
+``bench/tol_torchrun_job.py``, re-invoked after every failure, a step-progress watchdog for hangs;
+(b) **torchft**: TorchFT 0.2.0, a Lighthouse and one Manager per replica group
+(``bench/torchft_job.py``; gloo timeout 5 s as TorchFT's example, Lighthouse heartbeat 1 s), a
+group relaunched when it exits or stays stuck past the watchdog, the survivors going on;
+(c) **transom**: ``LocalStack`` (broker, agents with simulated GPUs, TCE daemons, TEE, controller)
+running ``transom.examples.train_lm``, its services at nice ``--services-nice``, every fault a
+relaunch of the whole job from the newest peer-memory checkpoint.
 
-(a) torchrun: ``torchrun --standalone``-style (``--nnodes 1 --nproc-per-node WORLD --max-restarts 0``)
-    of ``bench/tol_torchrun_job.py`` (the example LM, synchronous ``torch.save`` by rank 0 every
-    ``--ckpt-every`` steps, every rank resumes from the newest file), re-invoked with a new master
-    port after every failure, the way users' retry loops do it (torchrun's own ``--max-restarts``
-    cannot re-form a gloo group here); a step-progress watchdog (``--watchdog``) kills the attempt
-    when no step has been written for that long (hangs are otherwise only noticed at the gloo
-    timeout);
-(b) Transom: ``LocalStack`` (embedded broker, one agent with simulated GPUs and one TCE daemon per
-    node, a TEE worker, the controller with its full pre-check) running ``transom.examples.train_lm``
-    with the same model, batch, seed, steps and checkpoint interval (TCE saves), WORLD ranks on
-    WORLD nodes plus spares.
+Faults are placed by training progress (``make_schedule``): fault i after step N_i, the same steps,
+kinds (crash: SIGKILL; xid79: SIGKILL plus XID 79 on Transom's simulated GPU; hang: SIGSTOP;
+straggler: the slot spins (1/f - 1) x its step every step) and ranks for every system; plus one
+evaluation pause of 30-60 s (``make_eval_pause``): every rank sleeps until a time the bench writes
+to ``slow/pause``, with no phase marker; a restart during it is a false restart.
 
-The fault schedule (``make_schedule``) is derived from ``--seed``: fault i at about
-``(i + 1) * --fault-every`` seconds of wall time after the run's start (jitter +-20 %), kinds in
-shuffled rounds of ``--kinds``, target rank from the seed. Each fault is delivered at its offset, or,
-when the job is still recovering from the previous fault then, at its first new step (so both runs
-take every fault that falls within their wall time). What a fault does:
-
-- ``crash``: SIGKILL of the target rank's process;
-- ``xid79``: the GPU fell off the bus: SIGKILL of the rank's process and, under Transom, XID 79 on
-  the node's simulated GPU (the agent reports it, the TEE raises it, the controller evicts the node;
-  the baseline's retry loop reuses the same node: generous to it, a real lost GPU would need a human);
-- ``hang``: SIGSTOP of the rank's process; the baseline notices through its watchdog, Transom
-  through the TEE's hang rule;
-- ``straggler``: the node runs at ``--straggler-factor`` of its speed for the rest of the run,
-  whichever process runs on it (attempt or generation): the bench writes the factor to
-  ``slow/<node>`` with S = (1/f - 1) x the normal step time measured so far, and both jobs'
-  ``--slowdown-dir`` hook makes that rank spin S seconds on the CPU every step (SIGSTOP duty
-  cycling or a sleep do not work here: with 4 ranks on 2 cores, a paused rank hands its core to
-  the others and the job barely slows, as a first run showed; S from the rank's own step time
-  feeds back on itself and slowed the job 2.5x); under Transom the node's
-  simulated GPU also shows clocks and power at 70 %. Nobody replaces it in
-  the baseline; under Transom the TEE raises a straggler (critical: its clock is 30 % below its
-  peers') and the controller replaces the node with a spare, as its policy says.
-
-Figures per run: wall time from launch to the last step, steps, the normal step time (median
-interval between steps before the first fault, checkpoint steps excluded), useful time (steps x
-normal step time) and the effective training time ratio (useful / wall); per fault: detection
-(fault -> the retry loop sees torchrun exit or its watchdog fires; Transom: the controller's
-``relaunching`` decision), recovery (detected -> first step of the new attempt or generation) and
-recomputation (steps redone x normal step time); for a straggler, the slowdown it caused (until its
-node was replaced, when it was: then also that relaunch's recovery and recomputation). Then the
-ratio of wall times a/b (target >= 1.4) and one JSON line.
+Figures: steady step and overhead against the plain step; effective training time ratio = steps x
+plain step (+ the pause) / wall; lost seconds per fault (the wall time to the next fault, the pause
+or the end, less the net new steps x the steady step) with its detection, recovery and
+recomputation parts; issue 17's targets with met flags in the one JSON line at the end. Method and
+figures: docs/goodput.md.
 """
 
 from __future__ import annotations
@@ -69,10 +46,9 @@ from typing import Iterable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-__all__ = ["KINDS", "ScheduledFault", "make_schedule", "main"]
+__all__ = ["KINDS", "EvalPause", "ScheduledFault", "make_eval_pause", "make_schedule", "main"]
 
 KINDS = ("crash", "xid79", "hang", "straggler")
-TARGET = 1.4
 RESTARTING = ("crash", "xid79", "hang")
 
 
