@@ -1064,7 +1064,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="nice value of Transom's services (its ranks stay at 0), as on a cluster they run "
                         "elsewhere; 0 leaves them alone (default 10)")
     p.add_argument("--hosts", action="store_true",
-                   help="Transom on the hosts test bed (LocalStack(hosts=True)); the others on one host")
+                   help="Transom on the hosts test bed (LocalStack(hosts=True)), the others on one host: NOT "
+                        "built yet, refused with the reason (docs/goodput.md)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"which systems, in order (default {','.join(RUNS)}); "
                                                          "the plain run always comes first")
     p.add_argument("--plain-steps", type=int, default=60, help="steps of the plain run (default 60)")
@@ -1108,6 +1109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from transom.stack import LocalStack
         if "hosts" not in inspect.signature(LocalStack).parameters:
             p.error("--hosts: this checkout's LocalStack has no hosts test bed yet (LocalStack(hosts=True))")
+        # LocalStack(hosts=True) exists, but the bench's fault delivery does not reach the bed yet: rank
+        # PIDs live in the hosts' PID namespaces, the steps file and slow/ must sit in the shared
+        # run dir, and an XID 79 there should be Bed.kill of the host (docs/goodput.md)
+        p.error("--hosts: not built in this bench yet (faults cannot reach ranks on the bed's hosts); "
+                "see docs/goodput.md")
     args.schedule, args.eval_pause = None, None
     if args.fault_every_steps is not None:
         try:
