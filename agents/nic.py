@@ -51,6 +51,10 @@ class NICSettings:
     include: list[str] = field(default_factory=list)
     #: interfaces never read
     exclude: list[str] = field(default_factory=lambda: ["lo"])
+    #: also read virtual interfaces (veth pairs, bridges, tunnels, ifb: sysfs places them under
+    #: devices/virtual); off by default: containers, pods and test beds add and remove them all the
+    #: time, and a link that vanishes is not a fault of the node. One named in ``include`` is read.
+    virtual: bool = False
     #: read InfiniBand ports under class/infiniband
     infiniband: bool = True
     #: also report the raw counter totals, not only the rates
@@ -204,6 +208,8 @@ class NICCollector:
             if iface in s.exclude or (s.include and iface not in s.include):
                 continue
             d = os.path.join(base, iface)
+            if not s.virtual and iface not in s.include and "/devices/virtual/" in os.path.realpath(d):
+                continue
             counters = self._counters(os.path.join(d, "statistics"))
             oper = self._files.read(os.path.join(d, "operstate"))
             fields = self._rates(f"net:{iface}", counters, now)

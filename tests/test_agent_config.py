@@ -58,7 +58,7 @@ def test_file_then_environment_then_flags(tmp_path):
 @pytest.mark.parametrize("toml, env, message", [
     ("[agent]\nintervall = 1", {}, "unknown key 'intervall'; valid keys: bootstrap, collectors, delivery_timeout_s"),
     ("[collectors.nvidia]\nx = 1", {}, "unknown collector 'nvidia'; valid: agent, gpu, host, nic, train"),
-    ("[collectors.nic]\nroot_dir = '/x'", {}, "unknown key 'root_dir'; valid keys: exclude, include, infiniband, root, source, totals, interval, tags"),
+    ("[collectors.nic]\nroot_dir = '/x'", {}, "unknown key 'root_dir'; valid keys: exclude, include, infiniband, root, source, totals, virtual, interval, tags"),
     ("[agnet]\n", {}, "unknown section 'agnet'; valid sections: agent, collectors"),
     ("[agent]\ncollectors = ['host', 'gpus']", {}, "unknown collector 'gpus'; valid: agent, gpu, host, nic, train"),
     ("[agent]\ninterval = 'fast'", {}, "agent config .* \\[agent\\].interval: expected a number, got 'fast'"),

@@ -129,9 +129,24 @@ def test_include_exclude_and_no_sysfs(tree, caplog):
 
 
 def test_reads_this_machines_real_sysfs():
-    samples = NICCollector(NICSettings(exclude=[])).collect()
+    samples = NICCollector(NICSettings(exclude=[], virtual=True)).collect()
     lo = [s for s in samples if s.tags["device"] == "lo"]
     assert lo and lo[0].fields["rx_bytes"] >= 0 and "link_up" in lo[0].fields
+    # by default the virtual ones (lo, veth, bridges, ifb: sysfs puts them under devices/virtual) are not read
+    assert "lo" not in {s.tags["device"] for s in NICCollector(NICSettings(exclude=[])).collect()}
+
+
+def test_virtual_interfaces_are_skipped_unless_asked_for(tree):
+    """A container's or test bed's veth that comes and goes is not a link of the node."""
+    tree.net("eth0", rx_bytes=1)
+    virtual = tree.root / "devices/virtual/net/veth7"
+    (virtual / "statistics").mkdir(parents=True)
+    (virtual / "statistics/rx_bytes").write_text("5")
+    (virtual / "operstate").write_text("up")
+    (tree.root / "class/net/veth7").symlink_to(virtual)          # how sysfs links class/net entries
+    assert set(_by_dev(NICCollector(NICSettings(root=str(tree.root))).collect())) == {"eth0"}
+    assert set(_by_dev(NICCollector(NICSettings(root=str(tree.root), virtual=True)).collect())) == {"eth0", "veth7"}
+    assert set(_by_dev(NICCollector(NICSettings(root=str(tree.root), include=["veth7"])).collect())) == {"veth7"}
 
 
 def test_admin_state_from_the_interface_flags(tree):
