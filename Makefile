@@ -28,12 +28,11 @@ deps: $(STAMP) system-deps
 # Debian packages some tests and parts need, as COMMAND:PACKAGE (a package is installed when its
 # command is missing): the InfluxDB server (sink and dashboard tests), Chromium (the run report's
 # render test), kubectl (`kubectl kustomize` renders deploy/kustomize), openssl (the TLS tests' test
-# CA), setpriv (the agent run as nobody), Slurm and munge (the real Slurm
+# CA), setpriv (the agent run as nobody), unshare and ip (the hosts test bed), Slurm and munge (the real Slurm
 # cluster on the hosts test bed: transom/slurmbed.py), and libibverbs (Mooncake transfer
 # engine, a library: checked with ldconfig). tests/test_checkout.py checks that every command a test
 # looks up is named here.
-TOOLS := influxd:influxdb chromium:chromium kubectl:kubernetes-client openssl:openssl setpriv:util-linux \
-	slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge
+TOOLS := influxd:influxdb chromium:chromium kubectl:kubernetes-client openssl:openssl setpriv:util-linux unshare:util-linux ip:iproute2 slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge
 system-deps:
 	@missing="$$(for t in $(TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || echo $${t#*:}; done | sort -u)"; \
 	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
