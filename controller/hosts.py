@@ -360,6 +360,21 @@ class HostsBackend(Backend):
             return ""
         return self._call(node, "logs", 10.0, job=job, generation=generation, rank=rank, nbytes=nbytes)
 
+    def rank_log(self, job: str, generation: int, rank: int, lines: int = 10) -> dict[str, Any]:
+        """The tail of a rank's log from its host's launcher (``{"log": "NODE:JOB/gen-G/rank-R.log", "tail"}``);
+        {} when its host is lost or does not answer within 2 s (the controller's loop must not wait)."""
+        handle = LaunchRecord(self.run_dir, job, generation).read() or {}
+        node = next((n for n, r in handle.get("ranks", {}).items() if rank in r), None)
+        if node is None or node in handle.get("failed", {}) or (self._age(node) or 0.0) > self.unreachable_s:
+            return {}
+        try:
+            text = self._call(node, "logs", 2.0, job=job, generation=generation, rank=rank, nbytes=8192)
+        except ChannelError:
+            return {}
+        tail = [line[-300:] for line in text.splitlines()[-lines:] if line.strip()]
+        return {"log": f"{node}:{job}/gen-{generation}/rank-{rank}.log (under its launcher's --run-dir)",
+                "tail": tail}
+
     def close(self) -> None:
         self._stopping.set()
         self._pool.shutdown(wait=False, cancel_futures=True)

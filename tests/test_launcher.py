@@ -108,6 +108,7 @@ def test_hosts_backend_launches_watches_and_stops_ranks_through_launchers(tmp_pa
         wait_until(lambda: all(s.running for s in backend.status("j", 0)) and
                    "master 127.0.0.1" in backend.logs("j", 0, 1), 30, "both ranks running")
         assert "rank 1 on n1 agent 127.0.0.1:9" in backend.logs("j", 0, 1)      # the host's agent, not the controller's
+        assert backend.rank_log("j", 0, 1)["tail"][-1].startswith("rank 1 on n1")
         go.write_text("")
         wait_until(lambda: not any(s.running for s in backend.status("j", 0)), 30, "the ranks to end")
         assert [s.exit_code for s in backend.status("j", 0)] == [0, 3]
