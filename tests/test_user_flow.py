@@ -146,6 +146,4 @@ def test_a_users_own_script_from_up_to_ctrl_c(tmp_path):
     assert rc == 0, Path(out.name).read_text()[-3000:]
     assert "transom up: stopped" in Path(out.name).read_text()
     assert not left, [p.cmdline() for p in left]
-    if forked[-1][0] == "0":
-        pytest.xfail("the relaunch started its ranks cold: warm_argv does not find `python` on PATH "
-                     "(fixed on the branch that owns controller/local.py)")
+    assert forked[-1][0] == forked[-1][1], f"the relaunch started ranks cold ({forked[-1][0]} of {forked[-1][1]} forked)"
