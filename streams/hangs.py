@@ -211,9 +211,10 @@ class HangDetector:
         cause = None
         if self.stuck(r) and not (peers and all(self.stuck(v) for _, v in peers)):
             cause = "stuck"           # (every rank stuck at once is the whole job frozen: a pause, below)
-        elif any(r.since + limit < v.since <= r.last_seen for _, v in peers):
-            cause = "behind"          # a peer stepped on while this rank was seen standing still
-                                      # (a peer read further ahead in time proves nothing about then)
+        elif any(r.since + limit < v.since <= r.last_seen and v.step > r.step for _, v in peers):
+            cause = "behind"          # a peer stepped past it while this rank was seen standing still (a peer
+                                      # read further ahead in time, or one back from an outage catching up to
+                                      # the same step, proves nothing)
         elif self._not_in_collective(job, node, r, peers):
             if any(k[0] == node and k[2] < rank and v.stall > limit for k, v in peers):
                 return None           # one event per idle node: its lowest rank
