@@ -19,8 +19,7 @@ sends its nodes' windows to transom.peer-windows and judges its jobs' windows fr
 Fairness on a shared machine: each worker's CPU time (user + system, psutil) from the first publish
 until the last marker was decided gives batches per worker-CPU-second, which compares worker
 counts even when the cores are busy with other work; the machine's load average and busy share
-during each run are printed with it. ``_net`` figures take off what the workers burn idle (measured
-for ``IDLE_S`` before each run: timers, heartbeats, fetch polls), a cost per worker, not per batch. ``ratio_two_to_one`` is the wall-clock drain rate of two
+during each run are printed with it. ``ratio_two_to_one`` is the wall-clock drain rate of two
 workers over one; ``cpu_efficiency`` is each run's batches per worker-CPU-second over one worker's.
 
 Run: ``.venv/bin/python bench/tee_throughput.py [--batches 60000 --nodes 2000]``; one JSON line.
@@ -48,7 +47,6 @@ MARK_EVERY = 500
 TARGET_RATE = 2000.0
 TARGET_P99_S = 2.0
 TARGET_TWO_TO_ONE = 1.8          # two workers drain at least this many times one worker's rate
-IDLE_S = 3.0                     # seconds the workers' idle CPU is measured before each run
 TARGET_CPU_EFFICIENCY = 0.8      # any worker count: batches per worker-CPU-second at least this share of one's
 
 
@@ -122,11 +120,6 @@ def run(bootstrap: str, workers: int, batches: int, nodes: int, tag: str, rate: 
             return sum(w.cpu_times().user + w.cpu_times().system for w in watched)
 
         try:
-            # what the workers burn doing nothing (Faust timers, heartbeats, fetch polls): a cost per
-            # worker, not per batch, measured for IDLE_S before publishing
-            idle0 = cpu_seconds()
-            time.sleep(IDLE_S)
-            idle_rate = (cpu_seconds() - idle0) / IDLE_S
             cpu0, load0 = cpu_seconds(), os.getloadavg()[0]
             psutil.cpu_percent(None)
             producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
@@ -159,7 +152,6 @@ def run(bootstrap: str, workers: int, batches: int, nodes: int, tag: str, rate: 
                     time.sleep(1)
             cpu = cpu_seconds() - cpu0          # includes at most ~1 s of idle workers after the last marker
             busy = psutil.cpu_percent(None)
-            wall = time.time() - t0
             lat = np.array([f.detected_ts - f.observed_ts for f in found.values()])
             last = max((f.detected_ts for f in found.values()), default=time.time())
             span = last - t0
@@ -167,8 +159,6 @@ def run(bootstrap: str, workers: int, batches: int, nodes: int, tag: str, rate: 
                     "markers_found": len(found), "publish_s": round(t_pub, 2),
                     "sustained_batches_per_s": round(batches / span, 1),
                     "worker_cpu_s": round(cpu, 1), "batches_per_worker_cpu_s": round(batches / max(cpu, 1e-9), 1),
-                    "idle_cpu_per_s": round(idle_rate, 3),
-                    "batches_per_worker_cpu_s_net": round(batches / max(cpu - idle_rate * wall, 1e-9), 1),
                     "load1_start": round(load0, 1), "load1_end": round(os.getloadavg()[0], 1),
                     "machine_busy_percent": busy, "cores": psutil.cpu_count(),
                     "latency_p50_s": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
@@ -215,19 +205,16 @@ def main(argv=None) -> int:
                    "wall_ratio": round(r["sustained_batches_per_s"] / max(rate, 1e-9), 3),
                    "batches_per_worker_cpu_s": r["batches_per_worker_cpu_s"],
                    "cpu_efficiency": round(r["batches_per_worker_cpu_s"] / max(eff1, 1e-9), 3),
-                   "batches_per_worker_cpu_s_net": r["batches_per_worker_cpu_s_net"],
-                   "cpu_efficiency_net": round(r["batches_per_worker_cpu_s_net"]
-                                               / max(one["batches_per_worker_cpu_s_net"], 1e-9), 3),
                    "load1": [r["load1_start"], r["load1_end"]], "machine_busy_percent": r["machine_busy_percent"]}
                for n, r in runs.items()}
     print(f"scaling on {partitions} partitions of {c.METRICS}, {psutil.cpu_count()} cores "
           f"(load average {os.getloadavg()[0]:.1f} at the end):", file=sys.stderr)
-    print("  workers  batches/s  x one  batches/worker-CPU-s  x one  net of idle  x one  load1 (start-end)  busy %",
+    print("  workers  batches/s  x one  batches/worker-CPU-s  x one  load1 (start-end)  machine busy %",
           file=sys.stderr)
     for n, s in scaling.items():
         print(f"  {n:7d}  {s['batches_per_s']:9.0f}  {s['wall_ratio']:5.2f}  {s['batches_per_worker_cpu_s']:20.0f}  "
-              f"{s['cpu_efficiency']:5.2f}  {s['batches_per_worker_cpu_s_net']:11.0f}  {s['cpu_efficiency_net']:5.2f}  "
-              f"{s['load1'][0]:5.1f}-{s['load1'][1]:<5.1f}        {s['machine_busy_percent']:5.1f}", file=sys.stderr)
+              f"{s['cpu_efficiency']:5.2f}  {s['load1'][0]:5.1f}-{s['load1'][1]:<5.1f}        "
+              f"{s['machine_busy_percent']:5.1f}", file=sys.stderr)
     two = scaling.get(2)
     most = scaling[max(counts)]
     out = {"bench": "tee_throughput", "partitions": partitions, "peer_detection": True, "cores": psutil.cpu_count(),

@@ -87,6 +87,7 @@ class TEEEngine:
             self.rules.append(TemporalDetector(self.config))
         self.job_windows = None
         self._job_peers: dict[str, object] = {}         # split peers, job side: job -> its PeerDetector
+        self._peer_hard_at: dict[str, float] = {}       # split peers, job side: node -> hard_ts its windows carried
         if self.peers is not None and split_peers:
             from .jobwindows import JobWindows
             self.peers.outbox = []
@@ -142,9 +143,11 @@ class TEEEngine:
         found: list[FaultEvent] = []
         for r in self.job_windows.add(w):
             if r.hard_ts is not None:
-                self._hard_at[r.node] = max(self._hard_at.get(r.node, r.hard_ts), r.hard_ts)
+                self._peer_hard_at[r.node] = max(self._peer_hard_at.get(r.node, r.hard_ts), r.hard_ts)
             found += self._peers_of(r.job).take(r, now)
-        return self._new(found)
+        # explained only by what the summaries carried: in a worker that also reads the node's metrics,
+        # its own newer hard faults would make the decision depend on how the nodes are spread
+        return self._new(found, hard_at=self._peer_hard_at)
 
     def _peers_of(self, job: str):
         detector = self._job_peers.get(job)
@@ -167,12 +170,12 @@ class TEEEngine:
             return True
         return self._hang.ongoing(state.node, ts)
 
-    def _explained(self, f: FaultEvent) -> bool:
+    def _explained(self, f: FaultEvent, hard_at: Mapping[str, float]) -> bool:
         """Whether soft fault ``f`` is a symptom of the node's last hard fault: its anomaly began while
         that fault went on, or within ``soft_consecutive`` windows after. A drift that begins later is
         a fault of its own (a node that hung and was restarted can straggle minutes later)."""
         began = float(f.evidence.get("since_ts", f.observed_ts)) if isinstance(f.evidence, Mapping) else f.observed_ts
-        return began - self._hard_at[f.node] <= self.config.soft_window_s * self.config.soft_consecutive
+        return began - hard_at[f.node] <= self.config.soft_window_s * self.config.soft_consecutive
 
     def check_heartbeats(self, now: float | None = None, nodes: Iterable[str] | None = None) -> list[FaultEvent]:
         """Faults for nodes (all, or ``nodes``) that went silent; drops nodes that are only replayed history."""
@@ -234,7 +237,8 @@ class TEEEngine:
         for node in nodes:
             self._nodes.pop(node, None)
 
-    def _new(self, found: list[FaultEvent]) -> list[FaultEvent]:
+    def _new(self, found: list[FaultEvent], hard_at: Mapping[str, float] | None = None) -> list[FaultEvent]:
+        hard_at = self._hard_at if hard_at is None else hard_at
         out = []
         cooldown = self.config.cooldown_s
         for f in found:
@@ -261,7 +265,7 @@ class TEEEngine:
             hard = cls in {c.value for c in HARD}
             if hard:
                 self._hard_at[f.node] = f.observed_ts
-            elif f.node in self._hard_at and self._explained(f):
+            elif f.node in hard_at and self._explained(f, hard_at):
                 self.counts["explained"] += 1
                 continue
             self._emitted[f.fault_id] = None

@@ -154,7 +154,8 @@ class _Window:
                                               for gi, f in self.gpu.items()},
                           reasons={str(gi): r for gi, r in self.reasons.items()},
                           nic_err=sum(self.nic_err) / len(self.nic_err) if self.nic_err else None,
-                          nic_bw={dev: _median(v) for dev, v in self.nic_bw.items()})
+                          nic_bw={dev: _median(v) for dev, v in self.nic_bw.items()},
+                          steps=(min(self.steps), max(self.steps)) if self.steps else ())
 
     @classmethod
     def of(cls, w: PeerWindow) -> "_Window":
@@ -165,6 +166,7 @@ class _Window:
         win.reasons.update({int(gi): r for gi, r in w.reasons.items()})
         win.nic_err = [] if w.nic_err is None else [w.nic_err]
         win.nic_bw.update({dev: [v] for dev, v in w.nic_bw.items()})
+        win.steps = list(w.steps)      # lowest and highest: whether the job moved is all _close asks
         return win
 
 

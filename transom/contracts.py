@@ -656,7 +656,8 @@ class PeerWindow:
     event reasons; ``nic_err``: mean error rate over the node's up ports (None: no port sample);
     ``nic_bw``: port device -> median receive rate; ``closed_ts``: the node worker's clock when the
     window closed; ``hard_ts``: trigger time of the node's last hard fault, if any (it explains soft
-    symptoms that begin while it goes on)."""
+    symptoms that begin while it goes on); ``steps``: the lowest and highest training step the window
+    saw (empty: no training reports; equal: the job did not move, the window is not judged)."""
 
     node: str
     job: str
@@ -669,6 +670,7 @@ class PeerWindow:
     nic_err: float | None = None
     nic_bw: Mapping[str, float] = field(default_factory=dict)
     hard_ts: float | None = None
+    steps: tuple[float, ...] = ()
     v: int = SCHEMA_VERSION
 
     @classmethod
@@ -680,6 +682,9 @@ class PeerWindow:
             if not isinstance(fields, Mapping) or not all(isinstance(v, _NUM) and not isinstance(v, bool)
                                                           for v in fields.values()):
                 raise ContractError(f"{what}: gpu[{gi!r}] must map field names to numbers")
+        steps = _get(d, "steps", list, what=what, optional=True, default=[])
+        if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in steps):
+            raise ContractError(f"{what}: steps must be a list of numbers")
         return cls(node=_get(d, "node", str, what=what), job=_get(d, "job", str, what=what),
                    index=_get(d, "index", int, what=what),
                    first_ts=float(_get(d, "first_ts", _NUM, what=what)),
@@ -691,7 +696,8 @@ class PeerWindow:
                    nic_err=_get(d, "nic_err", _NUM, what=what, optional=True),
                    nic_bw={str(k): float(v) for k, v in _get(d, "nic_bw", Mapping, what=what, optional=True,
                                                               default={}).items()},
-                   hard_ts=_get(d, "hard_ts", _NUM, what=what, optional=True))
+                   hard_ts=_get(d, "hard_ts", _NUM, what=what, optional=True),
+                   steps=tuple(float(v) for v in steps))
 
 
 # --------------------------------------------------------------------------- codec

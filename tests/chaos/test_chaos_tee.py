@@ -37,6 +37,7 @@ import pytest
 from transom import contracts as c
 from transom import kafka
 from transom.broker import EmbeddedBroker
+from transom.topics import TopicSettings
 
 from util import topic_values, wait_until
 
@@ -64,10 +65,12 @@ class TeeWorker:
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.starts += 1
 
+        every = list(range(TopicSettings.from_env().partitions_of(c.METRICS)))
+
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"transom tee exited with {self.proc.returncode}:\n{self.log(mark)[-3000:]}")
-            return "partitions [0, 1, 2, 3]" in self.log(mark)
+            return f"{c.METRICS} partitions {every}" in self.log(mark)
 
         wait_until(ready, timeout, "the TEE worker to own every metrics partition")
 
