@@ -114,7 +114,8 @@ def test_a_users_own_script_from_up_to_ctrl_c(tmp_path):
         assert "no restore reported" not in html and "peer memory" in html, html[-3000:]
         data = collect(bootstrap, "mine")                # every save the engine made has its stall bar
         saves = {int(t["step"]) for t in data.train if t.get("event") == "checkpoint_save"}
-        assert {ck.step for ck in data.checkpoints} <= saves
+        # (the job still runs: the newest save's event may trail its checkpoint-ready by an agent interval)
+        assert set(sorted(ck.step for ck in data.checkpoints)[:-1]) <= saves, (sorted(saves), data.checkpoints)
         (_, _, bars), = _stall_series(data, 0.0)
         assert len(bars) == len(saves), (len(bars), sorted(saves))
         errors = chromium_console(tmp_path / "mine.html", tmp_path / "mine.png")
