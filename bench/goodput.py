@@ -9,7 +9,9 @@ yardstick; (a) **torchrun**: the retry loop with synchronous ``torch.save`` of
 group relaunched when it exits or stays stuck past the watchdog, the survivors going on;
 (c) **transom**: ``LocalStack`` (broker, agents with simulated GPUs, TCE daemons, TEE, controller)
 running ``transom.examples.train_lm``, its services at nice ``--services-nice``, every fault a
-relaunch of the whole job from the newest peer-memory checkpoint.
+relaunch of the whole job from the newest peer-memory checkpoint. ``--hosts``: Transom on the
+hosts test bed (``LocalStack(hosts=True)``: a control host, a host per node), the others on one
+host; faults reach the ranks across the hosts' PID namespaces and an XID 79 also kills its host.
 
 Faults are placed by training progress (``make_schedule``): fault i after step N_i, the same steps,
 kinds (crash: SIGKILL; xid79: SIGKILL plus XID 79 on Transom's simulated GPU; hang: SIGSTOP;
