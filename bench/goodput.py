@@ -9,7 +9,9 @@ yardstick; (a) **torchrun**: the retry loop with synchronous ``torch.save`` of
 group relaunched when it exits or stays stuck past the watchdog, the survivors going on;
 (c) **transom**: ``LocalStack`` (broker, agents with simulated GPUs, TCE daemons, TEE, controller)
 running ``transom.examples.train_lm``, its services at nice ``--services-nice``, every fault a
-relaunch of the whole job from the newest peer-memory checkpoint.
+relaunch of the whole job from the newest peer-memory checkpoint. ``--hosts``: Transom on the
+hosts test bed (``LocalStack(hosts=True)``: a control host, a host per node), the others on one
+host; faults reach the ranks across the hosts' PID namespaces and an XID 79 also kills its host.
 
 Faults are placed by training progress (``make_schedule``): fault i after step N_i, the same steps,
 kinds (crash: SIGKILL; xid79: SIGKILL plus XID 79 on Transom's simulated GPU; hang: SIGSTOP;
@@ -732,6 +734,17 @@ class TransomRun(Runner):
         self.end: str | None = None
         self.nodes_of: dict[int, list[str]] = {}
         self._reniced = 0.0
+        # --hosts: the ranks run on the bed's node hosts, each with its own /tmp: the steps file and
+        # the slowdown hook's directory live in the stack's run dir, which the bed shares into every host
+        self._injects: list = []                       # `transom inject` processes on bed hosts
+        self._host_kills: list[list] = []              # [node, record, inject process, deadline]
+        self._pids: dict[tuple[int, int], int] = {}    # (generation, rank) -> PID seen from here
+        if self.args.hosts:
+            shared = self.work / "stack"
+            shared.mkdir(parents=True, exist_ok=True)
+            self.steps = StepsFile(shared / "steps.txt")
+            self.slow_dir = shared / "slow"
+            self.slow_dir.mkdir(exist_ok=True)
 
     def launch(self) -> None:
         from transom import contracts as c
@@ -747,7 +760,7 @@ class TransomRun(Runner):
         self.monitor = Monitor(self.stack.bootstrap, (c.LIFECYCLE, c.FAULTS), from_beginning=False)
         time.sleep(a.settle)           # agents' first heartbeats, the TEE's group join: infrastructure, not the job
         cmd = train_command(a.steps, a.ckpt_every, "--steps-file", str(self.steps.path), "--log-every", "10",
-                            *model_args(a, self.work))
+                            *model_args(a, self.work, self.slow_dir))
         self.t0 = time.time()
         self.ctl = self.stack.start_controller(self.job, cmd, world_size=a.world,
                                                extra=["--exit-when-done", "--max-restarts", "1000",
@@ -756,8 +769,9 @@ class TransomRun(Runner):
     def _agent_config(self) -> None:
         """The agents read only the NIC of the default route (unless TRANSOM_AGENT_CONFIG is set): on a
         shared machine other people's test-bed links (tb*, veth*) come and go, and an agent that
-        reads every link would report them down as this node's links (a first run lost every node)."""
-        if os.environ.get("TRANSOM_AGENT_CONFIG"):
+        reads every link would report them down as this node's links (a first run lost every node).
+        On the bed (--hosts) each agent sees its own host's links only: nothing to configure."""
+        if os.environ.get("TRANSOM_AGENT_CONFIG") or self.args.hosts:
             return
         nic = None
         try:
@@ -835,8 +849,32 @@ class TransomRun(Runner):
                         if rec.kind == "straggler":
                             rec.detected_s, rec.detector = ev.detected_ts - self.t0, f"TEE {cls}"
                         break
+        self._kill_hosts(time.time())
         if self.ctl.popen.poll() is not None and self.end is None:
             self.end = "controller exited"
+
+    def _deliver(self, f: ScheduledFault, now: float) -> None:
+        super()._deliver(f, now)
+        rec = self.result.faults[-1]
+        bed = self.stack.bed
+        if bed is not None and f.kind == "xid79" and rec.target in bed.addresses() and bed.is_up(rec.target):
+            # the GPU fell off the bus and its host is lost with it: the host is killed once the
+            # TEE has the agent's XID 79 (or 10 s after the agent took the injection, 30 s at most)
+            inject = self._injects[-1] if self._injects else None
+            self._host_kills.append([rec.target, rec, inject, now + 30.0])
+
+    def _kill_hosts(self, now: float) -> None:
+        for item in list(self._host_kills):
+            node, rec, inject, deadline = item
+            if inject is not None and inject.poll() is not None:
+                item[2], item[3] = None, min(deadline, now + 10.0)
+            if rec.tee_event_s is None and now < item[3]:
+                continue
+            self._host_kills.remove(item)
+            if self.stack.bed.is_up(node):
+                self.stack.kill_host(node)
+                rec.note += ("; " if rec.note else "") + f"host {node} killed {now - self.t0 - rec.delivered_s:.1f}s after"
+                print(f"  [{now - self.t0:6.1f}s] {self.name}: host {node} killed (XID 79)", flush=True)
 
     def finished(self) -> bool:
         return self.end is not None
@@ -864,10 +902,38 @@ class TransomRun(Runner):
         return self.nodes_of[self.gen]
 
     def rank_pid(self, rank: int) -> int | None:
+        if self.stack is not None and self.stack.bed is not None:
+            return self._bed_rank_pid(rank)
         try:
             return int((self._gen_dir() / f"rank-{rank}.pid").read_text().split()[1])
         except (OSError, IndexError, ValueError):
             return None
+
+    def _bed_rank_pid(self, rank: int) -> int | None:
+        """The rank's PID as this machine sees it: its host's launcher records it in the host's own
+        PID namespace (RUN_DIR/hosts/NODE/JOB/gen-G/rank-R.pid), the bed maps it to ours."""
+        key = (self.gen, rank)
+        pid = self._pids.get(key)
+        if pid is not None:
+            try:
+                os.kill(pid, 0)
+                return pid
+            except ProcessLookupError:
+                del self._pids[key]
+                return None
+        node = self.slot_of(rank)
+        bed = self.stack.bed
+        try:
+            if node not in bed.addresses() or not bed.is_up(node):
+                return None
+            pid_file = self.stack.run_dir / "hosts" / node / self.job / f"gen-{self.gen}" / f"rank-{rank}.pid"
+            host_pid = int(pid_file.read_text().split()[1])
+            pid = next((p["pid"] for p in bed.processes(node) if p["host_pid"] == host_pid), None)
+        except (OSError, IndexError, ValueError, KeyError, RuntimeError):
+            return None
+        if pid is not None:
+            self._pids[key] = pid
+        return pid
 
     def slot_of(self, rank: int) -> str:
         nodes = self._nodes()
@@ -879,6 +945,16 @@ class TransomRun(Runner):
         addr = self.stack.agents.get(slot)
         if addr is None:
             return
+        if self.stack.bed is not None:
+            # the agent's intake listens on its host's loopback: `transom inject` runs on that host,
+            # in the background (an interpreter's start on a loaded machine must not stall the loop)
+            try:
+                self._injects.append(self.stack.bed.python(
+                    slot, ["-m", "transom.cli", "inject", fault, "--gpu", "0", "--agent", addr],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            except RuntimeError as exc:          # BedError: no such host, or it is down
+                print(f"  transom: could not inject {fault} on {slot}: {exc}", flush=True)
+            return
         try:
             reply = send_inject(addr, fault, gpu=0)
             if not reply.get("ok"):
@@ -889,6 +965,13 @@ class TransomRun(Runner):
     def teardown(self) -> None:
         if getattr(self, "_set_env", False):
             os.environ.pop("TRANSOM_AGENT_CONFIG", None)
+        for proc in self._injects:
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
         if self.monitor is not None:
             self.monitor.close()
         if self.stack is not None:
@@ -905,8 +988,8 @@ def _tee_matches(kind: str, cls: str) -> bool:
 
 # --------------------------------------------------------------------------- report
 
-def model_args(a: argparse.Namespace, work: Path) -> list[str]:
-    return ["--slowdown-dir", str(work / "slow"), "--width", str(a.width), "--layers", str(a.layers), "--heads", str(a.heads),
+def model_args(a: argparse.Namespace, work: Path, slow: Path | None = None) -> list[str]:
+    return ["--slowdown-dir", str(slow or work / "slow"), "--width", str(a.width), "--layers", str(a.layers), "--heads", str(a.heads),
             "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--seed", str(a.seed)]
 
 
@@ -1064,8 +1147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="nice value of Transom's services (its ranks stay at 0), as on a cluster they run "
                         "elsewhere; 0 leaves them alone (default 10)")
     p.add_argument("--hosts", action="store_true",
-                   help="Transom on the hosts test bed (LocalStack(hosts=True)), the others on one host: NOT "
-                        "built yet, refused with the reason (docs/goodput.md)")
+                   help="Transom on the hosts test bed (LocalStack(hosts=True): a control host and a host per "
+                        "node, namespaces, needs root), the others on one host; faults reach the ranks on "
+                        "their hosts, an XID 79 also kills its host (docs/goodput.md)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"which systems, in order (default {','.join(RUNS)}); "
                                                          "the plain run always comes first")
     p.add_argument("--plain-steps", type=int, default=60, help="steps of the plain run (default 60)")
@@ -1109,11 +1193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from transom.stack import LocalStack
         if "hosts" not in inspect.signature(LocalStack).parameters:
             p.error("--hosts: this checkout's LocalStack has no hosts test bed yet (LocalStack(hosts=True))")
-        # LocalStack(hosts=True) exists, but the bench's fault delivery does not reach the bed yet: rank
-        # PIDs live in the hosts' PID namespaces, the steps file and slow/ must sit in the shared
-        # run dir, and an XID 79 there should be Bed.kill of the host (docs/goodput.md)
-        p.error("--hosts: not built in this bench yet (faults cannot reach ranks on the bed's hosts); "
-                "see docs/goodput.md")
+        if os.geteuid() != 0:
+            p.error("--hosts: the test bed makes namespaces, which needs root")
     args.schedule, args.eval_pause = None, None
     if args.fault_every_steps is not None:
         try:

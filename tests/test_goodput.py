@@ -162,3 +162,49 @@ def test_agent_injects_a_straggler_on_its_simulated_gpu(broker):
         assert [f.kind for f in agent.simulated.played] == ["straggler"]
         bad = send_inject(agent.intake_addr, "straggler", gpu=3, timeout=10)
         assert not bad["ok"] and "GPU 3" in bad["error"]
+
+
+def test_hosts_mode_reaches_ranks_on_their_bed_host(tmp_path):
+    """--hosts wiring, without a training job: the steps file and the slowdown hook's directory in the
+    stack's shared run dir; a rank's PID read from its host's launcher record and mapped to ours; a
+    hang SIGSTOPs it across the PID namespace; an XID 79 SIGKILLs it and then kills its host."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    from tests.util import wait_until
+    from transom import testbed
+
+    ok, reason = testbed.available()
+    if not ok:
+        pytest.skip(f"test bed unavailable: {reason}")
+    g = _bench()
+    args = g.parse_args(["--runs", "transom", "--steps", "10"])
+    args.hosts = True
+    run = g.TransomRun(args, tmp_path / "transom", [], None, 0.1)
+    shared = tmp_path / "transom" / "stack"
+    assert run.steps.path == shared / "steps.txt" and run.slow_dir == shared / "slow"
+    assert g.model_args(args, run.work, run.slow_dir)[:2] == ["--slowdown-dir", str(shared / "slow")]
+    gen_dir = shared / "jobs" / run.job / "gen-0"
+    gen_dir.mkdir(parents=True)
+    (gen_dir / "launch.json").write_text(json.dumps({"nodes": ["node0"]}))
+    rank_dir = shared / "hosts" / "node0" / run.job / "gen-0"
+    rank_dir.mkdir(parents=True)
+    with testbed.Bed(["node0"], share=[shared]) as bed:
+        # the stack's parts the bench uses, around a real bed (a full LocalStack takes a minute)
+        run.stack = SimpleNamespace(bed=bed, run_dir=shared, agents={}, kill_host=bed.kill)
+        rank = bed.run("node0", ["/bin/sh", "-c", f'echo "$$ $$" > {rank_dir}/rank-0.pid; exec sleep 120'])
+        wait_until(lambda: (rank_dir / "rank-0.pid").exists(), 30, "the rank's pid file")
+        pid = run.rank_pid(0)
+        assert pid == rank.root_pid and pid != int((rank_dir / "rank-0.pid").read_text().split()[1])
+        run._deliver(g.ScheduledFault(0, 5, "hang", 0), time.time())
+        state = lambda: open(f"/proc/{pid}/status").read().split("State:")[1].split()[0]  # noqa: E731
+        wait_until(lambda: state() in ("T", "t"), 10, "the rank stopped")
+        run._deliver(g.ScheduledFault(1, 6, "xid79", 0), time.time())
+        assert run._host_kills and run._host_kills[0][0] == "node0"
+        run._kill_hosts(time.time() + 31)          # no TEE here: past the deadline, the host goes
+        assert not bed.is_up("node0") and not run._host_kills
+        assert "host node0 killed" in run.result.faults[-1].note
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert run.rank_pid(0) is None
