@@ -63,7 +63,7 @@ def test_the_report_shows_every_stall_and_the_restore_of_several_shards():
 
 def test_the_controller_and_the_tee_do_not_take_an_event_for_progress():
     from transom.streams.config import TEEConfig
-    from transom.streams.rules import HangRule
+    from transom.streams.hangs import HangDetector
 
     ev = c.Sample(c.Source.TRAIN, {"step": 10, "ckpt_stall_s": 0.1}, index=0, tags={"job": "j", "event": "checkpoint_save"})
     batch = c.MetricBatch(node="n0", ts=1.0, seq=0, samples=(ev,))
@@ -71,4 +71,5 @@ def test_the_controller_and_the_tee_do_not_take_an_event_for_progress():
     class State:
         ranks: dict = {}
 
-    assert HangRule(TEEConfig()).observe(State(), batch, 1.0) == [] and State.ranks == {}
+    hangs = HangDetector(TEEConfig())
+    assert hangs.observe(State(), batch, 1.0) == [] and not any(j.ranks for j in hangs.jobs.values())
