@@ -267,6 +267,9 @@ def test_on_the_bed_a_killed_hosts_shard_is_restored_from_its_neighbours_memory(
     monkeypatch.delenv("TRANSOM_CKPT_RUNTIME", raising=False)
     monkeypatch.delenv("TRANSOM_CKPT_LOCAL_DIR", raising=False)
     with EmbeddedBroker(host=b.root_addr, log_path=str(tmp_path / "broker.log")) as broker:
+        # the stack's broker, as Transom's launchers give it to ranks: it keys the runtime directory in
+        # which a rank finds its host's daemon (segments.stack_tag)
+        monkeypatch.setenv("TRANSOM_BOOTSTRAP", broker.bootstrap)
         daemons = {h: b.python(h, ["-m", "transom.cli", "ckpt-server", "--node", h,      # no --host: the default
                                    "--bootstrap", broker.bootstrap, "--transport", "tcp"],
                                stdout=open(tmp_path / f"daemon-{h}.log", "wb"), stderr=subprocess.STDOUT)
