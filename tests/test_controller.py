@@ -242,7 +242,9 @@ def test_standby_takes_over_during_relaunch_hang_restarts_in_place_and_the_budge
     assert sorted(p.name for p in (run_dir(stack, job) / job).glob("gen-*")) == ["gen-0", "gen-1"]
     relaunch = next(e for e in events if e.name == "relaunching")
     assert "evicted" not in relaunch.detail and relaunch.detail["nodes"] == NODES[:4]    # in place
-    assert names[-1] == "failed" and "restart budget of 1" in events[-1].detail["reason"]
-    assert events[-1].cause["kind"] == "hang"
+    # the stopped ranks' in-flight saves may still complete (save at the fault): "checkpoint" may follow
+    decisions = [e for e in events if e.name != "checkpoint"]
+    assert decisions[-1].name == "failed" and "restart budget of 1" in decisions[-1].detail["reason"], names
+    assert decisions[-1].cause["kind"] == "hang"
     assert all((run_dir(stack, job) / job / "gen-1" / f"rank-{r}.exit").exists() for r in range(4))
     print(f"the standby recorded the adopted launch {took_over:.1f}s after the active controller died")

@@ -237,6 +237,15 @@ def _after_heal(stack, node: str, generation: int, ckpt_dir, python_env) -> tupl
     from util import wait_until
 
     wait_until(lambda: _answers(stack, node, generation) == [], 90, f"the old ranks on {node} stopped")
+    # and the healed host's services are back in the registry (their heartbeats are delivered again)
+    from transom import registry
+    from transom.contracts import ServiceKind
+
+    healed = time.time()
+    with registry.RegistryReader(stack.bootstrap, cluster=stack.cluster).start() as reader:
+        wait_until(lambda: all(node in reader.live(kind) and reader.live(kind)[node].heartbeat_ts > healed
+                               for kind in (ServiceKind.LAUNCHER, ServiceKind.CKPT_DAEMON)),
+                   60, f"{node}'s launcher and checkpoint daemon heartbeating in the registry again")
     launch = json.loads((stack.run_dir / "jobs" / JOB / f"gen-{generation}" / "launch.json").read_text())
     rank = launch["ranks"][node][0]
     host, port = launch["master"].rsplit(":", 1)

@@ -181,7 +181,11 @@ class RegistryWriter:
         self.bootstrap = bootstrap
         self.reg = reg
         self.interval = interval if interval is not None else reg.ttl_s / 3
-        self._producer = make_producer(bootstrap, linger_ms=0, message_timeout_ms=int(max(reg.ttl_s, 5) * 1000))
+        # not idempotent: a heartbeat is superseded by the next one, so neither order nor exactly-once
+        # matters, and an idempotent producer whose messages time out during a partition is fenced by
+        # the broker for good (PRODUCER_FENCED), which kept a healed host out of the registry
+        self._producer = make_producer(bootstrap, linger_ms=0, enable_idempotence=False,
+                                       message_timeout_ms=int(max(reg.ttl_s, 5) * 1000))
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"registry-{reg.kind.value}", daemon=True)
