@@ -723,7 +723,8 @@ class CheckpointServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         self.start()
-        stop.wait()
+        while not stop.wait(0.5):      # a timed wait: the main thread returns to Python to run the handler
+            pass
         log.info("TCE daemon of %s stopping", self.node)
         self.drain(stop_timeout)
         self.close()

@@ -21,7 +21,9 @@ clock is the sample time instead: each batch is processed at its own time, and t
 partition's nodes are checked whenever that partition's clock reaches a new second: its newest
 sample time while it has more to read (its nodes report in time order), else at least the slowest
 time of the partitions with more to read, or the newest of all once every partition is read to
-its end.
+its end. A partition counts as read to its end only after it stayed there for ``END_SETTLE_S``
+of wall time (while a replay is still being published, the end a fetch saw is not the end), and
+the 1 s timer checks the clocks between batches too.
 
 Faults are keyed by job id (node id when the job is unknown); dead letters keep the original key.
 With a signing key configured (``TRANSOM_FAULT_PRINCIPAL`` + ``TRANSOM_SIGNING_KEY``, see
@@ -62,6 +64,9 @@ APP_ID = "transom-tee"
 TAKE, TAKE_WITHIN = 1000, 0.05
 #: Event clock: most bytes fetched from one partition at a time.
 REPLAY_FETCH_BYTES = 64 * 1024
+#: Event clock: seconds (wall) a partition must stay read to its end before its time may move on
+#: with the other partitions' (a fetch may not yet have seen what is still being published).
+END_SETTLE_S = 2.0
 log = get("tee")
 
 
@@ -94,9 +99,10 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     watermarks: dict[int, float] = {}                    # event clock: partition -> newest sample time
     checked: dict[int, int] = {}                         # event clock: partition -> second last checked
     positions: dict[int, int] = {}                       # event clock: partition -> offset last processed
+    at_end: dict[int, tuple[int, float]] = {}            # event clock: partition -> (its end offset, since when)
 
     def event_clocks() -> dict[int, float]:
-        behind = set()
+        behind, wall = set(), time.monotonic()
         for p in watermarks:
             try:
                 high = app.consumer.highwater(TP(contracts.METRICS, p))
@@ -104,7 +110,24 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 high = None
             if high is None or positions[p] + 1 < high:
                 behind.add(p)
+                at_end.pop(p, None)
+                continue
+            # read to the end the last fetch saw: while the replay is still being published, the next
+            # fetch may bring more, so the partition counts as read to its end only once it stayed there
+            # for END_SETTLE_S (else its clock would jump to the others' and its nodes look silent)
+            if at_end.get(p, (None,))[0] != high:
+                at_end[p] = (high, wall)
+            if wall - at_end[p][1] < END_SETTLE_S:
+                behind.add(p)
         return partition_clocks(watermarks, behind)
+
+    def event_heartbeats() -> list[contracts.FaultEvent]:
+        found: list[contracts.FaultEvent] = []
+        for p, now in event_clocks().items():
+            if int(now) > checked.get(p, 0):
+                checked[p] = int(now)
+                found += engine.check_heartbeats(now, nodes_of[p])
+        return found
 
     async def emit(found: list[contracts.FaultEvent]) -> None:
         for f in found:
@@ -140,10 +163,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             return [], (f"tee failed to process the batch: {exc!r}", msg)
         if event_clock:
             positions[msg.partition] = msg.offset
-            for p, now in event_clocks().items():
-                if int(now) > checked.get(p, 0):
-                    checked[p] = int(now)
-                    found = found + engine.check_heartbeats(now, nodes_of[p])
+            found = found + event_heartbeats()
         return found, None
 
     @app.agent(metrics, name="tee")
@@ -184,8 +204,8 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
 
     @app.timer(1.0)
     async def heartbeats():
-        if not event_clock:
-            await emit(engine.check_heartbeats(time.time()))
+        # event clock: also between batches, so a partition that settled at its end is judged then
+        await emit(event_heartbeats() if event_clock else engine.check_heartbeats(time.time()))
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender, revoked, **_):
@@ -195,6 +215,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 watermarks.pop(tp.partition, None)
                 positions.pop(tp.partition, None)
                 checked.pop(tp.partition, None)
+                at_end.pop(tp.partition, None)
             elif tp.topic == contracts.PEER_WINDOWS:
                 engine.forget_jobs(jobs_of.pop(tp.partition, ()))
 

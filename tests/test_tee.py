@@ -618,7 +618,10 @@ def test_event_clock_worker_replays_an_old_hour_and_finds_the_node_that_fell_sil
         faults = wait_until(both, 60, "the node-lost and XID faults of the replay")
         lost = [f for f in faults if f.kind == c.FaultKind.NODE_LOST]
         assert [(f.node, f.observed_ts) for f in lost] == [("silent", base + 40)]
-        assert base + 45 <= lost[0].detected_ts <= base + 50      # decided on the replay's clock
+        # decided on the replay's clock (the wall clock says a day later); the silent node's partition,
+        # read to its end, moves on with the other one once it stayed there END_SETTLE_S of wall time,
+        # so the replay may be further on by then
+        assert base + 45 <= lost[0].detected_ts <= base + 120
         [xid] = [f for f in faults if f.kind == c.FaultKind.XID]
         assert (xid.node, xid.observed_ts) == ("steady", base + 80)
     finally:
