@@ -127,12 +127,7 @@ def advertise_address(bootstrap: str | None = None, *, bind: str | None = None,
     if bind and bind.strip("[]") not in _WILDCARDS:
         return bind.strip("[]")
     if bootstrap:
-        host, port = _first_broker(bootstrap)
-        try:
-            return route_source(host, port)
-        except OSError as exc:
-            raise ConfigError(f"cannot tell which address of this host reaches the broker {host}:{port} "
-                              f"({exc}): set --advertise / TRANSOM_ADVERTISE_ADDR") from None
+        return _broker_route(bootstrap, "set --advertise / TRANSOM_ADVERTISE_ADDR")
     return "127.0.0.1"      # one host, no broker: everything meets on loopback
 
 
@@ -144,13 +139,19 @@ def default_bind(bootstrap: str | None = None, *, explicit: str | None = None) -
     if explicit or os.environ.get("TRANSOM_ADVERTISE_ADDR"):
         return "0.0.0.0"
     if bootstrap:
-        host, port = _first_broker(bootstrap)
-        try:
-            return route_source(host, port)
-        except OSError as exc:
-            raise ConfigError(f"cannot tell which address of this host reaches the broker {host}:{port} "
-                              f"({exc}): give --host / --advertise (TRANSOM_ADVERTISE_ADDR)") from None
+        return _broker_route(bootstrap, "give --host / --advertise (TRANSOM_ADVERTISE_ADDR)")
     return "127.0.0.1"
+
+
+def _broker_route(bootstrap: str, remedy: str) -> str:
+    """This host's address on the route to the first broker of ``bootstrap``; a ConfigError ending
+    in ``remedy`` when the kernel has no route there."""
+    host, port = _first_broker(bootstrap)
+    try:
+        return route_source(host, port)
+    except OSError as exc:
+        raise ConfigError(f"cannot tell which address of this host reaches the broker {host}:{port} "
+                          f"({exc}): {remedy}") from None
 
 
 def is_loopback(addr: str) -> bool:
