@@ -58,7 +58,7 @@ from .digest import StreamDigest, algorithm
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .segments import Segment
 from .snapshot import SnapshotMode
-from .wire import Conn, DaemonError, encode_msg, recv_exact_into, recv_msg, send_msg
+from .wire import STALL_S, Conn, DaemonError, encode_msg, recv_exact_into, recv_msg, send_msg
 
 __all__ = ["CheckpointEngine", "SavePolicy", "SnapshotMode", "TIERS"]
 
@@ -566,7 +566,12 @@ def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard
             raise CorruptCheckpoint(where, f"{head['size']} bytes, manifest says {shard.size}")
         buf = segments.alloc_buffer(head["size"])
         hasher = StreamDigest(algorithm(shard.checksum))
-        recv_exact_into(conn.sock, memoryview(buf)[:head["size"]], hasher.feed)
+        conn.sock.settimeout(STALL_S)       # a daemon that stops sending mid-stream: the next copy
+        try:
+            recv_exact_into(conn.sock, memoryview(buf)[:head["size"]], hasher.feed)
+        except (OSError, ValueError):
+            hasher.hexdigest()
+            raise
     finally:
         conn.close()
     _check(hasher.hexdigest(), head["size"], shard, where)
