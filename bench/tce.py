@@ -52,10 +52,10 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -109,39 +109,20 @@ def dcp_async_save(state: dict, where: Path) -> float:
     return blocked
 
 
-def raw_socket(state: dict, ring_mib: int = 512, fresh: bool = False) -> float:
-    """Seconds to send the state's bytes over one loopback TCP connection (the kernel's autotuned
-    buffers, 8 MiB ``recv_into``), received into a warm ring: the link's limit. ``fresh``: received
-    into new memory instead (:func:`segments.alloc_buffer`, what a restore lands in), whose pages
-    the kernel faults in and zeroes while they arrive (an info figure: the restore's share of that)."""
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    srv = socket.create_server(("127.0.0.1", 0))
-    ring = bytearray(ring_mib << 20) if not fresh else None
-    done = {}
-
-    def receive() -> None:
-        conn, _ = srv.accept()
-        buf = segments.alloc_buffer(total) if fresh else ring
-        mv, got = memoryview(buf), 0
-        while got < total:
-            k = conn.recv_into(mv[(got % len(buf)):][: min(8 << 20, total - got)])
-            if not k:
-                break
-            got += k
-        done["t"] = time.perf_counter()
-        mv.release()
-        conn.close()
-
-    th = threading.Thread(target=receive)
-    th.start()
-    s = socket.create_connection(srv.getsockname())
-    t0 = time.perf_counter()
-    for v in state.values():
-        s.sendall(memoryview(v.numpy()).cast("B"))
-    th.join()
-    s.close()
-    srv.close()
-    return done["t"] - t0
+def raw_socket(state: dict, fresh: bool = False) -> float:
+    """Seconds to send the state's bytes over one loopback TCP connection to a ``--role sink``
+    process (one connection, the kernel's autotuned buffers, 8 MiB ``sendall`` / ``recv_into``, the
+    receiver in its own process like a daemon), until it has them all: the link's limit. ``fresh``:
+    the sink receives into new memory (:func:`segments.alloc_buffer`, what a restore lands in),
+    whose pages the kernel faults in and zeroes while they arrive (an info figure)."""
+    sink = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--role", "sink", "--port", "0"],
+                            stdout=subprocess.PIPE)
+    try:
+        port = int(sink.stdout.readline().split()[1])
+        return remote_socket(state, f"127.0.0.1:{port}", fresh)
+    finally:
+        sink.terminate()
+        sink.wait(30)
 
 
 class Daemons:
@@ -378,14 +359,19 @@ def grade(r: dict) -> dict:
     return r
 
 
-def remote_socket(state: dict, addr: str) -> float:
-    """Seconds to send the state's bytes to a ``--role sink`` on another host, until it has them all."""
+def remote_socket(state: dict, addr: str, fresh: bool = False) -> float:
+    """Seconds to send the state's bytes to a ``--role sink`` (8 MiB ``sendall`` calls), until it
+    has them all; ``fresh``: the sink receives them into new memory instead of its warm ring."""
+    total = sum(v.numel() * v.element_size() for v in state.values())
     host, port = addr.rsplit(":", 1)
     s = socket.create_connection((host, int(port)))
+    s.sendall(struct.pack(">QB", total, fresh))
+    assert s.recv(1) == b"r"                        # the sink's memory is ready
     t0 = time.perf_counter()
     for v in state.values():
-        s.sendall(memoryview(v.numpy()).cast("B"))
-    s.shutdown(socket.SHUT_WR)
+        mv = memoryview(v.numpy()).cast("B")
+        for lo in range(0, len(mv), 8 << 20):
+            s.sendall(mv[lo:lo + (8 << 20)])
     assert s.recv(1) == b"k"
     dt = time.perf_counter() - t0
     s.close()
@@ -393,20 +379,30 @@ def remote_socket(state: dict, addr: str) -> float:
 
 
 def role_sink(args: argparse.Namespace) -> int:
-    """Receive whole connections into a warm ring and acknowledge each (the raw link's far end)."""
+    """Receive whole connections (8 MiB ``recv_into``) into a warm ring, every page touched
+    beforehand, or into new memory when the sender asks, and acknowledge each: the raw link's far end."""
     srv = socket.create_server(("0.0.0.0", args.port))
-    ring = memoryview(bytearray(512 << 20))
-    print("listening", flush=True)
+    ring = memoryview(bytearray(b"\x01") * (512 << 20))
+    print(f"listening {srv.getsockname()[1]}", flush=True)
     while True:
         conn, _ = srv.accept()
+        head = bytearray(9)
         got = 0
-        while True:
-            k = conn.recv_into(ring[got % len(ring):][: 8 << 20])
+        while got < 9:
+            got += conn.recv_into(memoryview(head)[got:])
+        total, fresh = struct.unpack(">QB", head)
+        buf = memoryview(segments.alloc_buffer(total)) if fresh else ring
+        conn.sendall(b"r")
+        got = 0
+        while got < total:
+            k = conn.recv_into(buf[got % len(buf):][: min(8 << 20, total - got)])
             if not k:
                 break
             got += k
         conn.sendall(b"k")
         conn.close()
+        if fresh:
+            buf.release()
 
 
 def role_saver(args: argparse.Namespace) -> int:
@@ -511,7 +507,7 @@ def hosts_bench(args: argparse.Namespace) -> tuple[dict, str]:
             port = 39000
             procs.append(bed.python("node1", [me, "--role", "sink", "--port", str(port)], env=env,
                                     stdout=subprocess.PIPE, stderr=open(root / "sink.log", "wb")))
-            assert procs[-1].stdout.readline().strip() == b"listening"
+            assert procs[-1].stdout.readline().startswith(b"listening")
             time.sleep(3)                       # the daemons register and see each other
             for gib in args.sizes.split(","):
                 job = f"bench-{uuid.uuid4().hex[:6]}"
