@@ -497,6 +497,7 @@ def hosts_bench(args: argparse.Namespace) -> tuple[dict, str]:
     procs: list = []
     with testbed.Bed(hosts, share=[root]) as bed, \
             EmbeddedBroker(host=bed.root_addr, log_path=str(root / "broker.log")) as broker:
+        env["TRANSOM_BOOTSTRAP"] = broker.bootstrap    # the ranks find their host's daemon in its runtime dir
         try:
             for h in hosts:
                 (root / f"disk-{h}").mkdir()
