@@ -416,6 +416,7 @@ def role_saver(args: argparse.Namespace) -> int:
     r["durable_torch_save_s"] = durable_torch_save(state, root / "state.pt")     # the restorer reads it
     r["raw_socket_s"] = min(remote_socket(state, args.sink) for _ in range(args.repeat))
     r["raw_socket_gbps"] = nbytes / r["raw_socket_s"] / 1e9
+    r["raw_socket_fresh_s"] = min(remote_socket(state, args.sink, fresh=True) for _ in range(args.repeat))
     r["disk_write_s"] = min(disk_write(state, Path(args.disk_dir) / "probe") for _ in range(args.repeat))
     r |= replication_alone(state, root / "ckpt-repl", f"{args.job}-repl", args)
     r["replication_gbps"] = nbytes / r["replication_s"] / 1e9
