@@ -12,8 +12,11 @@ ratio of two times measured in this run:
   the blocking time of ``torch.distributed.checkpoint.async_save`` and of a durable synchronous
   save (``torch.save`` then fsync). The other snapshot mode is measured the same way (a row);
   the default is the mode that loses less.
-- **replication**: the daemon-to-daemon transfer, at least 0.8x a raw loopback socket sending the
-  same bytes.
+- **replication**: the daemons' replica of node0's shard into node1's memory (connect, the bytes,
+  the receiver's digest check and answer; the daemons' default transport, ``auto``), at least 0.8x
+  a raw loopback socket sending the same bytes over one connection in the same run. Both run
+  alone (the replica: saves with ``disk=False`` and no training loop); the replica's transfer
+  beside the training loop and the disk write is an info row.
 
 Every time is the best of ``--repeat`` runs (raw socket, disk write, saves, restores alike: the
 host is shared and noisy), after ``--warm`` saves that bring the daemons to their steady state
@@ -23,13 +26,15 @@ host is shared and noisy), after ``--warm`` saves that bring the daemons to thei
 - **peer restore** of the shard from a neighbour's memory on a node that holds no copy, its digest
   verified: at least 0.8x the raw socket transfer, and at least 2x faster than ``torch.load`` of the
   same state from a file whose pages were dropped from the page cache (fsync, then
-  ``posix_fadvise(DONTNEED)``): the read a relaunched rank does without Transom.
+  ``posix_fadvise(DONTNEED)``): the read a relaunched rank does without Transom. An info row
+  receives the raw socket into new memory, as a restore must (the kernel faults in and zeroes
+  its pages while the bytes arrive): what is left between the two is the restore's own cost.
 
 Three ``transom ckpt-server`` daemons run as processes (node0 saves, node1 is its neighbour,
 node2 restores). Big buffers are freed between cases (the host has other users). Prints a table,
 then one JSON line with the figures, the targets and whether each is met.
 
-    python bench/tce.py [--sizes 1,4] [--transport auto|mooncake|tcp]
+    python bench/tce.py [--sizes 1,4] [--transport auto|mooncake|tcp] [--quick]
     python bench/tce.py --hosts [--sizes 1]      # on three test-bed hosts (root, namespaces)
 
 With ``--hosts`` the same figures come from three hosts of the test bed (:mod:`transom.testbed`):
@@ -47,10 +52,10 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -104,34 +109,20 @@ def dcp_async_save(state: dict, where: Path) -> float:
     return blocked
 
 
-def raw_socket(state: dict, ring_mib: int = 512) -> float:
-    """Seconds to send the state's bytes over one loopback TCP connection (receiver: recv_into)."""
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    srv = socket.create_server(("127.0.0.1", 0))
-    ring = bytearray(ring_mib << 20)
-    done = {}
-
-    def receive() -> None:
-        conn, _ = srv.accept()
-        mv, got = memoryview(ring), 0
-        while got < total:
-            k = conn.recv_into(mv[(got % len(ring)):][: min(8 << 20, total - got)])
-            if not k:
-                break
-            got += k
-        done["t"] = time.perf_counter()
-        conn.close()
-
-    th = threading.Thread(target=receive)
-    th.start()
-    s = socket.create_connection(srv.getsockname())
-    t0 = time.perf_counter()
-    for v in state.values():
-        s.sendall(memoryview(v.numpy()).cast("B"))
-    th.join()
-    s.close()
-    srv.close()
-    return done["t"] - t0
+def raw_socket(state: dict, fresh: bool = False) -> float:
+    """Seconds to send the state's bytes over one loopback TCP connection to a ``--role sink``
+    process (one connection, the kernel's autotuned buffers, 8 MiB ``sendall`` / ``recv_into``, the
+    receiver in its own process like a daemon), until it has them all: the link's limit. ``fresh``:
+    the sink receives into new memory (:func:`segments.alloc_buffer`, what a restore lands in),
+    whose pages the kernel faults in and zeroes while they arrive (an info figure)."""
+    sink = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--role", "sink", "--port", "0"],
+                            stdout=subprocess.PIPE)
+    try:
+        port = int(sink.stdout.readline().split()[1])
+        return remote_socket(state, f"127.0.0.1:{port}", fresh)
+    finally:
+        sink.terminate()
+        sink.wait(30)
 
 
 class Daemons:
@@ -223,6 +214,30 @@ def loop_through_save(state: dict, eng: CheckpointEngine, step: int, save_at: in
             "ready_s": ready}
 
 
+def replication_alone(state: dict, ckpt: Path, job: str, args: argparse.Namespace, runtime=None) -> dict:
+    """The daemons' replication of node0's shard into node1's memory, nothing else running (no
+    training loop, no disk write: the raw socket it is graded against runs alone too): saves with
+    ``disk=False``, after ``--warm`` saves (replica segments allocated once, then reused). The
+    figure is the sender daemon's wall time of the whole replica (connect, handshake, the bytes,
+    the receiver's digest check and answer), through the daemons' own transport (``auto`` unless
+    ``--transport`` says otherwise); ``transfer_s`` is the receiver's time for the bytes alone."""
+    eng = CheckpointEngine(ckpt, job, 0, 1, "node0", runtime=runtime, disk=False, shared=False)
+    eng.reserve(state)
+    runs = []
+    for step in range(1, max(args.warm, 2) + args.repeat + 1):
+        eng.save(step, state)
+        eng.wait()
+        res = eng.last_result or {}
+        if step > max(args.warm, 2):
+            runs.append({k: res.get(k) for k in ("replicate_s", "transfer_s")})
+    eng.close()
+    shutil.rmtree(ckpt, ignore_errors=True)
+    if not all(x["replicate_s"] for x in runs):
+        raise SystemExit(f"replication alone: a save had no peer copy ({runs}): see the daemons' logs")
+    return {"replication_s": min(x["replicate_s"] for x in runs),
+            "replication_transfer_s": min(x["transfer_s"] for x in runs), "replication_runs": runs}
+
+
 def bench_size(nbytes: int, args: argparse.Namespace, daemons: Daemons, root: Path) -> dict:
     r: dict = {"bytes": nbytes}
     state = make_state(nbytes, args.tensor_mib)
@@ -237,12 +252,17 @@ def bench_size(nbytes: int, args: argparse.Namespace, daemons: Daemons, root: Pa
     pt = root / "state.pt"
     r["durable_torch_save_s"] = durable_torch_save(state, pt)
     say("raw loopback socket copy; disk write with fsync")
-    r["raw_socket_s"] = min(raw_socket(state), raw_socket(state))
+    r["raw_socket_s"] = min(raw_socket(state) for _ in range(max(args.repeat, 2)))
     r["raw_socket_gbps"] = nbytes / r["raw_socket_s"] / 1e9
+    r["raw_socket_fresh_s"] = min(raw_socket(state, fresh=True) for _ in range(max(args.repeat, 2)))
     (root / "local").mkdir(exist_ok=True)
     r["disk_write_s"] = min(disk_write(state, root / "local" / "probe"), disk_write(state, root / "local" / "probe"))
 
     tag = f"bench-{nbytes >> 20}m-{uuid.uuid4().hex[:6]}"
+    say(f"replication alone ({daemons.transport}): node0 -> node1, digest verified on arrival")
+    r |= replication_alone(state, root / f"ckpt-{tag}-repl", f"{tag}-repl", args, daemons.runtime)
+    daemons.forget(f"{tag}-repl")
+    r["replication_gbps"] = nbytes / r["replication_s"] / 1e9
     transfers = []
     for mode in MODES:
         job = f"{tag}-{mode}"
@@ -266,8 +286,7 @@ def bench_size(nbytes: int, args: argparse.Namespace, daemons: Daemons, root: Pa
         if mode != MODES[-1]:
             daemons.forget(job)
             shutil.rmtree(ckpt, ignore_errors=True)
-    r["replication_s"] = min(transfers) if transfers else None
-    r["replication_gbps"] = nbytes / r["replication_s"] / 1e9 if transfers else None
+    r["replication_in_loop_s"] = min(transfers) if transfers else None
     r["default_mode"] = min(MODES, key=lambda m: r[m]["lost_s"])
     del state
     gc.collect()
@@ -331,17 +350,28 @@ def grade(r: dict) -> dict:
         ("lost_per_save_vs_plain_copy", r[m]["lost_s"] / r["plain_copy_s"]),
         ("stall_vs_plain_copy", r[m]["stall_s"] / r["plain_copy_s"]),
         ("ready_vs_slowest_stage", r[m]["ready_s"] / slowest))}
+    # the wire's share: the replica's bytes alone (receiver side), beside a training loop and the disk
+    # write; the restore against a raw socket that also lands in new memory (page faults included)
+    if r.get("replication_in_loop_s"):
+        r["info_ratios"]["replication_in_loop_vs_raw_socket"] = r["raw_socket_s"] / r["replication_in_loop_s"]
+    if r.get("raw_socket_fresh_s"):
+        r["info_ratios"]["peer_restore_vs_raw_socket_fresh_memory"] = r["raw_socket_fresh_s"] / r["peer_restore_s"]
     return r
 
 
-def remote_socket(state: dict, addr: str) -> float:
-    """Seconds to send the state's bytes to a ``--role sink`` on another host, until it has them all."""
+def remote_socket(state: dict, addr: str, fresh: bool = False) -> float:
+    """Seconds to send the state's bytes to a ``--role sink`` (8 MiB ``sendall`` calls), until it
+    has them all; ``fresh``: the sink receives them into new memory instead of its warm ring."""
+    total = sum(v.numel() * v.element_size() for v in state.values())
     host, port = addr.rsplit(":", 1)
     s = socket.create_connection((host, int(port)))
+    s.sendall(struct.pack(">QB", total, fresh))
+    assert s.recv(1) == b"r"                        # the sink's memory is ready
     t0 = time.perf_counter()
     for v in state.values():
-        s.sendall(memoryview(v.numpy()).cast("B"))
-    s.shutdown(socket.SHUT_WR)
+        mv = memoryview(v.numpy()).cast("B")
+        for lo in range(0, len(mv), 8 << 20):
+            s.sendall(mv[lo:lo + (8 << 20)])
     assert s.recv(1) == b"k"
     dt = time.perf_counter() - t0
     s.close()
@@ -349,20 +379,30 @@ def remote_socket(state: dict, addr: str) -> float:
 
 
 def role_sink(args: argparse.Namespace) -> int:
-    """Receive whole connections into a warm ring and acknowledge each (the raw link's far end)."""
+    """Receive whole connections (8 MiB ``recv_into``) into a warm ring, every page touched
+    beforehand, or into new memory when the sender asks, and acknowledge each: the raw link's far end."""
     srv = socket.create_server(("0.0.0.0", args.port))
-    ring = memoryview(bytearray(512 << 20))
-    print("listening", flush=True)
+    ring = memoryview(bytearray(b"\x01") * (512 << 20))
+    print(f"listening {srv.getsockname()[1]}", flush=True)
     while True:
         conn, _ = srv.accept()
+        head = bytearray(9)
         got = 0
-        while True:
-            k = conn.recv_into(ring[got % len(ring):][: 8 << 20])
+        while got < 9:
+            got += conn.recv_into(memoryview(head)[got:])
+        total, fresh = struct.unpack(">QB", head)
+        buf = memoryview(segments.alloc_buffer(total)) if fresh else ring
+        conn.sendall(b"r")
+        got = 0
+        while got < total:
+            k = conn.recv_into(buf[got % len(buf):][: min(8 << 20, total - got)])
             if not k:
                 break
             got += k
         conn.sendall(b"k")
         conn.close()
+        if fresh:
+            buf.release()
 
 
 def role_saver(args: argparse.Namespace) -> int:
@@ -376,7 +416,10 @@ def role_saver(args: argparse.Namespace) -> int:
     r["durable_torch_save_s"] = durable_torch_save(state, root / "state.pt")     # the restorer reads it
     r["raw_socket_s"] = min(remote_socket(state, args.sink) for _ in range(args.repeat))
     r["raw_socket_gbps"] = nbytes / r["raw_socket_s"] / 1e9
+    r["raw_socket_fresh_s"] = min(remote_socket(state, args.sink, fresh=True) for _ in range(args.repeat))
     r["disk_write_s"] = min(disk_write(state, Path(args.disk_dir) / "probe") for _ in range(args.repeat))
+    r |= replication_alone(state, root / "ckpt-repl", f"{args.job}-repl", args)
+    r["replication_gbps"] = nbytes / r["replication_s"] / 1e9
     transfers = []
     for mode in MODES:
         eng = CheckpointEngine(root / f"ckpt-{mode}", f"{args.job}-{mode}", 0, 1, "node0", shared=False,
@@ -395,8 +438,7 @@ def role_saver(args: argparse.Namespace) -> int:
             transfers.append(res["transfer_s"])
         r[mode] = got
         eng.close()
-    r["replication_s"] = min(transfers) if transfers else None
-    r["replication_gbps"] = nbytes / r["replication_s"] / 1e9 if transfers else None
+    r["replication_in_loop_s"] = min(transfers) if transfers else None
     r["default_mode"] = min(MODES, key=lambda m: r[m]["lost_s"])
     print(json.dumps(r), flush=True)
     return 0
@@ -456,6 +498,7 @@ def hosts_bench(args: argparse.Namespace) -> tuple[dict, str]:
     procs: list = []
     with testbed.Bed(hosts, share=[root]) as bed, \
             EmbeddedBroker(host=bed.root_addr, log_path=str(root / "broker.log")) as broker:
+        env["TRANSOM_BOOTSTRAP"] = broker.bootstrap    # the ranks find their host's daemon in its runtime dir
         try:
             for h in hosts:
                 (root / f"disk-{h}").mkdir()
@@ -466,7 +509,7 @@ def hosts_bench(args: argparse.Namespace) -> tuple[dict, str]:
             port = 39000
             procs.append(bed.python("node1", [me, "--role", "sink", "--port", str(port)], env=env,
                                     stdout=subprocess.PIPE, stderr=open(root / "sink.log", "wb")))
-            assert procs[-1].stdout.readline().strip() == b"listening"
+            assert procs[-1].stdout.readline().startswith(b"listening")
             time.sleep(3)                       # the daemons register and see each other
             for gib in args.sizes.split(","):
                 job = f"bench-{uuid.uuid4().hex[:6]}"
@@ -615,7 +658,11 @@ def main() -> int:
     for hidden in ("--root", "--job", "--size", "--sink", "--disk-dir", "--mode"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true",
+                   help="a quick run (~3 min on an idle host): --sizes 0.25 --warm 2 --repeat 2 --sharded 0")
     args = p.parse_args()
+    if args.quick:
+        args.sizes, args.warm, args.repeat, args.sharded = "0.25", 2, 2, 0
     torch.set_num_threads(1)
     if args.role:
         return {"saver": role_saver, "restorer": role_restorer, "sink": role_sink}[args.role](args)
@@ -647,7 +694,9 @@ def main() -> int:
     rows += [("async_save blocking s", lambda x: x["async_save_block_s"]),
              ("durable torch.save s (fsync)", lambda x: x["durable_torch_save_s"]),
              ("raw socket s", lambda x: x["raw_socket_s"]), ("disk write s (fsync)", lambda x: x["disk_write_s"]),
-             ("replication s", lambda x: x["replication_s"] or 0.0),
+             ("raw socket s, into new memory", lambda x: x.get("raw_socket_fresh_s") or 0.0),
+             ("replication s (alone)", lambda x: x["replication_s"] or 0.0),
+             ("replication s (in training loop)", lambda x: x.get("replication_in_loop_s") or 0.0),
              ("peer restore s (verified)", lambda x: x["peer_restore_s"]),
              ("torch.load s (pages dropped)", lambda x: x["torch_load_cold_s"])]
     print(f"{'TCE (' + where + ')':<36}" + "".join(f"{c:>12}" for c in cols))

@@ -58,7 +58,7 @@ from .digest import StreamDigest, algorithm
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .segments import Segment
 from .snapshot import SnapshotMode
-from .wire import Conn, DaemonError, encode_msg, recv_exact_into, recv_msg, send_msg
+from .wire import STALL_S, Conn, DaemonError, encode_msg, recv_exact_into, recv_msg, send_msg
 
 __all__ = ["CheckpointEngine", "SavePolicy", "SnapshotMode", "TIERS"]
 
@@ -552,9 +552,11 @@ def _copy_verified(src: memoryview, shard: contracts.Shard, where: str):
 
 
 def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard, node: str):
-    """The shard from a peer daemon's memory; hashed as it arrives, refused unless it verifies."""
+    """The shard from a peer daemon's memory; hashed as it arrives, refused unless it verifies.
+    The buffer comes before the request: its pages are being faulted in during the round trip."""
     conn = Conn(addr, timeout=5)
     try:
+        buf = segments.alloc_buffer(shard.size)
         # no SO_RCVBUF: setting it turns off the kernel's autotuning and is capped at
         # net.core.rmem_max (208 KiB by default), a window several times too small
         send_msg(conn.sock, {"op": "read", "job": job, "rank": rank, "step": step, "digest": shard.checksum})
@@ -564,9 +566,13 @@ def _read_peer(addr: str, job: str, rank: int, step: int, shard: contracts.Shard
         where = f"memory of {node} ({addr})"
         if head["size"] != shard.size:
             raise CorruptCheckpoint(where, f"{head['size']} bytes, manifest says {shard.size}")
-        buf = segments.alloc_buffer(head["size"])
         hasher = StreamDigest(algorithm(shard.checksum))
-        recv_exact_into(conn.sock, memoryview(buf)[:head["size"]], hasher.feed)
+        conn.sock.settimeout(STALL_S)       # a daemon that stops sending mid-stream: the next copy
+        try:
+            recv_exact_into(conn.sock, memoryview(buf)[:head["size"]], hasher.feed)
+        except (OSError, ValueError):
+            hasher.hexdigest()
+            raise
     finally:
         conn.close()
     _check(hasher.hexdigest(), head["size"], shard, where)

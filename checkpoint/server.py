@@ -70,7 +70,7 @@ from .digest import DEFAULT as DIGEST, StreamDigest, algorithm, digest_of
 from .errors import StaleGeneration
 from .segments import Segment, safe_name
 from .transport import Replicator, make_replicator
-from .wire import DaemonError, greet, recv_exact_into, recv_msg, send_file, send_msg
+from .wire import STALL_S, DaemonError, greet, recv_exact_into, recv_msg, send_msg, send_view
 
 __all__ = ["CheckpointServer", "Slot", "main"]
 
@@ -452,10 +452,16 @@ class CheckpointServer:
         if slot is None:
             send_msg(sock, {"found": False})
             return None
+        view = slot.seg.view(slot.size)
         try:
             send_msg(sock, {"found": True, "size": slot.size, "digest": slot.digest, "kind": slot.kind})
-            send_file(sock, str(slot.seg.path), slot.size)
+            send_view(sock, view)               # from this daemon's memory, not the file's path
+        except BaseException:
+            # the head promised bytes: the reader must see a short stream, never a reply read as bytes
+            _hang_up(sock)
+            raise
         finally:
+            view.release()
             with self.lock:
                 slot.state = "held"
         return None
@@ -493,6 +499,7 @@ class CheckpointServer:
             raise
         t0 = time.perf_counter()
         hasher = StreamDigest(algorithm(msg["digest"]))     # verified while it arrives
+        sock.settimeout(STALL_S)                            # a sender that stalls mid-stream fails it
         try:
             recv_exact_into(sock, slot.seg.view(slot.size), hasher.feed)
         except OSError:
@@ -500,6 +507,8 @@ class CheckpointServer:
             with self.lock:
                 slot.state = "free"
             raise
+        finally:
+            sock.settimeout(None)
         dt = time.perf_counter() - t0
         return {**self._finish_replica(slot, msg, hasher.hexdigest()), "transfer_s": dt}
 
@@ -728,6 +737,14 @@ class CheckpointServer:
         log.info("TCE daemon of %s stopping", self.node)
         self.drain(stop_timeout)
         self.close()
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """End a connection whose byte stream broke off: the peer gets end-of-stream at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _drain(sock: socket.socket, size: int) -> None:

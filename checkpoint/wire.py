@@ -10,8 +10,10 @@ and the connection is closed. Without a secret ``auth`` is null; a client that h
 refuses such a daemon.
 
 A message is a 4-byte big-endian length and a JSON object. Bulk bytes (a shard) follow a
-message that announces their size and are sent as they are (``socket.sendfile`` from a
-shared-memory file where possible). :class:`Conn` is one client connection with a lock, so a
+message that announces their size and are sent as they are, out of the sender's mapping of
+the shared-memory segment (:func:`send_view`); a receiver that gets no byte for :data:`STALL_S`
+seconds fails, and a sender that fails after the announcement hangs up, so a broken stream is
+never waited for nor read as a reply. :class:`Conn` is one client connection with a lock, so a
 rank's training thread and its background thread can share it.
 """
 
@@ -30,11 +32,14 @@ from transom.config import ConfigError
 
 from .errors import CheckpointError
 
-__all__ = ["encode_msg", "send_msg", "recv_msg", "recv_exact_into", "send_file", "Conn", "DaemonError",
+__all__ = ["encode_msg", "send_msg", "recv_msg", "recv_exact_into", "send_view", "Conn", "DaemonError",
            "greet", "client_key", "handshake_client"]
 
 _LEN = struct.Struct(">I")
 _CHUNK = 8 << 20
+#: seconds a bulk receive may go without a byte before it fails (the sender died or hangs mid-stream):
+#: the restore goes on with the next copy, the daemon frees the replica segment
+STALL_S = 30.0
 
 
 class DaemonError(CheckpointError):
@@ -81,14 +86,14 @@ def recv_msg(sock: socket.socket) -> dict[str, Any] | None:
     return json.loads(_recv_exact(sock, n))
 
 
-def send_file(sock: socket.socket, path: str, size: int) -> None:
-    with open(path, "rb") as f:
-        sent = 0
-        while sent < size:
-            k = sock.sendfile(f, offset=sent, count=size - sent)
-            if k == 0:
-                raise ConnectionError(f"{path}: short file, sent {sent} of {size} bytes")
-            sent += k
+def send_view(sock: socket.socket, view: memoryview, piece: int = _CHUNK) -> None:
+    """Send ``view`` (a daemon's mapping of a segment: its memory, whatever became of the file's
+    path) in ``piece``-byte ``sendall`` calls. Measured here against ``sendfile`` of the segment's
+    file over loopback, 1 GiB, 8 alternating runs: median 1.03-1.13 s against 1.54-1.61 s
+    (``sendfile`` moves a file through a 16-page pipe, 64 KiB per step)."""
+    mv = view.cast("B") if view.format != "B" else view
+    for lo in range(0, len(mv), piece):
+        sock.sendall(mv[lo:lo + piece])
 
 
 GREETING = "ckpt/1"

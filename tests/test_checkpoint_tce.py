@@ -300,3 +300,51 @@ def test_fsdp2_model_and_optimizer_saved_on_4_ranks_load_bit_for_bit_on_4_and_re
             assert full.keys() == ref.keys()
             diff = [k for k in ref if full[k] != ref[k]]
             assert not diff, f"world {world} rank {r}: {diff} differ from what 4 ranks saved"
+
+
+# --------------------------------------------------------------------------- a broken byte stream
+
+def test_a_peer_that_breaks_off_or_stalls_mid_shard_is_left_for_the_next_copy(tmp_path, monkeypatch):
+    """A peer daemon that fails after announcing a shard hangs up (the reader sees a short stream,
+    not a reply read as bytes); one that stops sending is given up after STALL_S; the restore then
+    uses the next copy. In-process daemons, so their send can be broken."""
+    import threading
+
+    from transom.checkpoint import CheckpointEngine
+    from transom.checkpoint import engine as eng_mod
+    from transom.checkpoint import server as srv_mod
+    from transom.checkpoint.server import CheckpointServer
+
+    runtime = tmp_path / "rt"
+    servers = [CheckpointServer(n, runtime, disk_dir=str(tmp_path / "disk"), host="127.0.0.1", transport="tcp").start()
+               for n in ("node0", "node1")]
+    release, calls = threading.Event(), []
+    real = srv_mod.send_view
+
+    def broken(sock, view, piece=8 << 20):
+        calls.append(len(view))
+        real(sock, view[:len(view) // 2])
+        if len(calls) == 1:
+            raise OSError("disk on fire")        # the replica holder fails mid-stream
+        release.wait(30)                         # the writer stalls mid-stream
+
+    try:
+        eng = CheckpointEngine(tmp_path / "ckpt", "j-broken", 0, 1, "node0", runtime=runtime, disk=False)
+        state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+        eng.save(1, state)
+        eng.wait()
+        eng.close()
+        monkeypatch.setattr(srv_mod, "send_view", broken)
+        monkeypatch.setattr(eng_mod, "STALL_S", 1.0)
+        other = CheckpointEngine(tmp_path / "ckpt", "j-broken", 0, 1, "node2", runtime=runtime, disk=False)
+        try:
+            step, got = other.load()
+        finally:
+            release.set()
+            other.close()
+        assert step == 1 and torch.equal(got["w"], state["w"])
+        assert len(calls) == 2 and other.last_restore["tier_name"] == "shared", (calls, other.last_restore)
+    finally:
+        release.set()
+        for s in servers:
+            s.close()
