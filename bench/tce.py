@@ -157,6 +157,15 @@ class Daemons:
             time.sleep(0.1)
         self.transport = segments.registered(self.runtime)["node0"]["transport"]
 
+    def cpu(self) -> float:
+        """CPU seconds (user + system) the daemons have used so far."""
+        tck, total = os.sysconf("SC_CLK_TCK"), 0.0
+        for p in self.procs:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tck
+        return total
+
     def forget(self, job: str) -> None:
         for info in segments.registered(self.runtime).values():
             c = Conn(info["addr"])
@@ -200,17 +209,38 @@ def durable_torch_save(state: dict, where: Path) -> float:
     return time.perf_counter() - t0
 
 
-def steps(state: dict, n: int) -> float:
+def schedstat() -> tuple[float, float]:
+    """Seconds this thread has run on a CPU and waited in a run queue (``/proc/thread-self/schedstat``)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on, wait = f.read().split()[:2]
+        return int(on) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
+def steps(state: dict, n: int, sched: list | None = None) -> float:
+    c0 = schedstat()
     t0 = time.perf_counter()
     for _ in range(n):
         inplace_update(state)
-    return time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    if sched is not None:
+        c1 = schedstat()
+        sched.append((dt, c1[0] - c0[0], c1[1] - c0[1]))
+    return dt
 
 
-def loop_through_save(state: dict, eng: CheckpointEngine, step: int, save_at: int = 2) -> dict:
+def loop_through_save(state: dict, eng: CheckpointEngine, step: int, save_at: int = 2, daemons_cpu=None) -> dict:
     """Train (in-place updates) through one save until the checkpoint is ready and one step more;
-    the same number of steps without a save is subtracted (best of two)."""
-    before = steps(state, 8)                      # the loop without saves, right before (per step)
+    the same number of steps without a save is subtracted (the best of the loop right before the
+    save and twice after it). Where the lost time went (info): the training thread's extra time on
+    a CPU (the stall's copy, slower steps: memory bandwidth, caches) and its extra wait in a run
+    queue (cores taken by the daemons or by anything else on the host), against the baseline."""
+    sched: list = []
+    before = steps(state, 8, sched)
+    d0 = daemons_cpu() if daemons_cpu else 0.0
+    c0 = schedstat()
     n, t0, ready, saved, stall = 0, time.perf_counter(), None, None, 0.0
     while True:
         if n == save_at:
@@ -225,11 +255,15 @@ def loop_through_save(state: dict, eng: CheckpointEngine, step: int, save_at: in
     inplace_update(state)
     n += 1
     total = time.perf_counter() - t0
+    c1 = schedstat()
     eng.wait()
-    # the same steps without a save: the best of the loop right before the save and twice after it
-    base = min(before / 8 * n, steps(state, n), steps(state, n))
+    daemons_s = daemons_cpu() - d0 if daemons_cpu else None
+    base = min(before / 8 * n, steps(state, n, sched), steps(state, n, sched))
+    best = min(sched, key=lambda x: x[0] / (8 if x is sched[0] else n))
+    k = n / (8 if best is sched[0] else n)
     return {"steps": n, "loop_s": total, "base_s": base, "lost_s": max(total - base, 1e-9), "stall_s": stall,
-            "ready_s": ready}
+            "ready_s": ready, "extra_cpu_s": (c1[0] - c0[0]) - best[1] * k,
+            "extra_runq_wait_s": (c1[1] - c0[1]) - best[2] * k, "daemons_cpu_s": daemons_s}
 
 
 def bench_size(nbytes: int, args: argparse.Namespace, daemons: Daemons, root: Path) -> dict:
@@ -262,8 +296,10 @@ def bench_size(nbytes: int, args: argparse.Namespace, daemons: Daemons, root: Pa
         for step in range(1, args.warm + 1):         # the daemons' steady state: slots allocated, reused
             eng.save(step, state)
             eng.wait()
-        runs = [loop_through_save(state, eng, args.warm + 1 + i) for i in range(args.repeat)]
+        runs = [loop_through_save(state, eng, args.warm + 1 + i, daemons_cpu=daemons.cpu) for i in range(args.repeat)]
         got = {k: min(x[k] for x in runs) for k in ("lost_s", "stall_s", "ready_s")}   # best of each
+        least = min(runs, key=lambda x: x["lost_s"])          # where the least lost went (info)
+        got |= {k: least[k] for k in ("extra_cpu_s", "extra_runq_wait_s", "daemons_cpu_s")}
         got |= {"steps": runs[0]["steps"], "runs": [{k: round(v, 4) for k, v in x.items()} for x in runs]}
         assert eng.last_snapshot_mode.value == mode, eng.last_snapshot_mode
         res = eng.last_result or {}
@@ -397,6 +433,8 @@ def role_saver(args: argparse.Namespace) -> int:
             eng.wait()
         runs = [loop_through_save(state, eng, args.warm + 1 + i) for i in range(args.repeat)]
         got = {k: min(x[k] for x in runs) for k in ("lost_s", "stall_s", "ready_s")}
+        least = min(runs, key=lambda x: x["lost_s"])
+        got |= {k: least[k] for k in ("extra_cpu_s", "extra_runq_wait_s")}
         got |= {"steps": runs[0]["steps"], "runs": [{k: round(v, 4) for k, v in x.items()} for x in runs]}
         res = eng.last_result or {}
         got["stages"] = {k: round(v, 4) for k, v in res.items() if k.endswith("_s")}
@@ -600,6 +638,10 @@ def sharded_bench(world: int, nbytes: int, daemons: "Daemons", root: Path) -> di
     return r
 
 
+def _or_nan(v) -> float:
+    return float("nan") if v is None else v
+
+
 def _default_priority() -> str:
     from transom.priority import DEFAULT, KEY
 
@@ -675,6 +717,9 @@ def main() -> int:
     for m in MODES:
         rows += [(f"{m}: lost per save s", lambda x, m=m: x[m]["lost_s"]),
                  (f"{m}: save() blocking s", lambda x, m=m: x[m]["stall_s"]),
+                 (f"{m}:  lost: extra on-CPU s", lambda x, m=m: _or_nan(x[m].get("extra_cpu_s"))),
+                 (f"{m}:  lost: extra run-queue wait s", lambda x, m=m: _or_nan(x[m].get("extra_runq_wait_s"))),
+                 (f"{m}:  daemons' CPU s (3 daemons)", lambda x, m=m: _or_nan(x[m].get("daemons_cpu_s"))),
                  (f"{m}: save -> ready s", lambda x, m=m: x[m]["ready_s"]),
                  (f"{m}: steps through the save", lambda x, m=m: x[m]["steps"])]
     rows += [("async_save blocking s", lambda x: x["async_save_block_s"]),
