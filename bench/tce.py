@@ -32,7 +32,7 @@ node2 restores). Big buffers are freed between cases (the host has other users).
 then one JSON line with the figures, the targets and whether each is met.
 
     python bench/tce.py [--sizes 1,4] [--transport auto|mooncake|tcp] [--services-priority batch:10]
-    python bench/tce.py --quick                  # 0.25 GiB, no sharded part: about 2 minutes
+    python bench/tce.py --quick                  # 0.25 GiB, 3 repeats, no sharded part: about 2 minutes
     python bench/tce.py --hosts [--sizes 1]      # on three test-bed hosts (root, namespaces)
 
 With ``--hosts`` the same figures come from three hosts of the test bed (:mod:`transom.testbed`):
@@ -675,14 +675,14 @@ def main() -> int:
         p.add_argument(hidden, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true",
-                   help="a run of about 2 minutes: --sizes 0.25 --warm 1 --repeat 2 --sharded 0 (flags given "
+                   help="a run of about 2 minutes: --sizes 0.25 --warm 1 --repeat 3 --sharded 0 (flags given "
                         "after it still win)")
     p.add_argument("--services-priority", default=None, metavar="PRIO",
                    help="CPU priority of the daemons (TRANSOM_SERVICE_PRIORITY: batch:N, nice:N, idle, normal; "
                         "default: the product's default, %s, or the variable when set)" % _default_priority())
     argv = sys.argv[1:]
     if "--quick" in argv:
-        argv = ["--sizes", "0.25", "--warm", "1", "--repeat", "2", "--sharded", "0", *argv]
+        argv = ["--sizes", "0.25", "--warm", "1", "--repeat", "3", "--sharded", "0", *argv]
     args = p.parse_args(argv)
     if args.services_priority is not None:
         from transom.priority import KEY, parse

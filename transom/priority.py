@@ -51,7 +51,7 @@ class Priority:
     keep: bool = False
 
     def __str__(self) -> str:
-        if self.keep:
+        if self.keep or (self.policy == "other" and self.nice == 0):
             return "normal"
         return "idle" if self.policy == "idle" else f"{'nice' if self.policy == 'other' else self.policy}:{self.nice}"
 
