@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -106,13 +107,72 @@ def persist_shard(sdir: Path, *, job: str, step: int, rank: int, world_size: int
     return shard
 
 
+#: O_DIRECT needs the buffer's address, the length and the file offset aligned to the device's block
+_DIRECT_ALIGN = 4096
+_CHUNK = 64 << 20
+
+
+def _address(mv: memoryview) -> int | None:
+    import ctypes
+
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    except (TypeError, ValueError, BufferError):       # read-only or not contiguous: no O_DIRECT
+        return None
+
+
 def write_bytes(path: Path, data: memoryview) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
-    def write(f) -> None:
-        mv, pos = memoryview(data), 0
-        while pos < len(mv):
-            pos += f.write(mv[pos:pos + (64 << 20)])
-    layout.atomic_write(path, write)
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync dir).
+
+    A buffer at a page-aligned address (a daemon's segment) goes to the disk with ``O_DIRECT``, its
+    aligned bulk read by the disk's DMA straight from the segment: no copy into the page cache, and
+    no writeback by the kernel's flusher threads later, both CPU time taken from the training ranks
+    beside the daemon (256 MiB here: 0.12 s and ~0 CPU against 0.3-2 s and 0.07-0.3 s of the
+    daemon's CPU plus the flushers' through the page cache). The unaligned tail, other buffers and
+    file systems without ``O_DIRECT`` go through the page cache. Durable the same way: fsync before
+    the rename either way."""
+    mv = memoryview(data).cast("B")
+    addr = _address(mv) if len(mv) >= _DIRECT_ALIGN else None
+    if addr is None or addr % _DIRECT_ALIGN or not hasattr(os, "O_DIRECT"):
+        def write(f) -> None:
+            pos = 0
+            while pos < len(mv):
+                pos += f.write(mv[pos:pos + _CHUNK])
+        layout.atomic_write(path, write)
+        return
+    import fcntl
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    bulk = len(mv) - len(mv) % _DIRECT_ALIGN
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:         # EINVAL: this file system has no O_DIRECT
+                raise
+            fd, bulk = os.open(tmp, flags, 0o644), 0
+        try:
+            pos = 0
+            while pos < bulk:
+                try:
+                    pos += os.write(fd, mv[pos:min(bulk, pos + _CHUNK)])
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:      # EINVAL: an alignment this device refuses
+                        raise
+                    break
+            if bulk:                               # the rest through the page cache
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            while pos < len(mv):
+                pos += os.write(fd, mv[pos:pos + _CHUNK])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    layout._fsync_dir(path.parent)
 
 
 def uncommit_older(sdir: Path) -> int | str | None:

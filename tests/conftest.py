@@ -12,6 +12,10 @@ from transom import log
 from transom.broker import EmbeddedBroker
 
 log.setup("INFO")
+# The product runs its services at a lower CPU priority (TRANSOM_SERVICE_PRIORITY, transom/priority.py);
+# the suite keeps every process at one priority, as its timings were set, unless the variable is given.
+# tests/test_priority.py checks the lowering itself.
+os.environ.setdefault("TRANSOM_SERVICE_PRIORITY", "normal")
 ROOT = Path(__file__).resolve().parents[1]
 
 

