@@ -373,13 +373,19 @@ class PeerDetector:
                     hit = False
                 if hit and (fam_hit is None or zmax > fam_hit[2]):
                     fam_hit = (fam, s, zmax, thr, mode)
+            # the GPU says why it is slow: a clock soft_min_z spreads or more below the clean median while its
+            # clock-event reasons show a power cap or a thermal slowdown (the driver's own evidence; a joint
+            # model fitted on the job's history can score a modest drop under its threshold)
+            if fam_hit is None and (ready or cold) and float(z[_CLOCK]) >= cfg.soft_min_z \
+                    and int(worst.get("clock", {}).get("reasons", 0)) & (_POWER_CAP_BITS | _THERMAL_BITS):
+                fam_hit = ("gpu", float(z[_CLOCK]), float(z[_CLOCK]), float(cfg.soft_min_z), "reason")
             # a GPU clocked straggler_evict_drop or more below its job's median is slow, whatever a model
             # fitted on this job's history says (history that may hold such windows already)
             drop = float(row[_CLOCK])
             if len(peers) >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop \
                     and (fam_hit is None or fam_hit[0] == "nic"):
                 fam_hit = ("gpu", drop, float(z[_CLOCK]), float(cfg.straggler_evict_drop), "rule")
-            if fam_hit is not None and fam_hit[4] != "rule" and self._waiting(x, worst, fam_hit[0]):
+            if fam_hit is not None and fam_hit[4] not in ("rule", "reason") and self._waiting(x, worst, fam_hit[0]):
                 fam_hit = None          # a node whose GPUs wait on a slow peer suffers the slowdown, it is no cause
                 self.waiting += 1
             if fam_hit is None and node == culprit:
@@ -496,7 +502,9 @@ class PeerDetector:
                     "model": {"model": cfg.soft_detector, "cold": "cold start: z off the job's median",
                               "rule": f"SM clock {cfg.straggler_evict_drop:.0%} or more below the job's median",
                               "wait": "its GPUs keep working while most peers' utilisation fell (they wait for it)",
-                              "z": "one feature soft_cold_z spreads or more off the job's clean median"}[mode],
+                              "z": "one feature soft_cold_z spreads or more off the job's clean median",
+                              "reason": "SM clock soft_min_z spreads or more below the clean median, with a power-cap "
+                                        "or thermal clock-event reason"}[mode],
                     "top_features": {n: feats[n] for n in top}, "devices": worst,
                     "window_s": cfg.soft_window_s, "window": [win.first_ts, win.last_ts],
                     "since_ts": ns.run_start, "peers": n_peers,
@@ -504,7 +512,7 @@ class PeerDetector:
         dev = worst.get({"thermal": "thermal", "gpu": "clock", "nic": "nic_bw"}[fam], {})
         where = f"GPU {dev['gpu']}" if "gpu" in dev else f"port {dev.get('device', '?')}"
         detector = {"model": f"pyod.{cfg.soft_detector}.peers", "cold": "peers.cold", "rule": "peers.rule",
-                    "wait": "peers.wait", "z": "peers.z"}[mode]
+                    "wait": "peers.wait", "z": "peers.z", "reason": "peers.reason"}[mode]
         f = fault(KIND_OF[cls], severity, action,
                   fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
                   job=state.job, detector=detector, observed_ts=win.last_ts, now=now,
