@@ -373,12 +373,12 @@ class PeerDetector:
                     hit = False
                 if hit and (fam_hit is None or zmax > fam_hit[2]):
                     fam_hit = (fam, s, zmax, thr, mode)
-            # the GPU says why it is slow: a clock soft_min_z spreads or more below the clean median while its
-            # clock-event reasons show a power cap or a thermal slowdown (the driver's own evidence; a joint
-            # model fitted on the job's history can score a modest drop under its threshold)
-            if fam_hit is None and (ready or cold) and float(z[_CLOCK]) >= cfg.soft_min_z \
+            # the GPU says why it is slow: a clock soft_min_z noise floors (4 %) or more below the job's median
+            # while its clock-event reasons show a power cap or a thermal slowdown (the driver's own evidence; a
+            # joint model, or a spread learned from history that holds such windows, can let a modest drop pass)
+            if fam_hit is None and (ready or cold) and float(row[_CLOCK]) >= cfg.soft_min_z * _FLOOR[_CLOCK] \
                     and int(worst.get("clock", {}).get("reasons", 0)) & (_POWER_CAP_BITS | _THERMAL_BITS):
-                fam_hit = ("gpu", float(z[_CLOCK]), float(z[_CLOCK]), float(cfg.soft_min_z), "reason")
+                fam_hit = ("gpu", float(row[_CLOCK]), float(z[_CLOCK]), float(cfg.soft_min_z * _FLOOR[_CLOCK]), "reason")
             # a GPU clocked straggler_evict_drop or more below its job's median is slow, whatever a model
             # fitted on this job's history says (history that may hold such windows already)
             drop = float(row[_CLOCK])
@@ -503,8 +503,8 @@ class PeerDetector:
                               "rule": f"SM clock {cfg.straggler_evict_drop:.0%} or more below the job's median",
                               "wait": "its GPUs keep working while most peers' utilisation fell (they wait for it)",
                               "z": "one feature soft_cold_z spreads or more off the job's clean median",
-                              "reason": "SM clock soft_min_z spreads or more below the clean median, with a power-cap "
-                                        "or thermal clock-event reason"}[mode],
+                              "reason": "SM clock soft_min_z noise floors or more below the job's median, with a "
+                                        "power-cap or thermal clock-event reason"}[mode],
                     "top_features": {n: feats[n] for n in top}, "devices": worst,
                     "window_s": cfg.soft_window_s, "window": [win.first_ts, win.last_ts],
                     "since_ts": ns.run_start, "peers": n_peers,
