@@ -9,10 +9,11 @@ injection only), recall (injections with a matching event), F1, detection delay 
 minus injection start, p50/p99); overall: false alarms (events on a node with no injection
 running) per 1,000 node-hours. Resolution events are not counted as detections.
 
-Seeds (house rule 4, never tune on what you report): ``TUNING_SEEDS`` (1, 1001, 1002, 1003) are the
-seeds whose false alarms and misses were looked at while the detectors were changed (``--seeds
-tuning`` runs them); the default ``--seeds`` are ``REPORT_SEEDS`` (3001, 3002), never looked at while
-tuning; the pipeline replay uses the first seed + 500; tests use seeds below 100 and 7301.
+Seeds (house rule 4, never tune on what you report): ``TUNING_SEEDS`` (1, 7, 1001, 1002, 1003, 3001,
+3002) are the seeds whose false alarms and misses were looked at while the detectors were changed
+(``--seeds tuning`` runs them; 3001 and 3002 were report seeds until a change followed their figures);
+the default ``--seeds`` are ``REPORT_SEEDS`` (3003, 3004), never looked at while tuning; the pipeline
+replay uses the first seed + 500; tests use seeds below 100 and 7301.
 
 The peer: the skeleton's engine (rules XID, GPU lost, NaN, hang, heartbeat + per-sample ECOD),
 run on the same corpus; the JSON line carries both and the ratio of mean F1.
@@ -45,9 +46,9 @@ from transom.streams.engine import TEEEngine
 
 GRACE_S = 60.0
 #: Seeds looked at while tuning (their false alarms and misses listed, causes fixed) ...
-TUNING_SEEDS = "1,1001,1002,1003"
+TUNING_SEEDS = "1,7,1001,1002,1003,3001,3002"
 #: ... and the seeds reported, never looked at while tuning.
-REPORT_SEEDS = "3001,3002"
+REPORT_SEEDS = "3003,3004"
 
 
 def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool = True):
