@@ -24,7 +24,7 @@ process (its clock follows the sample times, so the hour replays in about a minu
 events it writes to ``transom.faults`` are scored the same way and set beside the offline
 figures of the same corpus, with the duplicate fault ids (none expected) and the rate.
 
-Run: ``.venv/bin/python bench/tee_quality.py [--nodes 48 --hours 1.5 --seeds 3001,3002]``; quick (about
+Run: ``.venv/bin/python bench/tee_quality.py [--nodes 48 --hours 1.5 --seeds 3003,3004]``; quick (about
 3 min here): ``--no-peer --pipeline-nodes 0``.
 """
 
