@@ -33,7 +33,8 @@ least ``min_per_class`` injections. The real rate (about 2e-4 faults per node-ho
 to measure anything, so faults are injected at ``faults_per_node_hour``; their durations are the
 trace's repair times scaled by ``seconds_per_trace_day`` and clamped per class. Each injection has
 a severity level 1..3 (see :data:`SEVERITIES`); nothing else happens on its node from ``gap_s``
-before it starts until ``gap_s`` after it ends.
+before it starts until ``gap_s`` after it ends, and faults that act on the whole job (a hang, a
+straggler, a power cap, a hot node) keep that far apart within a job (one would hide the other).
 
 Command: ``python -m transom.streams.corpus --help`` writes a corpus as JSON lines.
 """
@@ -204,6 +205,8 @@ class Ordinary:
 
 
 _JOB_WIDE = frozenset({"startup", "pause", "eval", "restore"})
+#: Faults whose effect reaches the whole job (it stops, or waits for the slow node); one at a time per job.
+_JOB_FAULTS = frozenset({FaultClass.HANG, FaultClass.STRAGGLER, FaultClass.POWER_CAP, FaultClass.THERMAL})
 
 T0 = 1_750_000_000.0
 
@@ -244,6 +247,9 @@ class Corpus:
             if o.kind in _JOB_WIDE:
                 for node in self.nodes_of[o.job]:
                     busy[node].append((o.start - self.t0, o.end - self.t0))
+        # a hang stops the whole job and a slow node slows all of it: two of these at once in one job would
+        # hide each other (a straggler in a hung job shows no slowdown), so they keep apart per job
+        job_busy: dict[str, list[tuple[float, float]]] = {j: [] for j in self.nodes_of}
         out: list[Injection] = []
         for cls in todo:
             lo, hi = _DURATION[cls]
@@ -253,11 +259,14 @@ class Corpus:
                 node = self.node_ids[int(rng.integers(len(self.node_ids)))]
                 start = float(rng.uniform(s.warmup_s, max(s.warmup_s + 1, self.duration - dur - s.gap_s)))
                 end = start + dur
-                if all(end + s.gap_s < a or start > b + s.gap_s for a, b in busy[node]):
+                spans = busy[node] + (job_busy[self.job_of[node]] if cls in _JOB_FAULTS else [])
+                if all(end + s.gap_s < a or start > b + s.gap_s for a, b in spans):
                     break
             else:
                 continue
             busy[node].append((start, end))
+            if cls in _JOB_FAULTS:
+                job_busy[self.job_of[node]].append((start, end))
             sev = int(rng.integers(1, 4))
             out.append(Injection(node, cls, self.t0 + round(start), self.t0 + round(end), sev,
                                  gpu=int(rng.integers(s.gpus)), detail={"level": float(SEVERITIES[cls][sev - 1])}))

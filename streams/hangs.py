@@ -86,6 +86,7 @@ class JobView:
     gpu_util: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean util)
     longest_pause: float = 0.0         # the longest stall this job survived (sample time)
     reported: set = field(default_factory=set)     # (node, generation, rank, since) reported hung
+    apart_since: dict[str, tuple] = field(default_factory=dict)   # node -> (stall, since when it idles alone)
 
 
 class HangDetector:
@@ -238,11 +239,17 @@ class HangDetector:
             return False
         fresh = {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
         mine = fresh.get(node)
-        if mine is None or mine > self.config.hang_idle_util:
-            return False
         idle = sum(1 for u in fresh.values() if u <= self.config.hang_idle_util)
         busy = sum(1 for u in fresh.values() if u >= self.config.hang_busy_util)
-        return busy >= 2 * idle
+        if mine is None or mine > self.config.hang_idle_util or busy < 2 * idle:
+            job.apart_since.pop(node, None)
+            return False
+        # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a
+        # one-node data-loader hiccup of a few seconds has a long stall but only a moment of idling alone
+        stall, since = job.apart_since.get(node, (None, r.last_seen))
+        if stall != r.since:                # a new stall: idle alone from now
+            job.apart_since[node] = (r.since, since := r.last_seen)
+        return r.last_seen - since >= self.step_limit(r)
 
     def _event(self, batch: MetricBatch, now: float, job_id: str, key, r: RankView, job: JobView, peers,
                cause: str, limit: float) -> FaultEvent:

@@ -5,6 +5,8 @@ Contract::
     scorer = TemporalScorer(ScorerConfig()).fit(history)   # history: (n, d) array, rows in time order
     scorer.score(X)          # (m,) scores for rows of X in time order (causal: row i sees rows <= i)
     scorer.threshold         # chosen without labels: POT on a held-out validation split of the history
+    th = scorer.thresholder()  # the threshold that follows the stream (drift SPOT, default), seeded the same way
+    th.step(scores)          # (m,) bool: alarms for new scores, in time order (state carries over calls)
     scorer.contributions(x)  # per feature, how far x lies from the history (for evidence)
 
 The score is an ensemble of members (``members``; pyod names or ``knn`` / ``pca``, each of them
@@ -26,8 +28,14 @@ Threshold (``threshold_rule``): "pot" (default) holds out the last ``validation`
 history, fits the members on the rest, scores the held-out rows (out of sample, as new data will
 be) and sets the threshold by peaks over threshold (:func:`pot_threshold`: a generalised Pareto
 tail fitted to the scores above their ``pot_level`` quantile, read at risk ``pot_risk``; the
-first step of SPOT, Siffer et al. KDD 2017, as OmniAnomaly thresholds SMD). "quantile": the
-``quantile`` of the in-sample history scores. No label is used either way.
+first step of SPOT, Siffer et al. KDD 2017, as OmniAnomaly thresholds SMD). "dspot" (the
+default): the same start, then DSPOT (drift SPOT, same paper) over the stream: each score is taken
+relative to the mean of the ``drift_depth`` scores before it that raised no alarm, the tail is
+fitted to the held-out scores taken that way, and scores that raise no alarm but exceed the initial
+level add to the tail (refitted every ``refit_peaks`` new peaks). A node (or server) whose normal
+score level creeps up over weeks then keeps its false alarms in check; an alarm never moves the
+threshold (a long fault is not learnt as normal). "quantile": the ``quantile`` of the in-sample
+history scores. No label is used by any rule.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ import numpy as np
 
 from transom.config import ConfigError
 
-__all__ = ["ScorerConfig", "TemporalScorer", "ewma", "residuals", "pot_threshold", "PYOD_MODELS"]
+__all__ = ["ScorerConfig", "TemporalScorer", "ewma", "residuals", "pot_threshold", "DriftSpot", "StaticThreshold",
+           "PYOD_MODELS"]
 
 #: Member names that map onto pyod models (built with their defaults and ``contamination``).
 PYOD_MODELS = {"ecod": "pyod.models.ecod.ECOD", "iforest": "pyod.models.iforest.IForest",
@@ -73,8 +82,14 @@ class ScorerConfig:
     #: multiplies the threshold (margin for the unseen)
     margin: float = 1.0
     seed: int = 0
-    #: "pot": peaks over threshold on held-out history scores; "quantile": ``quantile`` of in-sample scores
-    threshold_rule: str = "pot"
+    #: "dspot": drift SPOT over the stream, started on held-out history scores; "pot": peaks over
+    #: threshold on held-out history scores, fixed; "quantile": ``quantile`` of in-sample scores
+    threshold_rule: str = "dspot"
+    #: DSPOT: scores whose mean (those without an alarm) is the moving level scores are taken against
+    #: (at most half the held-out scores)
+    drift_depth: int = 500
+    #: DSPOT: refit the tail once every this many new peaks
+    refit_peaks: int = 20
     #: share of the history (its newest rows) held out to choose the threshold on
     validation: float = 0.3
     #: POT: the initial threshold is this quantile of the held-out scores ...
@@ -92,14 +107,14 @@ class ScorerConfig:
             raise ConfigError("scorer members: expected at least one")
         if not 0.5 < self.quantile < 1:
             raise ConfigError(f"scorer quantile={self.quantile!r}: expected a share between 0.5 and 1")
-        if self.threshold_rule not in ("pot", "quantile"):
-            raise ConfigError(f"scorer threshold_rule={self.threshold_rule!r}: expected pot or quantile")
+        if self.threshold_rule not in ("dspot", "pot", "quantile"):
+            raise ConfigError(f"scorer threshold_rule={self.threshold_rule!r}: expected dspot, pot or quantile")
         if not 0 < self.validation < 0.9:
             raise ConfigError(f"scorer validation={self.validation!r}: expected a share between 0 and 0.9")
         if not 0.5 < self.pot_level < 1 or not 0 < self.pot_risk < 0.1:
             raise ConfigError(f"scorer pot_level={self.pot_level!r}, pot_risk={self.pot_risk!r}: expected a level "
                               "between 0.5 and 1 and a risk between 0 and 0.1")
-        for f in ("k", "knn_sample", "knn_bags", "smooth", "residual_window"):
+        for f in ("k", "knn_sample", "knn_bags", "smooth", "residual_window", "drift_depth", "refit_peaks"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"scorer {f}={getattr(self, f)!r}: expected a positive integer")
 
@@ -129,6 +144,75 @@ def pot_threshold(scores: np.ndarray, risk: float = 1e-3, level: float = 0.98) -
     if abs(gamma) < 1e-6:
         return t - sigma * float(np.log(r))
     return t + sigma / gamma * (r ** -gamma - 1)
+
+
+def _gpd_quantile(peaks: np.ndarray, n: int, t: float, risk: float) -> float:
+    """The score exceeded with probability ``risk`` when ``peaks`` (excesses over ``t``) of ``n`` scores
+    follow a generalised Pareto tail."""
+    from scipy.stats import genpareto
+    if len(peaks) < 10 or float(np.std(peaks)) <= 0:
+        return t + (float(np.max(peaks)) if len(peaks) else 0.0)
+    gamma, _, sigma = genpareto.fit(peaks, floc=0)
+    r = risk * n / len(peaks)
+    if abs(gamma) < 1e-6:
+        return t - sigma * float(np.log(r))
+    return t + sigma / gamma * (r ** -gamma - 1)
+
+
+class StaticThreshold:
+    """A fixed threshold with the :class:`DriftSpot` interface."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = float(threshold)
+
+    def step(self, scores) -> np.ndarray:
+        return np.asarray(scores, dtype=float) > self.threshold
+
+
+class DriftSpot:
+    """DSPOT (Siffer et al., KDD 2017): peaks over threshold on scores taken relative to the mean of the
+    ``depth`` latest scores that raised no alarm. Started on ``initial`` (held-out, label-free) scores;
+    :meth:`step` gives the alarms of new scores in time order and learns from those without one."""
+
+    def __init__(self, initial, depth: int = 500, risk: float = 1e-2, level: float = 0.98, refit: int = 20,
+                 margin: float = 1.0) -> None:
+        v = np.asarray(initial, dtype=float)
+        v = v[np.isfinite(v)]
+        self.depth = d = max(1, min(depth, len(v) // 2))
+        c = np.concatenate([[0.0], np.cumsum(v)])
+        rel = v[d:] - (c[d:-1] - c[:-d - 1]) / d          # each score against the mean of the d before it
+        self.risk, self.refit, self.margin = risk, refit, margin
+        self.t = float(np.quantile(rel, level))
+        self.peaks = list(rel[rel > self.t] - self.t)
+        self.n, self.added = len(rel), 0
+        self.z = _gpd_quantile(np.array(self.peaks), self.n, self.t, risk)
+        self.window = list(v[-d:])
+        self.total = float(np.sum(self.window))
+        self._i = 0                                        # the oldest score of ``window`` (a ring)
+
+    @property
+    def threshold(self) -> float:
+        """The threshold the next score is compared with (the moving level plus the tail's)."""
+        return self.total / self.depth + self.z * self.margin
+
+    def step(self, scores) -> np.ndarray:
+        scores = np.asarray(scores, dtype=float)
+        out = np.zeros(len(scores), dtype=bool)
+        for i, x in enumerate(scores.tolist()):
+            rel = x - self.total / self.depth
+            if rel > self.z * self.margin or not np.isfinite(x):
+                out[i] = True                              # an alarm teaches nothing
+                continue
+            if rel > self.t:
+                self.peaks.append(rel - self.t)
+                self.added += 1
+                if self.added % self.refit == 0:
+                    self.z = _gpd_quantile(np.array(self.peaks), self.n, self.t, self.risk)
+            self.n += 1
+            self.total += x - self.window[self._i]
+            self.window[self._i] = x
+            self._i = (self._i + 1) % self.depth
+        return out
 
 
 def _base(member: str) -> str:
@@ -217,7 +301,7 @@ class TemporalScorer:
         if H.ndim != 2 or len(H) < 10:
             raise ValueError(f"history must be a 2-d array of at least 10 rows, got shape {H.shape}")
         cfg = self.config
-        if cfg.threshold_rule == "pot" and len(H) >= 200:
+        if cfg.threshold_rule in ("pot", "dspot") and len(H) >= 200:
             cut = int(len(H) * (1 - cfg.validation))
             self._fit(H[:cut])
             w = cfg.residual_window + 5 * cfg.smooth      # warm the residuals and the smoothing up
@@ -226,8 +310,18 @@ class TemporalScorer:
             self.threshold = pot_threshold(held, cfg.pot_risk, cfg.pot_level) * cfg.margin
             return self
         self._fit(H)
+        self.validation_scores = None
         self.threshold = float(np.quantile(self.history_scores, cfg.quantile)) * cfg.margin
         return self
+
+    def thresholder(self) -> "DriftSpot | StaticThreshold":
+        """A fresh stream thresholder: DSPOT started on the held-out scores (rule "dspot", with enough
+        history), else the fixed :attr:`threshold`."""
+        cfg = self.config
+        if cfg.threshold_rule == "dspot" and self.validation_scores is not None:
+            return DriftSpot(self.validation_scores, cfg.drift_depth, cfg.pot_risk, cfg.pot_level, cfg.refit_peaks,
+                             cfg.margin)
+        return StaticThreshold(self.threshold)
 
     def _fit(self, H: np.ndarray) -> None:
         lo, hi = H.min(0), H.max(0)

@@ -2,7 +2,8 @@
 
 The same scorer, configuration and threshold rule that ``bench/tee_external.py`` grades on SMD and
 ASD (``ScorerConfig()``: a bagged kNN over values and residuals, threshold by peaks over threshold
-on a held-out validation split of the node's own history), fed one row per batch of a node:
+on a held-out validation split of the node's own history, then drift SPOT over the stream), fed one
+row per batch of a node:
 
 ==========  ==========================================  ==========
 column      what                                        from
@@ -18,8 +19,9 @@ nic_bw      mean receive rate of the up ports           NIC
 Rows of batches whose training step did not move (a pause, a hang) are left out of both history and
 scoring (a slowdown needs a running job). Once a node has ``temporal_history`` rows the scorer is
 fitted; from then on every ``temporal_every`` rows are scored together (with the rows before them
-for the residuals and the smoothing), and ``temporal_consecutive`` scores in a row above the
-threshold make one ANOMALY fault (class ``anomaly``), a WARNING to observe: this detector says that
+for the residuals and the smoothing) and passed, in order, to the scorer's thresholder (drift SPOT
+started on the held-out scores, as the bench grades it: the threshold follows the level of the
+node's scores that raised no alarm), and ``temporal_consecutive`` alarms in a row make one ANOMALY fault (class ``anomaly``), a WARNING to observe: this detector says that
 a node left its own normal, not what is wrong, so it never asks for an eviction. A node is
 refitted after a fault resolves (``soft_clear`` clean blocks). Opt in with
 ``soft_detectors=("peers", "temporal")``.
@@ -47,6 +49,7 @@ class _NodeTemporal:
     rows: list = field(default_factory=list)      # history until fitted, then the trailing rows
     ts: list = field(default_factory=list)
     scorer: TemporalScorer | None = None
+    th: object = None                             # the scorer's stream thresholder (DSPOT)
     fresh: int = 0                                # rows not scored yet
     run: int = 0
     run_start: float = 0.0
@@ -96,6 +99,7 @@ class TemporalDetector:
         if nt.scorer is None:
             if len(nt.rows) >= cfg.temporal_history:
                 nt.scorer = TemporalScorer(self.scorer_config).fit(np.array(nt.rows))
+                nt.th = nt.scorer.thresholder()
                 nt.rows, nt.ts, nt.fresh = nt.rows[-self._warm:], nt.ts[-self._warm:], 0
             return []
         nt.fresh += 1
@@ -109,10 +113,11 @@ class TemporalDetector:
         return self._advance(state, nt, scores, block_ts, now)
 
     def _advance(self, state: NodeState, nt: _NodeTemporal, scores, block_ts, now: float) -> list[FaultEvent]:
-        thr = nt.scorer.threshold
         out = []
-        for sc, ts in zip(scores, block_ts):
-            if sc <= thr:
+        thr = nt.th.threshold
+        alarms = nt.th.step(scores)
+        for sc, ts, alarm in zip(scores, block_ts, alarms):
+            if not alarm:
                 nt.run = 0
                 continue
             if nt.run == 0:
@@ -133,7 +138,7 @@ class TemporalDetector:
                 nt.open_fault = f
                 out.append(f)
         if nt.open_fault is not None:
-            nt.clean = nt.clean + 1 if max(scores) <= thr else 0
+            nt.clean = nt.clean + 1 if not alarms.any() else 0
             if nt.clean >= self.config.soft_clear:
                 f, nt.open_fault, nt.clean = nt.open_fault, None, 0
                 out.append(FaultEvent(**{**f.__dict__, "resolved": True, "detected_ts": now,

@@ -138,6 +138,30 @@ def test_a_thermal_slowdown_is_not_called_a_straggler(engine):
     assert [(f.node, f.evidence["class"], f.severity) for f in found] == [("node1", "thermal", c.Severity.WARNING)]
 
 
+def test_a_modest_power_cap_is_named_by_the_gpus_own_clock_event_reasons(engine):
+    """A GPU 8 % slower than its peers is within what a joint model may accept; with the driver's SW
+    power-cap reason set it is a power cap on that node (and a WARNING to observe, no eviction)."""
+    found = [f for f in _job_minutes(engine, 150, slow="node1", clock=0.92,
+                                     DCGM_FI_DEV_CLOCKS_EVENT_REASONS=0x4) if not f.resolved]
+    assert [(f.node, f.evidence["class"], f.action) for f in found] == [("node1", "power_cap", c.Action.OBSERVE)]
+    assert _job_minutes(TEEEngine(TEEConfig(soft_detectors=("peers",))), 150) == []
+
+
+def test_drift_spot_follows_a_creeping_score_level_but_not_a_fault():
+    """DSPOT started on held-out scores: a level that creeps up slowly raises no alarm (a fixed POT threshold
+    does), a jump does, and alarms do not teach the threshold."""
+    from transom.streams.scoring import DriftSpot, StaticThreshold, pot_threshold
+    rng = np.random.default_rng(3)
+    held = rng.normal(0, 1, 600)
+    stream = rng.normal(0, 1, 3000) + np.linspace(0, 4, 3000)
+    stream[2000:2100] += 12
+    alarms = DriftSpot(held, depth=200).step(stream)
+    assert alarms[2005:2100].mean() > 0.9
+    assert alarms[:2000].mean() < 0.05 and alarms[2200:].mean() < 0.05     # risk 1e-2: about 1-3 % by design
+    fixed = StaticThreshold(pot_threshold(held, 1e-2, 0.98)).step(stream)
+    assert fixed[2200:].mean() > 0.5
+
+
 def test_clean_job_minutes_raise_nothing(engine):
     assert _job_minutes(engine, 240) == []
 

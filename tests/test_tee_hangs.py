@@ -111,3 +111,18 @@ def test_phase_ceilings_refuse_a_bad_value():
     with pytest.raises(ConfigError, match="hang_phase_ceilings"):
         TEEConfig(hang_phase_ceilings={"checkpoint": -1})
     assert dict(TEEConfig(hang_phase_ceilings={"eval": 60}).hang_phase_ceilings) == {"eval": 60}
+
+
+def test_a_one_node_hiccup_right_after_a_job_wide_checkpoint_is_not_a_hang(engine):
+    # a 15 s checkpoint (all idle), then node1's data loader idles it 3 s while the others spin: the stall
+    # is long, but node1 idles alone only for a moment (shorter than the step limit)
+    def feed(node, t):
+        if t < 30:
+            return {"step": t}
+        if t < 45:
+            return {"step": 30, "util": 5.0}
+        if t < 48:
+            return {"step": 30, "util": 5.0 if node == "node1" else 100.0}
+        return {"step": t - 17}
+
+    assert _run(engine, range(90), feed) == []
