@@ -145,13 +145,14 @@ def test_hangs_are_judged_with_every_node_of_the_job_whatever_the_workers():
 
 @pytest.mark.integration
 @pytest.mark.e2e
-def test_three_workers_find_the_same_soft_faults_as_one(monkeypatch):
+def test_three_workers_find_the_same_soft_faults_and_hangs_as_one(monkeypatch):
     """The labelled corpus (16 nodes in 2 jobs of 8, 12 minutes at 1 Hz, every fault class once; a
-    straggler, a power cap, a hot GPU and a degraded link among them), replayed on the event clock
-    through the real broker by one `transom tee` worker, then by three sharing the partitions: the
-    same soft faults (class and node), each on the same window (observed time within one window),
-    each an injected one. The job's nodes are spread over the three workers' metrics partitions;
-    their windows meet on the job's partition of transom.peer-windows."""
+    straggler, a power cap, a hot GPU, a degraded link and a hang among them), replayed on the event
+    clock through the real broker by one `transom tee` worker, then by three sharing the partitions:
+    the same soft faults (class and node), each on the same window (observed time within one window),
+    each an injected one, and the same hang events (node and rank, observed within 10 s), on the hung
+    node only. The job's nodes are spread over the three workers' metrics partitions; their windows
+    and rank reports meet on the job's partition of transom.peer-windows."""
     from transom.streams.corpus import Corpus, CorpusSpec
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
@@ -163,21 +164,29 @@ def test_three_workers_find_the_same_soft_faults_as_one(monkeypatch):
 
     batches = sum(1 for _ in corpus.encoded())
 
-    def soft_faults(workers: int) -> dict[tuple[str, str], float]:
+    def faults(workers: int) -> tuple[dict[tuple[str, str], float], dict[tuple[str, int], float]]:
         with EmbeddedBroker() as broker:
             events, published, _ = pipeline(corpus, broker.bootstrap, workers=workers)
         assert published == batches
         found = [f for f in events if not f.resolved and f.evidence.get("class") in soft]
         assert len({f.fault_id for f in found}) == len(found), "a soft fault was sent twice"
-        return {(f.evidence["class"], f.node): f.observed_ts for f in found}
+        hangs = [f for f in events if f.kind is c.FaultKind.HANG]
+        assert len({f.fault_id for f in hangs}) == len(hangs), "a hang was sent twice"
+        return ({(f.evidence["class"], f.node): f.observed_ts for f in found},
+                {(f.node, f.rank): f.observed_ts for f in hangs})
 
-    one = soft_faults(1)
+    one, hangs_one = faults(1)
     injected = {(i.cls.value, i.node): i for i in corpus.injections if i.cls.value in soft}
     # what the detectors find is their business (docs/tee.md); here: real faults only, and most of them
     assert set(one) <= set(injected) and len(one) >= 3, (sorted(one), sorted(injected))
     for key, ts in one.items():
         assert injected[key].start <= ts <= injected[key].end, (key, ts - injected[key].start)
-    three = soft_faults(3)
+    hung = {i.node for i in corpus.injections if i.cls.value == "hang"}
+    assert hung and {node for node, _ in hangs_one} == hung, (sorted(hangs_one), sorted(hung))
+    three, hangs_three = faults(3)
     assert set(three) == set(one)
     for key, ts in one.items():
         assert abs(three[key] - ts) <= 10.0, (key, three[key] - ts)   # soft_window_s
+    assert set(hangs_three) == set(hangs_one)          # the job's ranks meet on the job's worker
+    for key, ts in hangs_one.items():
+        assert abs(hangs_three[key] - ts) <= 10.0, (key, hangs_three[key] - ts)
