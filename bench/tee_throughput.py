@@ -13,10 +13,11 @@ flushed *before* the workers start; then they start, join, and read it. Every ``
 is a marker: a batch of a node of its own carrying an XID 79, whose fault event's ``detected_ts`` says
 when its worker reached that offset of its partition (the producer's delivery reports give the
 offsets; the last batch of every partition is a marker). The rate is measured from the moment every
-worker holds its partitions (and every partition's first marker was decided: the group is settled)
-for ``--window`` seconds or until the backlog is drained, whichever comes first: batches processed
-in that window (per partition, interpolated between its markers) over its length. The workers' CPU
-time over the same window (user + system of the worker processes and their children, from
+worker holds its partitions (the group is settled) for ``--window`` seconds or until the backlog is
+drained, whichever comes first: batches processed in that window (per partition, interpolated
+between its markers; a partition not yet begun when the window opens counts from its start, so the
+figure is off by less than ``MARK_EVERY`` batches a partition) over its length. The workers' CPU time
+over the same window (user + system of the worker processes and their children, from
 ``/proc/PID/stat``, sampled every 0.2 s) gives batches per worker-CPU-second, the figure that compares
 worker counts fairly on a machine whose cores are shared with other work.
 
@@ -249,10 +250,12 @@ def drain(workers: int, backlog: list[tuple[str, bytes]], window: float) -> dict
                              value=marker(node, time.time() - 1800))
         producer.flush(120)
         publish_s = time.time() - t
+        t = time.time()
         procs = start_workers(bootstrap, workers, logdir)
         clock = CpuClock([p.pid for p in procs])
         try:
             settled = time.time()
+            join_s = settled - t
             want = set(where)
             found: dict[str, float] = {}
             deadline = settled + window + 120
@@ -291,7 +294,7 @@ def drain(workers: int, backlog: list[tuple[str, bytes]], window: float) -> dict
     processed = sum(reached(p, end) - reached(p, start) for p in points)
     span = end - start
     cpu = clock.at(end) - clock.at(start)
-    return {"workers": workers, "backlog": len(backlog), "publish_s": round(publish_s, 1),
+    return {"workers": workers, "backlog": len(backlog), "publish_s": round(publish_s, 1), "join_s": round(join_s, 1),
             "window_s": round(span, 1), "processed": int(processed),
             "drained": all(any(where[m] == (p, max(o for q, o in where.values() if q == p)) for m in found) for p in ends),
             "partitions_started": len(points),
@@ -379,10 +382,12 @@ def main(argv=None) -> int:
     t0 = time.time()
     load0 = os.getloadavg()[0]
     backlog = encode_backlog(a.backlog, a.nodes)
+    print(f"{len(backlog)} batches encoded in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     runs: dict[int, dict] = {}
     for n in counts:
+        t = time.time()
         runs[n] = drain(n, backlog, a.window)
-        print(f"drain, {n} worker(s): {runs[n]}", file=sys.stderr, flush=True)
+        print(f"drain, {n} worker(s), {time.time() - t:.0f} s: {runs[n]}", file=sys.stderr, flush=True)
     steady = None
     if a.paced:
         steady = paced(a.paced_workers, a.paced * a.paced_workers, a.paced_seconds, a.nodes)

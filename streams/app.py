@@ -66,8 +66,9 @@ APP_ID = "transom-tee"
 #: The agent takes metric batches in lists of up to this many, or what arrived within TAKE_WITHIN seconds.
 TAKE, TAKE_WITHIN = 1000, 0.05
 #: Seconds (wall) the node side gathers a job's windows and rank reports into one message: a hang waits
-#: at least 10 s, a window 10 s, so half a second costs nothing in latency and spares a message per batch.
-FEED_EVERY = 0.5
+#: at least 10 s, a window 10 s, so a second costs little latency; the feeds are a cost per job, worker
+#: and second whatever the batch rate (each worker sends one per job it reads nodes of), so not less.
+FEED_EVERY = 1.0
 #: Event clock: most bytes fetched from one partition at a time.
 REPLAY_FETCH_BYTES = 64 * 1024
 #: Event clock: seconds (wall) a partition must stay read to its end before its time may move on

@@ -43,8 +43,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch, RankReport, Sample, Severity,
-                               Source, stable_id)
+from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch, RankReport, Severity, Source,
+                               stable_id)
 
 from .config import TEEConfig
 from .rules import NodeState, fault
@@ -52,9 +52,6 @@ from .rules import NodeState, fault
 __all__ = ["HangDetector", "RankView", "JobView"]
 
 _FORGET_AFTER = 3600.0    # drop ranks not seen for this long (sample time)
-#: What of a training sample the judgement reads (the rest stays on the node's worker).
-_FIELDS = frozenset({"step", "step_time", "alive", "heartbeat_age_s", "stopped"})
-_TAGS = frozenset({"generation", "phase", "stack", "state", "pid"})
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 
 
@@ -154,13 +151,12 @@ class HangDetector:
         util = sum(gpus) / len(gpus) if gpus else None
         if not trains:
             return [] if util is None or batch.job is None else [(batch.job, RankReport(batch.node, batch.ts, util))]
+        if len(trains) == 1 and not trains[0].tags.get("event"):      # the common case: one rank per node
+            return [(trains[0].tags.get("job") or batch.job or "", RankReport(batch.node, batch.ts, util, trains))]
         by_job: dict[str, list] = {}
         for s in trains:
             if not s.tags.get("event"):      # a one-off event (a save, a restore), not the rank's progress
-                tags = s.tags
-                by_job.setdefault(tags.get("job") or batch.job or "", []).append(Sample(
-                    s.source, {k: v for k, v in s.fields.items() if k in _FIELDS}, index=s.index, ts=s.ts,
-                    tags={k: v for k, v in tags.items() if k in _TAGS}))
+                by_job.setdefault(s.tags.get("job") or batch.job or "", []).append(s)
         return [(job_id, RankReport(batch.node, batch.ts, util, tuple(samples))) for job_id, samples in by_job.items()]
 
     def take(self, job_id: str, report: RankReport, now: float) -> list[FaultEvent]:

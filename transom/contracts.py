@@ -719,15 +719,31 @@ class RankReport:
     def from_dict(cls, d: Any, what: str = "rank report") -> "RankReport":
         if type(d) is not dict:
             raise ContractError(f"{what}: must be an object")
-        node = _get(d, "node", str, what=what)
-        ts = _get(d, "ts", _NUM, what=what)
-        if not math.isfinite(ts) or ts <= 0:
-            raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
-        util = _get(d, "gpu_util", _NUM, what=what, optional=True)
-        samples = _get(d, "samples", list, what=what, optional=True, default=[])
-        return cls(node=node, ts=float(ts), gpu_util=None if util is None else float(util),
-                   samples=tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=True)
-                                 for i, s in enumerate(samples)))
+        node, ts, util, samples = d.get("node"), d.get("ts"), d.get("gpu_util"), d.get("samples")
+        if type(node) is not str or type(ts) is not float or not 0 < ts < math.inf or type(samples) is not list \
+                or not (util is None or type(util) is float and math.isfinite(util)):   # the slow path says why
+            node = _get(d, "node", str, what=what)
+            ts = _get(d, "ts", _NUM, what=what)
+            if not math.isfinite(ts) or ts <= 0:
+                raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
+            util = _get(d, "gpu_util", _NUM, what=what, optional=True)
+            samples = _get(d, "samples", list, what=what, optional=True, default=[])
+        obj = object.__new__(cls)       # validated: no frozen __init__ (thousands a second)
+        obj.__dict__.update(node=node, ts=float(ts), gpu_util=None if util is None else float(util),
+                            samples=tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=True)
+                                          for i, s in enumerate(samples)))
+        return obj
+
+
+def _window_plain(w: PeerWindow) -> dict[str, Any]:
+    d = {f.name: getattr(w, f.name) for f in _WINDOW_FIELDS}
+    for k in ("gpu", "reasons", "nic_bw"):       # orjson writes dicts (of dicts) of numbers itself
+        if type(d[k]) is not dict or (k == "gpu" and any(type(v) is not dict for v in d[k].values())):
+            d[k] = _plain(d[k])
+    return d
+
+
+_WINDOW_FIELDS = dataclasses.fields(PeerWindow)
 
 
 @dataclass(frozen=True)
@@ -744,7 +760,7 @@ class JobFeed:
 
     def plain(self) -> dict[str, Any]:
         """The JSON object of this feed, built directly (the generic walk costs more than the rules)."""
-        return {"job": self.job, "windows": [_plain(w) for w in self.windows],
+        return {"job": self.job, "windows": [_window_plain(w) for w in self.windows],
                 "ranks": [{"node": r.node, "ts": r.ts, "gpu_util": r.gpu_util,
                            "samples": [{"source": s.source.value, "index": s.index, "ts": s.ts,
                                         "fields": s.fields if type(s.fields) is dict else dict(s.fields),
