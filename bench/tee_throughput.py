@@ -48,6 +48,7 @@ import threading
 import time
 
 import numpy as np
+import orjson
 
 from transom import contracts as c
 from transom import kafka
@@ -184,18 +185,18 @@ class CpuClock:
 
 def encode_batches(count: int, nodes: int, base: float) -> list[tuple[str, bytes]]:
     """``count`` node batches, ``nodes`` nodes reporting once a second from ``base``, encoded (the training
-    step moves on every second; the GPU values vary per node)."""
+    step moves on every second; the GPU values vary per node). Each node's batch is made into its JSON
+    object once; each second changes its time, sequence number and step, and orjson writes it."""
     rng = np.random.default_rng(0)
     names = [f"node{i:05d}" for i in range(nodes)]
-    template = {name: node_batch(name, base, 0, rng) for name in names}
+    template = {name: json.loads(c.encode(node_batch(name, base, 0, rng))) for name in names}
     out = []
     for i in range(count):
         name, sec = names[i % nodes], i // nodes
-        b = template[name]
-        train = b.samples[-2]
-        samples = b.samples[:-2] + (c.Sample(train.source, {**train.fields, "step": float(sec)}, index=train.index,
-                                             tags=train.tags), b.samples[-1])
-        out.append((name, c.encode(c.MetricBatch(node=name, ts=base + sec, seq=sec, job=b.job, samples=samples))))
+        d = template[name]
+        d["ts"], d["seq"] = base + sec, sec
+        d["samples"][-2]["fields"]["step"] = float(sec)     # the train sample
+        out.append((name, orjson.dumps(d)))
     return out
 
 
