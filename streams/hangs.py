@@ -34,6 +34,13 @@ for a rank with the batch of its own node (one event per stall, id from job, gen
 rank, the time its step last moved), with the stuck rank's process state and stack and, as
 evidence, where the waiting ranks are. Ranks are keyed by node too (two nodes may both call a
 rank 0 when the agents do not know the global rank).
+
+Where it runs: the rules compare a job's ranks across its nodes, so the detector must see every node
+of the job. In one process (offline, tests) it is the engine's rule, ``observe(state, batch, now)``.
+In the TEE workers a job's nodes are spread over the workers by node: the worker that reads a node
+turns each batch into :class:`~transom.contracts.RankReport` values (:meth:`HangDetector.reports`) and
+sends them keyed by job; the worker that owns the job feeds them, in each node's order, to
+:meth:`HangDetector.take`, the same judgement (:mod:`.app`, :meth:`TEEEngine.job_feed`).
 """
 
 from __future__ import annotations
@@ -90,7 +97,8 @@ class JobView:
 
 
 class HangDetector:
-    """The hang rule of the engine (``observe(state, batch, now)``), with per-job state."""
+    """The hang rule (``observe(state, batch, now)``, or ``take(job, report, now)`` on the job's worker),
+    with per-job state."""
 
     name = "hang"
 
