@@ -5,16 +5,19 @@ Wiring (app id ``transom-tee``, at-least-once, raw bytes in and out)::
     transom.metrics --agent "tee"--> contracts.decode --ok--> engine.process --> transom.faults
                                                       \\--ContractError--> transom.deadletter
     timer, every 1 s -----------------------------------> engine.check_heartbeats --> transom.faults
-    engine.windows() (closed soft windows) --key job--> transom.peer-windows
-    transom.peer-windows --agent "tee-peers"--> engine.peer_window --> transom.faults
+    engine.feeds() (node windows, rank reports) --key job, every FEED_EVERY s--> transom.peer-windows
+    transom.peer-windows --agent "tee-peers"--> engine.job_feed (hangs, peers) --> transom.faults
 
-Peers, repartitioned (the Faust way: a second agent on an internal topic keyed by the new key): the
-metrics are keyed by node, so one worker reads all of a node's batches and runs the per-node rules,
-the heartbeat check, the ECOD detector and the peers detector's window building there; each node
-window it closes goes, as a :class:`~transom.contracts.PeerWindow` summary keyed by job, to
-``transom.peer-windows``, and whichever worker owns the job's partition of that topic judges every
-node of the job together (:meth:`TEEEngine.peer_window`, :mod:`.jobwindows`). With one worker or
-twelve, a job's windows are judged with all its nodes, by a detector of the job's own.
+Hangs and peers, repartitioned by job (the Faust way: a second agent on an internal topic keyed by
+the new key): the metrics are keyed by node, so one worker reads all of a node's batches and runs
+the per-node rules, the heartbeat check, the ECOD and temporal detectors and the peers detector's
+window building there. What must see every node of a job goes, keyed by job, to
+``transom.peer-windows``: each node window closed (a :class:`~transom.contracts.PeerWindow`
+summary) and each batch's rank progress and GPU utilisation (a :class:`~transom.contracts.RankReport`),
+gathered per job for ``FEED_EVERY`` seconds into one :class:`~transom.contracts.JobFeed` message; the
+worker that owns the job's partition of that topic judges the job's hangs and peers with all its
+nodes (:meth:`TEEEngine.job_feed`, :mod:`.hangs`, :mod:`.jobwindows`). With one worker or twelve, a
+job is judged with all its nodes, by detectors of the job's own.
 
 With ``TEEConfig.clock == "event"`` (``transom tee --clock event``, for replays) the engine's
 clock is the sample time instead: each batch is processed at its own time, and the heartbeats of a
@@ -62,6 +65,10 @@ __all__ = ["APP_ID", "make_app", "partition_clocks", "run_worker"]
 APP_ID = "transom-tee"
 #: The agent takes metric batches in lists of up to this many, or what arrived within TAKE_WITHIN seconds.
 TAKE, TAKE_WITHIN = 1000, 0.05
+#: Seconds (wall) the node side gathers a job's windows and rank reports into one message: a hang waits
+#: at least 10 s, a window 10 s, so a second costs little latency; the feeds are a cost per job, worker
+#: and second whatever the batch rate (each worker sends one per job it reads nodes of), so not less.
+FEED_EVERY = 1.0
 #: Event clock: most bytes fetched from one partition at a time.
 REPLAY_FETCH_BYTES = 64 * 1024
 #: Event clock: seconds (wall) a partition must stay read to its end before its time may move on
@@ -88,7 +95,9 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     event_clock = engine.config.clock == "event"
     # event clock (a replay read at full speed): small fetches, so that the partitions, read in turn,
     # stay close in sample time (a 1 MB fetch of one partition holds minutes of its nodes' batches)
-    app = faust_app(APP_ID, bootstrap, datadir=datadir, service="TEE", reads="metrics",
+    # producer_linger_ms: the feeds of a flush (one per job) and the faults of a list leave in one request
+    # per partition leader instead of one each (the socket writes were a tenth of a busy worker's time)
+    app = faust_app(APP_ID, bootstrap, datadir=datadir, service="TEE", reads="metrics", producer_linger_ms=10,
                     **({"consumer_max_fetch_size": REPLAY_FETCH_BYTES} if event_clock else {}))
     metrics = app.topic(contracts.METRICS, key_type=bytes, value_type=bytes)
     faults = app.topic(contracts.FAULTS, key_type=bytes, value_type=bytes)
@@ -138,6 +147,17 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             headers = signer.headers(contracts.FAULTS, key, value) if signer else None
             await faults.send(key=key, value=value, headers=headers)
 
+    feeding = asyncio.Lock()      # the agent and the timer both send feeds: a job's must stay in order
+    fed = [0.0]
+
+    async def send_feeds() -> None:
+        if time.monotonic() - fed[0] < FEED_EVERY:
+            return
+        async with feeding:
+            fed[0] = time.monotonic()
+            for feed in engine.feeds():      # drained and sent under the lock: in order per job
+                await peer_windows.send(key=feed.job.encode(), value=contracts.encode(feed))
+
     async def reject(raw: Any, key: bytes | None, reason: str, partition: int, offset: int,
                      topic: str = contracts.METRICS) -> None:
         log.warning("dead-lettered %s partition %d offset %d: %s", topic, partition, offset, reason)
@@ -178,8 +198,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                     await reject(event.value, event.key, reason, msg.partition, msg.offset)
                 elif found:
                     await emit(found)
-            for w in engine.windows():    # the node windows the list closed, to the worker of their job
-                await peer_windows.send(key=w.job.encode(), value=contracts.encode(w))
+            await send_feeds()            # what the list gave the jobs' workers, every FEED_EVERY s
 
     @app.agent(peer_windows, name="tee-peers")
     async def tee_peers(stream):
@@ -187,17 +206,17 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             for event in events:
                 msg = event.message
                 try:
-                    w = contracts.decode(contracts.PEER_WINDOWS, event.value)
+                    feed = contracts.decode(contracts.PEER_WINDOWS, event.value)
                 except contracts.ContractError as err:
                     await reject(event.value, event.key, str(err), msg.partition, msg.offset, contracts.PEER_WINDOWS)
                     continue
-                jobs_of[msg.partition].add(w.job)
+                jobs_of[msg.partition].add(feed.job)
                 try:
-                    found = engine.peer_window(w, now=w.closed_ts if event_clock else None)
+                    found = engine.job_feed(feed)      # the event clock: each item at its own time
                 except Exception as exc:   # a detector bug must not stop the stream: keep the input
-                    log.exception("the peers detector failed on a window of %s (job %s)", w.node, w.job)
-                    await reject(event.value, event.key, f"tee failed to judge the window: {exc!r}", msg.partition,
-                                 msg.offset, contracts.PEER_WINDOWS)
+                    log.exception("the TEE failed to judge a feed of job %s", feed.job)
+                    await reject(event.value, event.key, f"tee failed to judge the job's feed: {exc!r}",
+                                 msg.partition, msg.offset, contracts.PEER_WINDOWS)
                     continue
                 if found:
                     await emit(found)
@@ -206,6 +225,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     async def heartbeats():
         # event clock: also between batches, so a partition that settled at its end is judged then
         await emit(event_heartbeats() if event_clock else engine.check_heartbeats(time.time()))
+        await send_feeds()        # what the last lists left (no metrics since)
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender, revoked, **_):

@@ -8,14 +8,20 @@ Contract::
     engine.forget(nodes)                           # the worker no longer owns these nodes
     engine.flush(now) -> list[FaultEvent]          # decide soft windows still open (end of a replay)
     engine.restore(faults, now) -> int             # what an earlier worker already emitted (on start)
+    engine.feeds() -> list[JobFeed]                # split: what the jobs' workers need (node side)
+    engine.job_feed(feed) -> list[FaultEvent]      # split: judge a job's hangs and peers (job side)
 
-Split peers (``split_peers=True``, the TEE workers): the peers detector's closed windows are not
-decided in ``process`` but collected as summaries; ``windows()`` hands them out (for the job's
-worker, through ``transom.peer-windows``) and ``peer_window(summary)`` is that worker's side: it
-holds a job's summaries until the job's window is complete (:mod:`.jobwindows`) and decides them
-with a detector of the job's own (its models fitted on that job's clean history), so that what is
-decided for a job does not depend on which other jobs share its worker, nor on how many workers
-there are.
+Split (``split_peers=True``, the TEE workers): what needs every node of a job together is not
+decided in ``process``, which runs on the worker that reads the node. The peers detector's closed
+windows are collected as summaries and the hang rule's view of each batch as a
+:class:`~transom.contracts.RankReport`; ``feeds()`` hands them out, one :class:`~transom.contracts.JobFeed`
+per job (for the job's worker, through ``transom.peer-windows``), and ``job_feed(feed)`` is that
+worker's side: the hang detector judges the job's ranks with every node's reports, and the job's
+windows are held until complete (:mod:`.jobwindows`) and decided with a detector of the job's own
+(its models fitted on that job's clean history), so that what is decided for a job does not depend
+on which other jobs share its worker, nor on how many workers there are. (The node side then knows
+no hang: its own soft detectors, temporal and ECOD, are not told a hang explains a symptom; the
+peers detector is, on the job side.)
 
 Merging: a fault of the same class (``evidence["class"]``) on the same node and device (GPU, port)
 whose trigger lies within ``cooldown_s`` (sample time) of the last one is merged into it (counted in
@@ -46,7 +52,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Callable, Iterable, Mapping
 
-from transom.contracts import FaultEvent, MetricBatch, PeerWindow
+from transom.contracts import FaultEvent, JobFeed, MetricBatch, PeerWindow, RankReport
 from transom.log import get
 
 from .config import TEEConfig
@@ -86,8 +92,12 @@ class TEEEngine:
             from .temporal import TemporalDetector
             self.rules.append(TemporalDetector(self.config))
         self.job_windows = None
-        self._job_peers: dict[str, object] = {}         # split peers, job side: job -> its PeerDetector
-        self._peer_hard_at: dict[str, float] = {}       # split peers, job side: node -> hard_ts its windows carried
+        self.split = split_peers
+        self._job_peers: dict[str, object] = {}         # split, job side: job -> its PeerDetector
+        self._peer_hard_at: dict[str, float] = {}       # split, job side: node -> its last hard fault (feed, hangs)
+        self._ranks_out: dict[str, list[RankReport]] = {}   # split, node side: job -> rank reports not yet sent
+        if split_peers:        # node side: the hang rule only collects what the job's worker judges
+            self.rules[self.rules.index(self._hang)] = _RankCollector(self._ranks_out)
         if self.peers is not None and split_peers:
             from .jobwindows import JobWindows
             self.peers.outbox = []
@@ -134,6 +144,37 @@ class TEEEngine:
         self.peers.outbox.clear()
         return out
 
+    def feeds(self, most: int = 500) -> list[JobFeed]:
+        """Split, node side: what the jobs' workers need since the last call, one :class:`JobFeed` per
+        job (more when a job has over ``most`` rank reports): its nodes' closed windows and rank reports."""
+        by_job: dict[str, list[PeerWindow]] = {}
+        for w in self.windows():
+            by_job.setdefault(w.job, []).append(w)
+        out = []
+        for job in sorted(set(by_job) | set(self._ranks_out)):
+            windows, ranks = by_job.get(job, []), self._ranks_out.get(job, [])
+            for i in range(0, max(len(ranks), 1), most):
+                out.append(JobFeed(job=job, windows=tuple(windows) if i == 0 else (), ranks=tuple(ranks[i:i + most])))
+        self._ranks_out.clear()
+        return out
+
+    def job_feed(self, feed: JobFeed, now: float | None = None) -> list[FaultEvent]:
+        """Split, job side: judge ``feed.job`` with one feed (its rank reports, then its windows); ``now``:
+        the decision time (default: the engine's clock, or each item's own time on the event clock)."""
+        event_clock = now is None and self.config.clock == "event"
+        now = self.clock() if now is None else now
+        found: list[FaultEvent] = []
+        hang = self._hang
+        for r in feed.ranks:
+            hangs = hang.take(feed.job, r, r.ts if event_clock else now)
+            if hangs:
+                found += self._new(hangs, hard_at=self._peer_hard_at)
+            if r.node in hang._hung and hang.ongoing(r.node, r.ts):    # soft symptoms of the hang are explained
+                self._peer_hard_at[r.node] = max(self._peer_hard_at.get(r.node, r.ts), r.ts)
+        for w in feed.windows:
+            found += self.peer_window(w, now=w.closed_ts if event_clock else now)
+        return found
+
     def peer_window(self, w: PeerWindow, now: float | None = None) -> list[FaultEvent]:
         """Split peers, job side: take one node's window summary; return the faults of the job's windows
         it completed."""
@@ -156,9 +197,10 @@ class TEEEngine:
         return detector
 
     def forget_jobs(self, jobs: Iterable[str]) -> None:
-        """Split peers, job side: these jobs' windows are another worker's now."""
+        """Split, job side: these jobs are another worker's now."""
+        jobs = list(jobs)
+        self._hang.forget(jobs)
         if self.job_windows is not None:
-            jobs = list(jobs)
             self.job_windows.forget(jobs)
             for job in jobs:
                 self._job_peers.pop(job, None)
@@ -168,7 +210,8 @@ class TEEEngine:
             return False
         if any(getattr(link, "reported_down", False) for link in state.links.values()):
             return True
-        return self._hang.ongoing(state.node, ts)
+        # split: hangs are judged on the job's worker, which may be another; the node side does not know
+        return not self.split and self._hang.ongoing(state.node, ts)
 
     def _explained(self, f: FaultEvent, hard_at: Mapping[str, float]) -> bool:
         """Whether soft fault ``f`` is a symptom of the node's last hard fault: its anomaly began while
@@ -223,7 +266,10 @@ class TEEEngine:
             self._last[key] = max(self._last.get(key, f.observed_ts), f.observed_ts)
             if cls in {c.value for c in HARD}:
                 self._hard_at[f.node] = max(self._hard_at.get(f.node, f.observed_ts), f.observed_ts)
-            if now - f.detected_ts <= self.config.cooldown_s and f.kind.value in _ONCE:
+            if now - f.detected_ts <= self.config.cooldown_s and f.kind.value == "hang":
+                if f.rank is not None and ev.get("step") is not None:
+                    self._hang.seed(f.node, f.job or "", str(ev.get("generation", "0")), f.rank, ev["step"])
+            elif now - f.detected_ts <= self.config.cooldown_s and f.kind.value in _ONCE:
                 state = self._nodes.get(f.node)
                 if state is not None:
                     _seed_state(state, f)
@@ -264,7 +310,7 @@ class TEEEngine:
                 continue
             hard = cls in {c.value for c in HARD}
             if hard:
-                self._hard_at[f.node] = f.observed_ts
+                hard_at[f.node] = f.observed_ts
             elif f.node in hard_at and self._explained(f, hard_at):
                 self.counts["explained"] += 1
                 continue
@@ -281,9 +327,20 @@ def _seed_state(state: NodeState, f: FaultEvent) -> None:
     ev = f.evidence
     if f.kind.value == "gpu_lost" and ev.get("gpu") is not None:
         state.lost_gpus.add(int(ev["gpu"]))
-    elif f.kind.value in ("nan_loss", "hang") and f.rank is not None:
-        key = (f.job or "", str(ev.get("generation", "0")), f.rank)
-        if f.kind.value == "nan_loss":
-            state.nan_ranks.add(key)
-        elif ev.get("step") is not None:
-            state.hung_at[key] = ev["step"]
+    elif f.kind.value == "nan_loss" and f.rank is not None:
+        state.nan_ranks.add((f.job or "", str(ev.get("generation", "0")), f.rank))
+
+
+class _RankCollector:
+    """Split, node side: the hang rule's place in the rule list; keeps each batch's rank reports for
+    the job's worker (:meth:`TEEEngine.feeds`) instead of judging them here."""
+
+    name = "hang"
+
+    def __init__(self, out: dict[str, list[RankReport]]) -> None:
+        self.out = out
+
+    def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        for job, report in HangDetector.reports(batch):
+            self.out.setdefault(job, []).append(report)
+        return []

@@ -34,6 +34,13 @@ for a rank with the batch of its own node (one event per stall, id from job, gen
 rank, the time its step last moved), with the stuck rank's process state and stack and, as
 evidence, where the waiting ranks are. Ranks are keyed by node too (two nodes may both call a
 rank 0 when the agents do not know the global rank).
+
+Where it runs: the rules compare a job's ranks across its nodes, so the detector must see every node
+of the job. In one process (offline, tests) it is the engine's rule, ``observe(state, batch, now)``.
+In the TEE workers a job's nodes are spread over the workers by node: the worker that reads a node
+turns each batch into :class:`~transom.contracts.RankReport` values (:meth:`HangDetector.reports`) and
+sends them keyed by job; the worker that owns the job feeds them, in each node's order, to
+:meth:`HangDetector.take`, the same judgement (:mod:`.app`, :meth:`TEEEngine.job_feed`).
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from transom.contracts import DCGM, Action, FaultEvent, FaultKind, MetricBatch, Severity, Source, stable_id
+from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch, RankReport, Severity, Source,
+                               stable_id)
 
 from .config import TEEConfig
 from .rules import NodeState, fault
@@ -90,7 +98,8 @@ class JobView:
 
 
 class HangDetector:
-    """The hang rule of the engine (``observe(state, batch, now)``), with per-job state."""
+    """The hang rule (``observe(state, batch, now)``, or ``take(job, report, now)`` on the job's worker),
+    with per-job state."""
 
     name = "hang"
 
@@ -99,6 +108,7 @@ class HangDetector:
         self.jobs: dict[str, JobView] = {}
         self._ceilings = dict(config.hang_phase_ceilings)
         self._hung: dict[str, list] = {}         # node -> the (job, rank key, since) of its last reported hangs
+        self._seeded: dict[tuple, float] = {}    # (node, job, generation, rank) -> step an earlier worker reported
         self._swept = 0.0
 
     # ------------------------------------------------------------------ limits
@@ -135,23 +145,43 @@ class HangDetector:
     # ------------------------------------------------------------------ observe
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
+        """The engine's rule where one process sees every node of the job (offline, tests)."""
+        out: list[FaultEvent] = []
+        for job_id, report in self.reports(batch):
+            out += self.take(job_id, report, now)
+        return out
+
+    @staticmethod
+    def reports(batch: MetricBatch) -> list[tuple[str, RankReport]]:
+        """What of ``batch`` the judgement of each of its jobs needs: (job, report) pairs. On the
+        worker that reads the node; the job's worker passes them to :meth:`take` (``transom.peer-windows``)."""
         trains = batch.of(Source.TRAIN)
-        node = batch.node
         gpus = [s.fields[DCGM.GPU_UTIL] for s in batch.of(Source.GPU) if DCGM.GPU_UTIL in s.fields]
+        util = sum(gpus) / len(gpus) if gpus else None
         if not trains:
-            if gpus and batch.job in self.jobs:
-                self.jobs[batch.job].gpu_util[node] = (batch.ts, sum(gpus) / len(gpus))
-            return []
-        mine: list[tuple[str, tuple[str, str, int], RankView]] = []
+            return [] if util is None or batch.job is None else [(batch.job, RankReport(batch.node, batch.ts, util))]
+        if len(trains) == 1 and not trains[0].tags.get("event"):      # the common case: one rank per node
+            return [(trains[0].tags.get("job") or batch.job or "", RankReport(batch.node, batch.ts, util, trains))]
+        by_job: dict[str, list] = {}
         for s in trains:
-            if s.tags.get("event"):          # a one-off event (a save, a restore), not the rank's progress
-                continue
-            job_id = s.tags.get("job") or batch.job or ""
-            job = self.jobs.get(job_id)
-            if job is None:
-                job = self.jobs[job_id] = JobView()
-            if gpus:
-                job.gpu_util[node] = (batch.ts, sum(gpus) / len(gpus))
+            if not s.tags.get("event"):      # a one-off event (a save, a restore), not the rank's progress
+                by_job.setdefault(s.tags.get("job") or batch.job or "", []).append(s)
+        return [(job_id, RankReport(batch.node, batch.ts, util, tuple(samples))) for job_id, samples in by_job.items()]
+
+    def take(self, job_id: str, report: RankReport, now: float) -> list[FaultEvent]:
+        """Judge ``job_id``'s ranks with one node batch's ``report`` (in the node's order)."""
+        node = report.node
+        if not report.samples:
+            if report.gpu_util is not None and job_id in self.jobs:
+                self.jobs[job_id].gpu_util[node] = (report.ts, report.gpu_util)
+            return []
+        job = self.jobs.get(job_id)
+        if job is None:
+            job = self.jobs[job_id] = JobView()
+        if report.gpu_util is not None:
+            job.gpu_util[node] = (report.ts, report.gpu_util)
+        mine: list[tuple[tuple[str, str, int], RankView]] = []
+        for s in report.samples:
             key = (node, s.tags.get("generation", "0"), s.index if s.index is not None else -1)
             if s.fields.get("alive") == 0:
                 job.ranks.pop(key, None)
@@ -159,8 +189,8 @@ class HangDetector:
             step = s.fields.get("step")
             if step is None:
                 continue
-            ts = float(s.ts) if s.ts is not None else batch.ts
-            seen = max(ts, batch.ts)
+            ts = float(s.ts) if s.ts is not None else report.ts
+            seen = max(ts, report.ts)
             r = job.ranks.get(key)
             if r is None:
                 r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen)
@@ -180,33 +210,43 @@ class HangDetector:
             r.phase, r.stack, r.state, r.pid = (s.tags.get("phase", ""), s.tags.get("stack", ""),
                                                 s.tags.get("state", ""), s.tags.get("pid", ""))
             if s.fields.get("alive") == 1:
-                mine.append((job_id, key, r))
+                mine.append((key, r))
         out = []
-        for job_id, key, r in mine:
-            f = self._decide(state, batch, now, job_id, key, r)
+        for key, r in mine:
+            f = self._decide(now, job_id, key, r)
             if f is not None:
                 out.append(f)
-        if batch.ts - self._swept < 60.0:
-            return out
-        self._swept = batch.ts
-        cutoff = batch.ts - _FORGET_AFTER
+        if report.ts - self._swept >= 60.0:
+            self._sweep(report.ts)
+        return out
+
+    def _sweep(self, ts: float) -> None:
+        self._swept = ts
+        cutoff = ts - _FORGET_AFTER
         for job_id, job in list(self.jobs.items()):
             for key in [k for k, v in job.ranks.items() if v.last_seen < cutoff]:
                 del job.ranks[key]
-            if not job.ranks and all(ts < cutoff for ts, _ in job.gpu_util.values()):
+            if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
                 del self.jobs[job_id]
-        return out
+
+    def seed(self, node: str, job_id: str, generation: str, rank: int, step: float) -> None:
+        """An earlier worker reported this rank hung at ``step``: not again for the same stall."""
+        self._seeded[(node, job_id, generation, rank)] = step
+
+    def forget(self, jobs) -> None:
+        """These jobs are another worker's now."""
+        for job_id in jobs:
+            self.jobs.pop(job_id, None)
 
     # ------------------------------------------------------------------ decide
 
-    def _decide(self, state: NodeState, batch: MetricBatch, now: float, job_id: str,
-                key: tuple[str, str, int], r: RankView) -> FaultEvent | None:
+    def _decide(self, now: float, job_id: str, key: tuple[str, str, int], r: RankView) -> FaultEvent | None:
         job = self.jobs[job_id]
         node, generation, rank = key
         limit = self.step_limit(r)
         if r.stall <= limit or (node, generation, rank, r.since) in job.reported:
             return None
-        if state.hung_at.get((job_id, generation, rank)) == r.step:     # an earlier worker reported it
+        if self._seeded.get((node, job_id, generation, rank)) == r.step:     # an earlier worker reported it
             return None
         peers = [(k, v) for k, v in job.ranks.items() if k != key and k[1] == generation]
         cause = None
@@ -231,7 +271,7 @@ class HangDetector:
             limit, cause = ceiling, "pause ceiling"
         job.reported.add((node, generation, rank, r.since))
         self._hung[node] = [*self._hung.get(node, [])[-7:], (job_id, key, r.since)]
-        return self._event(batch, now, job_id, key, r, job, peers, cause, limit)
+        return self._event(now, job_id, key, r, job, peers, cause, limit)
 
     def _not_in_collective(self, job: JobView, node: str, r: RankView, peers) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin."""
@@ -251,7 +291,7 @@ class HangDetector:
             job.apart_since[node] = (r.since, since := r.last_seen)
         return r.last_seen - since >= self.step_limit(r)
 
-    def _event(self, batch: MetricBatch, now: float, job_id: str, key, r: RankView, job: JobView, peers,
+    def _event(self, now: float, job_id: str, key, r: RankView, job: JobView, peers,
                cause: str, limit: float) -> FaultEvent:
         node, generation, rank = key
         waiting = [{"node": k[0], "rank": k[2], "stall_s": round(v.stall, 1),
@@ -275,7 +315,7 @@ class HangDetector:
         return fault(
             FaultKind.HANG, Severity.CRITICAL, Action.RESTART,
             fault_id=stable_id(job_id, generation, "hang", node, rank, r.since), node=node,
-            job=job_id or batch.job, rank=rank, detector="rule.hang", observed_ts=r.last_seen, now=now,
+            job=job_id or None, rank=rank, detector="rule.hang", observed_ts=r.last_seen, now=now,
             score=r.stall, threshold=limit, evidence=evidence,
             summary=(f"Rank {rank} of job {job_id} on {node} {how}: at step {r.step:g} for {r.stall:.0f}s "
                      f"(limit {limit:.0f}s)."),

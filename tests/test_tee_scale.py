@@ -22,14 +22,22 @@ def names(ws) -> list[tuple[str, int]]:
     return [(w.node, w.index) for w in ws]
 
 
-def test_peer_window_round_trips_and_refuses_a_bad_gpu_map():
+def test_a_job_feed_round_trips_and_refuses_a_bad_window_or_rank():
     w = c.PeerWindow(node="n1", job="j", index=7, first_ts=70.0, last_ts=79.0, closed_ts=80.0,
                      gpu={"0": {c.DCGM.GPU_TEMP: 61.5}, "3": {c.DCGM.SM_CLOCK: 1900.0}}, reasons={"0": 4},
                      nic_err=0.25, nic_bw={"mlx5_0": 4e10}, hard_ts=65.0)
-    assert c.decode(c.PEER_WINDOWS, c.encode(w)) == w
-    bad = c.encode(w).replace(b"61.5", b'"hot"')
+    rank = c.Sample(c.Source.TRAIN, {"step": 3.0, "alive": 1.0, "heartbeat_age_s": 0.2}, index=1,
+                    tags={"generation": "0", "stack": "train.py:80 step"})
+    feed = c.JobFeed(job="j", windows=(w,), ranks=(c.RankReport("n1", 81.0, 93.5, (rank,)), c.RankReport("n2", 81.0)))
+    assert c.decode(c.PEER_WINDOWS, c.encode(feed)) == feed
+    bad = c.encode(feed).replace(b"61.5", b'"hot"')
     with pytest.raises(c.ContractError, match=r"peer window: gpu\['0'\] must map field names to numbers"):
         c.decode(c.PEER_WINDOWS, bad)
+    bad = c.encode(feed).replace(b'"step":3.0', b'"step":"3"')
+    with pytest.raises(c.ContractError, match="job feed rank report 0 sample 0: metric 'step' must be a number"):
+        c.decode(c.PEER_WINDOWS, bad)
+    with pytest.raises(c.ContractError, match="job feed: missing required field 'windows'"):
+        c.decode(c.PEER_WINDOWS, c.encode(w))          # a bare window (an older worker's) is refused
 
 
 def test_a_window_summary_gives_the_features_of_its_window_and_whether_the_job_moved():
@@ -47,7 +55,7 @@ def test_a_window_summary_gives_the_features_of_its_window_and_whether_the_job_m
     win.nic_err += [0.1, 0.4]
     win.nic_bw["mlx5_0"] += [4e10, 3e10, 3.5e10]
     win.steps += [7.0, 7.0, 7.0]
-    back = _Window.of(c.decode(c.PEER_WINDOWS, c.encode(win.summary("n1", "j", 40.0))))
+    back = _Window.of(c.decode(c.PEER_WINDOWS, c.encode(c.JobFeed("j", (win.summary("n1", "j", 40.0),)))).windows[0])
     detector = PeerDetector(TEEConfig())
     here, there = _NodeSoft(window=win), _NodeSoft(window=back)
     for ns in (here, there):      # the same history of clean windows behind both
@@ -55,7 +63,7 @@ def test_a_window_summary_gives_the_features_of_its_window_and_whether_the_job_m
     (x1, worst1, med1), (x2, worst2, med2) = detector._raw_features(here), detector._raw_features(there)
     assert x1.tolist() == x2.tolist() and worst1 == worst2 and med1 == med2
     assert min(back.steps) == max(back.steps) == 7.0 and dict(back.reasons) == {1: 4}
-    bad = c.encode(win.summary("n1", "j", 40.0)).replace(b'"steps":[7.0,7.0]', b'"steps":["x"]')
+    bad = c.encode(c.JobFeed("j", (win.summary("n1", "j", 40.0),))).replace(b'"steps":[7.0,7.0]', b'"steps":["x"]')
     with pytest.raises(c.ContractError, match="peer window: steps must be a list of numbers"):
         c.decode(c.PEER_WINDOWS, bad)
 
@@ -90,15 +98,61 @@ def test_a_jobs_window_is_released_whole_and_in_order_whatever_the_arrival():
     assert names(g2.flush()) == [("x", 0), ("y", 0)]
 
 
+def _hangs_on(workers: int, feed, seconds: int, *, split: bool = True) -> list[tuple[str, int, str]]:
+    """The hang events of NODES' job fed by ``feed`` (test_tee_hangs' scenarios), with the nodes spread
+    over ``workers`` engines as the metrics partitions spread them; the job's feeds go to the engine
+    that owns the job (the last). ``split=False``: each engine judges only what it reads (the old way)."""
+    from test_tee_hangs import NODES, T0, _batch
+
+    from transom.streams.config import TEEConfig
+    from transom.streams.engine import TEEEngine
+
+    engines = [TEEEngine(TEEConfig(soft_detectors=(), clock="event"), split_peers=split) for _ in range(workers)]
+    found = []
+    for t in range(seconds):
+        for i, node in enumerate(NODES):
+            engine = engines[i % workers]
+            found += engine.process(_batch(node, T0 + t, **feed(node, t)), now=T0 + t)
+        if t % 2 == 1:        # the node sides send what they gathered (FEED_EVERY), in worker order
+            for engine in engines:
+                for f in engine.feeds():
+                    found += engines[-1].job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)))
+    return sorted((f.node, f.rank, f.evidence["cause"]) for f in found if f.kind is c.FaultKind.HANG)
+
+
+def test_hangs_are_judged_with_every_node_of_the_job_whatever_the_workers():
+    """The hang rules that need the job's other nodes (a rank behind its stepping peers, GPUs idle
+    while the peers' spin, a stop past the pause ceiling) give the same events with the job's three
+    nodes on one worker as on three: the rank reports meet on the job's worker. Judged where each
+    node is read, three workers would miss the first two and report the third three times."""
+    stepping = lambda node, t: {"step": min(t, 20) if node == "node0" else t, "hb": 0.0}   # noqa: E731
+    idle = lambda node, t: {"step": min(t, 30), "util": 0.0 if node == "node2" and t >= 30 else 100.0,  # noqa: E731
+                            "hb": 0.0}
+    paused = lambda node, t: {"step": min(t, 20), "util": 5.0 if t > 20 else 95.0}   # noqa: E731
+    stopped = lambda node, t: ({"step": 30, "util": 0.0, "hb": t - 30.0} if node == "node1" and t >= 30  # noqa: E731
+                               else {"step": min(t, 30), "util": 100.0})
+    for feed, seconds, expected in ((stepping, 60, [("node0", 0, "behind")]),
+                                    (idle, 80, [("node2", 2, "not in the collective")]),
+                                    (paused, 260, [("node0", 0, "pause ceiling")]),
+                                    (stopped, 90, [("node1", 1, "stuck")])):
+        assert _hangs_on(1, feed, seconds) == expected
+        assert _hangs_on(3, feed, seconds) == expected
+        assert _hangs_on(1, feed, seconds, split=False) == expected      # one process, the offline engine
+    assert _hangs_on(3, stepping, 60, split=False) == []
+    assert _hangs_on(3, idle, 80, split=False) == []
+    assert len(_hangs_on(3, paused, 260, split=False)) == 3
+
+
 @pytest.mark.integration
 @pytest.mark.e2e
-def test_three_workers_find_the_same_soft_faults_as_one(monkeypatch):
+def test_three_workers_find_the_same_soft_faults_and_hangs_as_one(monkeypatch):
     """The labelled corpus (16 nodes in 2 jobs of 8, 12 minutes at 1 Hz, every fault class once; a
-    straggler, a power cap, a hot GPU and a degraded link among them), replayed on the event clock
-    through the real broker by one `transom tee` worker, then by three sharing the partitions: the
-    same soft faults (class and node), each on the same window (observed time within one window),
-    each an injected one. The job's nodes are spread over the three workers' metrics partitions;
-    their windows meet on the job's partition of transom.peer-windows."""
+    straggler, a power cap, a hot GPU, a degraded link and a hang among them), replayed on the event
+    clock through the real broker by one `transom tee` worker, then by three sharing the partitions:
+    the same soft faults (class and node), each on the same window (observed time within one window),
+    each an injected one, and the same hang events (node and rank, observed within 10 s), on the hung
+    node only. The job's nodes are spread over the three workers' metrics partitions; their windows
+    and rank reports meet on the job's partition of transom.peer-windows."""
     from transom.streams.corpus import Corpus, CorpusSpec
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
@@ -110,21 +164,29 @@ def test_three_workers_find_the_same_soft_faults_as_one(monkeypatch):
 
     batches = sum(1 for _ in corpus.encoded())
 
-    def soft_faults(workers: int) -> dict[tuple[str, str], float]:
+    def faults(workers: int) -> tuple[dict[tuple[str, str], float], dict[tuple[str, int], float]]:
         with EmbeddedBroker() as broker:
             events, published, _ = pipeline(corpus, broker.bootstrap, workers=workers)
         assert published == batches
         found = [f for f in events if not f.resolved and f.evidence.get("class") in soft]
         assert len({f.fault_id for f in found}) == len(found), "a soft fault was sent twice"
-        return {(f.evidence["class"], f.node): f.observed_ts for f in found}
+        hangs = [f for f in events if f.kind is c.FaultKind.HANG]
+        assert len({f.fault_id for f in hangs}) == len(hangs), "a hang was sent twice"
+        return ({(f.evidence["class"], f.node): f.observed_ts for f in found},
+                {(f.node, f.rank): f.observed_ts for f in hangs})
 
-    one = soft_faults(1)
+    one, hangs_one = faults(1)
     injected = {(i.cls.value, i.node): i for i in corpus.injections if i.cls.value in soft}
     # what the detectors find is their business (docs/tee.md); here: real faults only, and most of them
     assert set(one) <= set(injected) and len(one) >= 3, (sorted(one), sorted(injected))
     for key, ts in one.items():
         assert injected[key].start <= ts <= injected[key].end, (key, ts - injected[key].start)
-    three = soft_faults(3)
+    hung = {i.node for i in corpus.injections if i.cls.value == "hang"}
+    assert hung and {node for node, _ in hangs_one} == hung, (sorted(hangs_one), sorted(hung))
+    three, hangs_three = faults(3)
     assert set(three) == set(one)
     for key, ts in one.items():
         assert abs(three[key] - ts) <= 10.0, (key, three[key] - ts)   # soft_window_s
+    assert set(hangs_three) == set(hangs_one)          # the job's ranks meet on the job's worker
+    for key, ts in hangs_one.items():
+        assert abs(hangs_three[key] - ts) <= 10.0, (key, hangs_three[key] - ts)

@@ -20,7 +20,8 @@ transom.lifecycle      job id      :class:`LifecycleEvent` (compacted; carries a
 transom.deadletter     orig. key   :class:`DeadLetter`
 transom.registry       CL/KIND/NODE :class:`Registration` (compacted; a null value, the tombstone,
                                    says the service left cleanly; see :mod:`transom.registry`)
-transom.peer-windows   job id      :class:`PeerWindow` (the TEE's internal repartition topic)
+transom.peer-windows   job id      :class:`JobFeed`: node windows and rank progress (the TEE's
+                                   internal repartition topic)
 =====================  ==========  ================================================
 """
 
@@ -41,6 +42,7 @@ import orjson      # 3-4x faster parsing of metric batches (the TEE reads thousa
 __all__ = [
     "SCHEMA_VERSION", "ContractError", "TopicSpec", "TOPICS",
     "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "HISTORY", "DEADLETTER", "PEER_WINDOWS", "PeerWindow",
+    "RankReport", "JobFeed",
     "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
     "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
     "REGISTRY", "ServiceKind", "Registration", "UNROUTABLE", "registry_key",
@@ -56,7 +58,8 @@ LIFECYCLE = "transom.lifecycle"
 HISTORY = "transom.history"
 DEADLETTER = "transom.deadletter"
 REGISTRY = "transom.registry"
-#: The TEE's own repartition topic: per-node window summaries keyed by job (see streams/app.py).
+#: The TEE's own repartition topic: per-node window summaries and rank progress keyed by job
+#: (:class:`JobFeed`, see streams/app.py).
 PEER_WINDOWS = "transom.peer-windows"
 
 
@@ -700,17 +703,98 @@ class PeerWindow:
                    steps=tuple(float(v) for v in steps))
 
 
+@dataclass(frozen=True)
+class RankReport:
+    """One node batch as the job's hang judgement needs it: the node, the batch time, the mean
+    utilisation of its GPUs (None: no GPU sample) and its training samples of the job (step, step time,
+    alive, heartbeat age, stopped; tags generation, phase, stack, state, pid). No samples: the node's
+    GPUs only (a node of the job that reported no training progress this time)."""
+
+    node: str
+    ts: float
+    gpu_util: float | None = None
+    samples: tuple[Sample, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "rank report") -> "RankReport":
+        if type(d) is not dict:
+            raise ContractError(f"{what}: must be an object")
+        node, ts, util, samples = d.get("node"), d.get("ts"), d.get("gpu_util"), d.get("samples")
+        if type(node) is not str or type(ts) is not float or not 0 < ts < math.inf or type(samples) is not list \
+                or not (util is None or type(util) is float and math.isfinite(util)):   # the slow path says why
+            node = _get(d, "node", str, what=what)
+            ts = _get(d, "ts", _NUM, what=what)
+            if not math.isfinite(ts) or ts <= 0:
+                raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
+            util = _get(d, "gpu_util", _NUM, what=what, optional=True)
+            samples = _get(d, "samples", list, what=what, optional=True, default=[])
+        obj = object.__new__(cls)       # validated: no frozen __init__ (thousands a second)
+        obj.__dict__.update(node=node, ts=float(ts), gpu_util=None if util is None else float(util),
+                            samples=tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=True)
+                                          for i, s in enumerate(samples)))
+        return obj
+
+
+def _window_plain(w: PeerWindow) -> dict[str, Any]:
+    d = {f.name: getattr(w, f.name) for f in _WINDOW_FIELDS}
+    for k in ("gpu", "reasons", "nic_bw"):       # orjson writes dicts (of dicts) of numbers itself
+        if type(d[k]) is not dict or (k == "gpu" and any(type(v) is not dict for v in d[k].values())):
+            d[k] = _plain(d[k])
+    return d
+
+
+_WINDOW_FIELDS = dataclasses.fields(PeerWindow)
+
+
+@dataclass(frozen=True)
+class JobFeed:
+    """What the TEE workers that read a job's nodes send the worker that judges the job (keyed by
+    job on ``transom.peer-windows``): the nodes' closed soft-detection windows and their rank
+    progress, each in its node's order, gathered over a fraction of a second (one message per job
+    instead of one per node window and batch)."""
+
+    job: str
+    windows: tuple[PeerWindow, ...] = ()
+    ranks: tuple[RankReport, ...] = ()
+    v: int = SCHEMA_VERSION
+
+    def plain(self) -> dict[str, Any]:
+        """The JSON object of this feed, built directly (the generic walk costs more than the rules)."""
+        return {"job": self.job, "windows": [_window_plain(w) for w in self.windows],
+                "ranks": [{"node": r.node, "ts": r.ts, "gpu_util": r.gpu_util,
+                           "samples": [{"source": s.source.value, "index": s.index, "ts": s.ts,
+                                        "fields": s.fields if type(s.fields) is dict else dict(s.fields),
+                                        "tags": s.tags if type(s.tags) is dict else dict(s.tags)}
+                                       for s in r.samples]} for r in self.ranks],
+                "v": self.v}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "JobFeed":
+        what = "job feed"
+        _check_version(d, what)
+        windows = _get(d, "windows", list, what=what)
+        ranks = _get(d, "ranks", list, what=what)
+        for i, w in enumerate(windows):
+            if type(w) is not dict:
+                raise ContractError(f"{what}: window {i} must be an object")
+        return cls(job=_get(d, "job", str, what=what),
+                   windows=tuple(PeerWindow.from_dict(w) for w in windows),
+                   ranks=tuple(RankReport.from_dict(r, f"{what} rank report {i}") for i, r in enumerate(ranks)))
+
+
 # --------------------------------------------------------------------------- codec
 
 _BY_TOPIC: dict[str, type] = {
     METRICS: MetricBatch, FAULTS: FaultEvent, CHECKPOINTS: CheckpointReady,
     LIFECYCLE: LifecycleEvent, HISTORY: LifecycleEvent, DEADLETTER: DeadLetter, REGISTRY: Registration,
-    PEER_WINDOWS: PeerWindow,
+    PEER_WINDOWS: JobFeed,
 }
 
 
 def encode(event: Any) -> bytes:
     """Serialise an event to its JSON bytes (NaN and Inf are refused: JSON has none)."""
+    if type(event) is JobFeed:      # the TEE's internal feed, thousands of values a second, all of them
+        return orjson.dumps(event.plain())   # from validated (finite) input: the fast encoder is safe
     return json.dumps(_plain(event), separators=(",", ":"), allow_nan=False).encode()
 
 
