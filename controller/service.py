@@ -451,7 +451,8 @@ class Controller:
         for job in list(self.jobs.values()):
             # a node that left the pool (its spare took a rank) gets a new spare when it comes back to it
             self._spares_started -= {k for k in self._spares_started if k[0] == job.job and k[2] not in job.spares}
-            if job.state != JobState.RUNNING or job.spec.heal != "in-job" or job.launched_generation < 0:
+            if job.state != JobState.RUNNING or job.spec.heal != "in-job" or job.launched_generation < 0 \
+                    or not set(job.joined) >= set(range(len(job.nodes))):    # a script without the elastic API
                 continue
             for node in job.spares:
                 if node in job.warm or (job.job, job.launched_generation, node) in self._spares_started:

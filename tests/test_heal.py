@@ -8,6 +8,7 @@ signals a rank while the others sleep in the hook, then releases them into the c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -157,3 +158,60 @@ def test_a_survivor_lost_during_the_reform_falls_back_to_a_relaunch(broker, stac
     assert "healed" not in [e.name for e in events]
     assert "resumed from step 5 gen 1" in (jobdir / "gen-1" / "rank-0.log").read_text()
     assert "done: 12 steps" in (jobdir / "gen-1" / "rank-0.log").read_text()
+
+
+# --------------------------------------------------------------------------- the policy, driven directly
+
+def _running(**spec):
+    from transom.controller.state import ElasticJoined, Job, JobSpec, Launched, PrecheckDone, SpareReady, StepSeen, \
+        Submitted, decide
+    job = Job(job="j", spec=JobSpec(("python", "train.py"), 4, **spec))
+    for ev in (Submitted(tuple(NODES)), PrecheckDone(0), Launched(0, ts=100.0), StepSeen(0, 1, 101.0),
+               *(ElasticJoined(0, r) for r in range(4)), SpareReady(0, "node4")):
+        job = decide(job, ev).job
+    return job
+
+
+def test_policy_heals_in_the_job_only_with_a_warm_spare_and_falls_back_to_a_relaunch():
+    from transom.controller.state import (Cordon, ElasticSynced, FaultSeen, Heal, HealOverdue, HealStarted, JobState,
+                                          RanksExited, RecoveryStep, Stop, decide)
+    job = _running()
+    assert job.warm == ("node4",) and job.joined == (0, 1, 2, 3)
+    d = decide(job, RanksExited(0, {1: -9}, ts=110.0))
+    assert d.name == "healing" and d.detail["path"] == "in-job" and d.job.step == RecoveryStep.HEALING
+    assert d.actions == (Heal(0, 1, 1, "node4", ("node0", "node4", "node2", "node3")),)
+    assert d.job.spares == ("node1",) and d.job.warm == () and d.job.restarts == 0     # node1 is a spare again
+    d = decide(d.job, HealStarted(0, 1, "127.0.0.1:5", 110.1))
+    assert d.name == "reforming" and d.detail["assign"] == {"node4": 1} and d.detail["master"] == "127.0.0.1:5"
+    healed = decide(d.job, ElasticSynced(0, 1, 6, 112.0))
+    assert healed.name == "healed" and healed.job.state == JobState.RUNNING and healed.detail["seconds"] == 2.0
+    # a survivor lost during the re-form, or no step in time: the relaunch, from the checkpoint
+    lost = decide(d.job, RanksExited(0, {2: -9}, ts=111.0))
+    assert lost.name == "relaunching" and lost.detail["path"] == "relaunch" and "fallback" in lost.detail
+    assert lost.actions == (Stop(0),) and lost.job.nodes == ("node0", "node4", "node2", "node3")
+    late = decide(d.job, HealOverdue(1, 61.0, 171.0))
+    assert late.name == "relaunching" and late.cause["kind"] == "heal_timeout"
+    # an XID evicts: the node is cordoned and does not go back to the pool
+    f = fault("j", "node2", c.FaultKind.XID)
+    x = decide(job, FaultSeen(f, f.detected_ts))
+    assert x.name == "healing" and x.actions[0] == Cordon("node2", f.summary) and x.job.spares == ()
+    # no warm spare, a relaunch policy, or a NaN loss: today's relaunch
+    assert decide(dataclasses.replace(job, warm=()), RanksExited(0, {1: -9}, ts=110.0)).name == "relaunching"
+    assert decide(_running(heal="relaunch"), RanksExited(0, {1: -9}, ts=110.0)).name == "relaunching"
+    nan = fault("j", "node2", c.FaultKind.NAN_LOSS)
+    assert decide(job, FaultSeen(nan, nan.detected_ts)).name == "relaunching"
+
+
+def test_report_lists_each_recovery_with_its_path_and_cost():
+    from transom.report import RunData, recoveries
+
+    def ev(seq, name, ts, **detail):
+        return c.LifecycleEvent(job="j", seq=seq, ts=ts, name=name, state="x", detail=detail)
+
+    data = RunData("j")
+    data.lifecycle = [ev(0, "healing", 10.0, reason="rank 1 exited", spare="node4"), ev(1, "healed", 11.5),
+                      ev(2, "healing", 20.0, reason="hang", spare="node1"),
+                      ev(3, "relaunching", 30.0, reason="no step", fallback="epoch 2"), ev(4, "resumed", 36.0),
+                      ev(5, "relaunching", 50.0, reason="nan", replacement=None), ev(6, "resumed", 55.0)]
+    got = [(r["path"], r["seconds"]) for r in recoveries(data)]
+    assert got == [("in-job", 1.5), ("in-job -> relaunch", 16.0), ("relaunch", 5.0)]
