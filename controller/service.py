@@ -327,7 +327,7 @@ class Controller:
         for job_id, job in list(self.jobs.items()):
             if fault.job not in (None, job_id) or job.state in TERMINAL:
                 continue
-            if fault.node not in job.nodes:
+            if fault.node not in job.nodes and fault.node not in job.spares:
                 if fault.job == job_id:    # a fault that claims the job but names a foreign node: say so
                     log.warning("fault %s names node %s, which does not run job %s (nodes %s): ignored",
                                 fault.fault_id, fault.node, job_id, ",".join(job.nodes) or "-")

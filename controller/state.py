@@ -710,6 +710,15 @@ def decide(job: Job, event: Event) -> Decision:
 
     if isinstance(event, FaultSeen):
         f = event.fault
+        if (f.node in job.spares and f.node not in job.nodes and policy_for(f) == Action.EVICT
+                and job.state not in TERMINAL_STATES and f.fault_id not in job.handled_faults and not f.resolved):
+            # a spare node (one a heal just gave back to the pool, its XID a second late): out of the pool
+            why = f.summary or f"{f.kind.value} on {f.node}"
+            new = dataclasses.replace(job, spares=tuple(n for n in job.spares if n != f.node),
+                                      warm=tuple(n for n in job.warm if n != f.node), evicted=job.evicted + (f.node,),
+                                      handled_faults=(job.handled_faults + (f.fault_id,))[-200:])
+            return Decision(new, (Cordon(f.node, why),), "spare_evicted",
+                            {"fault_id": f.fault_id, "kind": f.kind.value, "node": f.node}, {"node": f.node, "reason": why})
         live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
         if not live or f.fault_id in job.handled_faults or f.resolved:
             return Decision(job)
