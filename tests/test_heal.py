@@ -215,3 +215,10 @@ def test_report_lists_each_recovery_with_its_path_and_cost():
                       ev(5, "relaunching", 50.0, reason="nan", replacement=None), ev(6, "resumed", 55.0)]
     got = [(r["path"], r["seconds"]) for r in recoveries(data)]
     assert got == [("in-job", 1.5), ("in-job -> relaunch", 16.0), ("relaunch", 5.0)]
+
+
+def test_only_a_failed_collective_is_healed_an_error_of_the_step_itself_is_raised():
+    from transom.elastic import collective_failure
+    assert collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert collective_failure(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    assert not collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))

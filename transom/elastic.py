@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ElasticGroup", "Replica", "ElasticError", "ReformFailed", "SpareReleased", "params_sha256",
+           "collective_failure",
            "ENV_SPARE", "EXIT_REFORM_FAILED"]
 
 ENV_SPARE = "TRANSOM_SPARE"
@@ -115,6 +116,19 @@ def params_sha256(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+#: What the text of a failed collective says (gloo, NCCL, the store), beside torch's DistError types.
+_COLLECTIVE_MARKS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe",
+                     "socket", "store")
+
+
+def collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective (a peer gone or stuck), not an error of the step's own code."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return any(mark in text for mark in _COLLECTIVE_MARKS)
 
 
 def _log(msg: str) -> None:
@@ -337,7 +351,7 @@ class ElasticGroup:
                 out = fn()
             except RuntimeError as exc:
                 self._in_step = False
-                if attempt == retries or not dist.is_initialized():
+                if attempt == retries or not dist.is_initialized() or not collective_failure(exc):
                     raise
                 self._reform(exc, replica)
                 top = self.sync(replica)
