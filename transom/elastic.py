@@ -46,7 +46,8 @@ Exception tree::
 
     ElasticError(RuntimeError)      the elastic group cannot go on; the message says why
     ├── ReformFailed                no new group named in time, or the job was relaunched or ended
-    └── SpareReleased               a warm spare was told the job needs it no more (exit 0)
+    ├── SpareReleased               a warm spare was told the job needs it no more (exit 0)
+    └── CollectiveAbandoned         a collective given up (a new group named, or the step timeout)
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ class ReformFailed(ElasticError):
 
 class SpareReleased(ElasticError):
     """A warm spare's job no longer needs it (it ended, or was relaunched without it)."""
+
+
+class CollectiveAbandoned(ElasticError):
+    """A collective of :meth:`ElasticGroup.all_reduce_mean_` was given up: a new group was named while it
+    waited, or it passed the step timeout (a peer that is gone without closing its connections)."""
 
 
 class Replica:
@@ -125,7 +131,7 @@ _COLLECTIVE_MARKS = ("gloo", "nccl", "connection closed", "connection reset", "t
 
 def collective_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is a failed collective (a peer gone or stuck), not an error of the step's own code."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
+    if isinstance(exc, (CollectiveAbandoned, getattr(dist, "DistError", ()))):
         return True
     text = str(exc).lower()
     return any(mark in text for mark in _COLLECTIVE_MARKS)
@@ -133,6 +139,22 @@ def collective_failure(exc: BaseException) -> bool:
 
 def _log(msg: str) -> None:
     print(f"elastic: {msg}", flush=True)
+
+
+def _forget_default_group() -> None:
+    """Unregister the default group without tearing it down (what ``_abort_process_group`` does after its
+    ``abort()``): a new one can be initialised while the old one's pending work is left to time out."""
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    c10d._update_default_pg(None)
+    for attr in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+                 "pg_coalesce_state"):
+        getattr(world, attr).clear()
+    try:
+        c10d._unregister_all_process_groups()
+    except Exception:                      # noqa: BLE001
+        pass
+    world.group_count = 0
 
 
 class ElasticGroup:
@@ -164,8 +186,11 @@ class ElasticGroup:
             parts.append(TopicPartition(contracts.HISTORY, p, hi))
         self._consumer.assign(parts)
         self._events: "queue.Queue[dict[str, Any]]" = queue.Queue()
-        self._pg: Any = None               # the group a step runs in (aborted from the reader, see _read)
+        self._pg: Any = None               # the group a step runs in
         self._in_step = False
+        self._abandon = threading.Event()  # set by the reader: a new group was named during a step
+        self._stuck = False                # a collective of the current group was abandoned while pending
+        self._graveyard: list[Any] = []    # groups left with a pending collective: never destroyed (it would wait)
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="transom-elastic", daemon=True)
         self._reader.start()
@@ -209,13 +234,9 @@ class ElasticGroup:
             except ValueError:
                 continue
             d = ev.get("detail") or {}
-            if (self._in_step and self._pg is not None and ev.get("name") == "reforming"
-                    and int(d.get("generation", -1)) == self.generation and int(d.get("epoch", 0)) > self.epoch):
-                _log(f"rank {self.rank}: a new group was named while this rank waits in the old one: aborting it")
-                try:
-                    self._pg.abort()
-                except Exception as err:   # noqa: BLE001
-                    _log(f"abort: {err}")
+            if (ev.get("name") == "reforming" and int(d.get("generation", -1)) == self.generation
+                    and int(d.get("epoch", 0)) > self.epoch and self._in_step):
+                self._abandon.set()        # all_reduce_mean_ gives up its collective of the old group
             self._events.put(ev)
 
     def _wait_group(self, timeout: float | None) -> dict[str, Any]:
@@ -251,6 +272,8 @@ class ElasticGroup:
             dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=self.rank, world_size=self.world,
                                     timeout=timeout)
         self._pg = dist.group.WORLD
+        self._abandon.clear()
+        self._stuck = False
 
     def _take(self, d: dict[str, Any]) -> None:
         self.epoch = int(d["epoch"])
@@ -318,11 +341,17 @@ class ElasticGroup:
             pass
         replica.drop()
         gc.collect()
-        try:
-            # abort, not destroy: destroy waits for the group's pending work, which a dead peer never finishes
-            dist.distributed_c10d._abort_process_group()
-        except Exception as err:          # noqa: BLE001 - a broken group may fail to tear down; it is dropped
-            _log(f"aborting the broken group: {err}")
+        if self._stuck:
+            # a collective of it still waits on a peer that is gone: tearing it down would wait too. Keep it
+            # (its worker gives up at the group's timeout) and forget it as the default group
+            self._graveyard.append(dist.group.WORLD)
+            _forget_default_group()
+        else:
+            try:
+                # abort, not destroy: destroy waits for the group's pending work, which a dead peer never finishes
+                dist.distributed_c10d._abort_process_group()
+            except Exception as err:      # noqa: BLE001 - a broken group may fail to tear down; it is dropped
+                _log(f"aborting the broken group: {err}")
         self._pg = None
         d = self._wait_group(self.reform_timeout_s)
         self._take(d)
@@ -330,6 +359,31 @@ class ElasticGroup:
         self.reforms += 1
         _log(f"rank {self.rank} joined group epoch {self.epoch} at {d['master']} "
              f"{time.monotonic() - t0:.2f}s after the failure")
+
+    def all_reduce_mean_(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` over the group in place: one flattened all-reduce, waited for here, in Python,
+        so that a collective stuck on a peer that is gone is given up (:class:`CollectiveAbandoned`) as soon
+        as the controller names a new group, or after the step timeout. Use it for the gradients in place
+        of DDP's reducer (which waits in C++, where nothing can interrupt it)."""
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        work = dist.all_reduce(flat, async_op=True)
+        deadline = time.monotonic() + self.step_timeout_s
+        while not work.is_completed():
+            if self._abandon.is_set() or time.monotonic() > deadline:
+                self._stuck = True
+                why = "a new group was named" if self._abandon.is_set() else \
+                    f"no answer within the step timeout ({self.step_timeout_s:.0f}s)"
+                raise CollectiveAbandoned(f"all-reduce of rank {self.rank} given up: {why}")
+            time.sleep(0.0005)
+        work.wait()                        # raises what failed it
+        flat.div_(self.world)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
 
     def _timeout(self, seconds: float) -> None:
         """Collectives of the group time out after ``seconds``: short inside a step (a peer stuck in a broken

@@ -220,9 +220,11 @@ def _resume(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
 # --------------------------------------------------------------------------- main
 
 def train_step(net: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
-               data: "TemplateText", step: int, args: argparse.Namespace) -> torch.Tensor:
+               data: "TemplateText", step: int, args: argparse.Namespace,
+               sync: Any = None) -> torch.Tensor:
     """One optimizer step of step number ``step`` (learning-rate warm-up by step number, so a resumed
-    run takes the same steps); returns the loss. ``args``: lr, batch_size, seq_len."""
+    run takes the same steps); returns the loss. ``args``: lr, batch_size, seq_len. ``sync``: called
+    with the gradients after the backward pass (the elastic group's all-reduce; None: DDP's, or none)."""
     for group in opt.param_groups:
         group["lr"] = args.lr * min(1.0, (step + 1) / 20)
     batch = data.batch(args.batch_size, args.seq_len)
@@ -230,6 +232,8 @@ def train_step(net: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, los
     loss = loss_fn(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if sync is not None:
+        sync([p.grad for p in model.parameters() if p.grad is not None])
     nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     return loss
@@ -339,9 +343,11 @@ class LMReplica(Replica):
     stream and RNG are the rank's own (a spare takes them from the rank's newest checkpoint)."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, data: TemplateText, step: int,
-                 distributed: bool, engine: CheckpointEngine | None, args: argparse.Namespace, rank: int) -> None:
+                 distributed: bool, engine: CheckpointEngine | None, args: argparse.Namespace, rank: int,
+                 elastic: bool = False) -> None:
         super().__init__(model, opt, step)
         self.data, self.distributed, self.engine, self.args, self.rank = data, distributed, engine, args, rank
+        self.elastic = elastic          # gradients through the elastic group's all-reduce, not DDP's reducer
         self.net: nn.Module | None = None
         self.rebuild()
 
@@ -349,7 +355,8 @@ class LMReplica(Replica):
         self.net = None                 # DDP's reducer holds the broken group
 
     def rebuild(self) -> None:
-        self.net = nn.parallel.DistributedDataParallel(self.model) if self.distributed else self.model
+        use_ddp = self.distributed and not self.elastic
+        self.net = nn.parallel.DistributedDataParallel(self.model) if use_ddp else self.model
 
     def position(self) -> Any:
         return self.data.state_dict()
@@ -438,13 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     elif rank == 0 and not spare:
         print(f"starting from scratch gen {generation}", flush=True)
 
+    replica = LMReplica(model, opt, data, step, distributed, engine, args, rank, elastic=group is not None)
     if spare:
-        replica = LMReplica(model, opt, data, step, False, engine, args, rank)
-        replica.distributed = True
         step = group.sync(replica)                       # model, optimizer, step from a survivor
         replica.rebuild()
-    else:
-        replica = LMReplica(model, opt, data, step, distributed, engine, args, rank)
     loss_fn = nn.CrossEntropyLoss()
     tokens = args.batch_size * args.seq_len
     recent: list[tuple[float, float]] = []
@@ -453,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     value = float("nan")
 
     def one_step() -> torch.Tensor:
-        return train_step(replica.net, model, opt, loss_fn, replica.data, replica.step, args)
+        return train_step(replica.net, model, opt, loss_fn, replica.data, replica.step, args,
+                          sync=group.all_reduce_mean_ if group is not None else None)
 
     while replica.step < args.steps:
         t0 = time.perf_counter()
