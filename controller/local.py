@@ -175,9 +175,6 @@ class LocalBackend(Backend):
         handle = record.read()
         if handle is None:
             raise RuntimeError(f"job {job} generation {generation} has no launch record")
-        old = int(handle["pids"][rank])
-        if alive(old):
-            signal_group(old, signal.SIGKILL)            # a hung (stopped) rank too: SIGKILL needs no SIGCONT
         spare = None
         for rec in sorted((record.dir).glob(f"spare-{node}-*/spare.json")):
             got = json.loads(rec.read_text())
@@ -185,11 +182,17 @@ class LocalBackend(Backend):
                 spare = got
         if spare is None:
             raise RuntimeError(f"no live warm spare of job {job} generation {generation} on {node}")
+        if (handle.get("dirs") or {}).get(str(rank)) == spare["dir"] and str(rank) in (handle.get("masters") or {}):
+            return handle["masters"][str(rank)]      # carried out already (a controller restarted mid-heal)
+        old = int(handle["pids"][rank])
+        if alive(old):
+            signal_group(old, signal.SIGKILL)            # a hung (stopped) rank too: SIGKILL needs no SIGCONT
         handle["pids"][rank] = int(spare["pid"])
         handle.setdefault("dirs", {})[str(rank)] = spare["dir"]
         handle["nodes"][rank] = node
-        record.write(handle)
         master = f"127.0.0.1:{free_port()}"             # every "node" is this machine
+        handle.setdefault("masters", {})[str(rank)] = master
+        record.write(handle)
         log.info("job %s generation %d: rank %d -> the warm spare on %s (pid %d); new group at %s", job, generation,
                  rank, node, spare["pid"], master)
         return master
