@@ -215,6 +215,9 @@ def test_report_lists_each_recovery_with_its_path_and_cost():
                       ev(5, "relaunching", 50.0, reason="nan", replacement=None), ev(6, "resumed", 55.0)]
     got = [(r["path"], r["seconds"]) for r in recoveries(data)]
     assert got == [("in-job", 1.5), ("in-job -> relaunch", 16.0), ("relaunch", 5.0)]
+    from transom.report import render
+    page = render(data)
+    assert "<h2>Recoveries</h2>" in page and "in-job -&gt; relaunch" in page and "healed in job" in page
 
 
 def test_only_a_failed_collective_is_healed_an_error_of_the_step_itself_is_raised():

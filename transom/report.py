@@ -38,7 +38,7 @@ TIER_NAMES = {0: "local memory", 1: "peer memory", 2: "local disk", 3: "shared s
 _HEALTH = {0: ("#d0d4da", "no heartbeat"), 1: ("#4caf50", "healthy"), 2: ("#ffb300", "warning"),
            3: ("#e53935", "fault")}
 _MARKS = {"fault": "#e53935", "eviction": "#8e24aa", "relaunch": "#fb8c00", "resumed": "#1e88e5",
-          "checkpoint": "#90a4ae", "completed": "#2e7d32", "failed": "#b71c1c"}
+          "healed in job": "#00897b", "checkpoint": "#90a4ae", "completed": "#2e7d32", "failed": "#b71c1c"}
 _GEN_COLOURS = ("#1565c0", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457")
 
 
@@ -231,6 +231,8 @@ def _marks(data: RunData, t0: float) -> list[_Mark]:
         kind = lifecycle_kind(ev)
         if kind in ("eviction", "relaunch", "resumed", "completed", "failed"):
             marks.append(_Mark(ev.ts - t0, kind, f"{ev.name}: {_detail(ev.detail)}"))
+        elif ev.name == "healed":
+            marks.append(_Mark(ev.ts - t0, "healed in job", f"{ev.name}: {_detail(ev.detail)}"))
     marks += [_Mark(c.ts - t0, "checkpoint", f"checkpoint step {c.step} ready") for c in data.checkpoints]
     return marks
 
