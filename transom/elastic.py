@@ -38,16 +38,18 @@ the one the controller's backend gives for rank 0's node, never one a rank made 
 
 A rank that does not hear of a new group within ``TRANSOM_REFORM_TIMEOUT_S`` (default 60 s)
 raises :class:`ReformFailed` (the controller falls back to a full relaunch from the checkpoint).
-Timeouts of the group: ``TRANSOM_STEP_TIMEOUT_S`` (default 5 s, TorchFT's own) for the collectives of a
-step (a survivor whose peer left a collective without closing its connections gives up on it then),
-``TRANSOM_PG_TIMEOUT_S`` (default 300 s) for everything else (rendezvous, start-up, saves, the end).
+Timeouts of the group: :meth:`ElasticGroup.all_reduce_mean_` (the gradients) waits in Python and
+gives up when the controller names a new group (a peer gone without closing its connections leaves
+gloo waiting), else after ``TRANSOM_PG_TIMEOUT_S`` (default 300 s, also the rendezvous', start-up's
+and the end's); other collectives inside a step (a DDP wrapper's) time out after
+``TRANSOM_STEP_TIMEOUT_S`` (default 5 s, TorchFT's own).
 
 Exception tree::
 
     ElasticError(RuntimeError)      the elastic group cannot go on; the message says why
     ├── ReformFailed                no new group named in time, or the job was relaunched or ended
     ├── SpareReleased               a warm spare was told the job needs it no more (exit 0)
-    └── CollectiveAbandoned         a collective given up (a new group named, or the step timeout)
+    └── CollectiveAbandoned         a collective given up (a new group named, or the group's timeout)
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class SpareReleased(ElasticError):
 
 class CollectiveAbandoned(ElasticError):
     """A collective of :meth:`ElasticGroup.all_reduce_mean_` was given up: a new group was named while it
-    waited, or it passed the step timeout (a peer that is gone without closing its connections)."""
+    waited (a peer that is gone without closing its connections), or it passed the group's timeout."""
 
 
 class Replica:
@@ -188,6 +190,7 @@ class ElasticGroup:
         self._events: "queue.Queue[dict[str, Any]]" = queue.Queue()
         self._pg: Any = None               # the group a step runs in
         self._in_step = False
+        self._in_init = False              # in the rendezvous of a re-formed group
         self._abandon = threading.Event()  # set by the reader: a new group was named during a step
         self._stuck = False                # a collective of the current group was abandoned while pending
         self._graveyard: list[Any] = []    # groups left with a pending collective: never destroyed (it would wait)
@@ -237,7 +240,13 @@ class ElasticGroup:
             if (ev.get("name") == "reforming" and int(d.get("generation", -1)) == self.generation
                     and int(d.get("epoch", 0)) > self.epoch and self._in_step):
                 self._abandon.set()        # all_reduce_mean_ gives up its collective of the old group
-            self._events.put(ev)
+            if ev.get("name") in _GIVE_UP and ev.get("name") != "completed" and self._in_init:
+                # relaunched (or ended) while this rank waits in a rendezvous that will never complete: it
+                # is to be stopped, and a wait in C++ would not see the stop's SIGTERM; go now
+                _log(f"rank {self.rank}: job {self.job} {ev.get('name')} during the re-form: exiting")
+                os._exit(EXIT_REFORM_FAILED)
+            if ev.get("name") == "reforming" or ev.get("name") in _GIVE_UP:
+                self._events.put(ev)           # nothing else is waited for (checkpoints come every save)
 
     def _wait_group(self, timeout: float | None) -> dict[str, Any]:
         """The next ``reforming`` of this job and generation that includes this rank (or node, for a spare)."""
@@ -355,7 +364,11 @@ class ElasticGroup:
         self._pg = None
         d = self._wait_group(self.reform_timeout_s)
         self._take(d)
-        self._init(str(d["master"]))
+        self._in_init = True
+        try:
+            self._init(str(d["master"]))
+        finally:
+            self._in_init = False
         self.reforms += 1
         _log(f"rank {self.rank} joined group epoch {self.epoch} at {d['master']} "
              f"{time.monotonic() - t0:.2f}s after the failure")
@@ -363,18 +376,22 @@ class ElasticGroup:
     def all_reduce_mean_(self, tensors: list[torch.Tensor]) -> None:
         """Average ``tensors`` over the group in place: one flattened all-reduce, waited for here, in Python,
         so that a collective stuck on a peer that is gone is given up (:class:`CollectiveAbandoned`) as soon
-        as the controller names a new group, or after the step timeout. Use it for the gradients in place
-        of DDP's reducer (which waits in C++, where nothing can interrupt it)."""
+        as the controller names a new group (else after the group's timeout). Use it for the gradients in
+        place of DDP's reducer (which waits in C++, where nothing can interrupt it)."""
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
+        # no short timeout here: a peer may legitimately be late (a save's stall, an evaluation pause that one
+        # rank entered a step earlier); a peer that is gone is given up when the controller names a new group
+        self._timeout(self.pg_timeout_s)
         work = dist.all_reduce(flat, async_op=True)
-        deadline = time.monotonic() + self.step_timeout_s
+        self._timeout(self.step_timeout_s)
+        deadline = time.monotonic() + self.pg_timeout_s
         while not work.is_completed():
             if self._abandon.is_set() or time.monotonic() > deadline:
                 self._stuck = True
                 why = "a new group was named" if self._abandon.is_set() else \
-                    f"no answer within the step timeout ({self.step_timeout_s:.0f}s)"
+                    f"no answer within {self.pg_timeout_s:.0f}s"
                 raise CollectiveAbandoned(f"all-reduce of rank {self.rank} given up: {why}")
             time.sleep(0.0005)
         work.wait()                        # raises what failed it
