@@ -13,7 +13,10 @@ node-health view warm from ``transom.metrics`` and takes over when the lease lap
 
 Inputs: ``transom.faults`` and ``transom.checkpoints`` from their beginning (decisions are
 idempotent by fault id and checkpoint step), ``transom.metrics`` from now on (training steps and
-node health for the pre-check), and rank exits polled from the backend.
+node health for the pre-check), rank exits polled from the backend, and the ranks' words of the
+elastic API on ``transom.lifecycle`` (key ``__elastic__JOB``: ``elastic_joined``, ``spare_ready``,
+``elastic_synced``; :mod:`transom.elastic`). While a job that heals in the job runs, the service keeps
+a warm spare on each of its spare nodes (:meth:`Controller._keep_spares`).
 
 Fault events are checked before anything is done with them (:meth:`Controller._on_fault`): with
 fault authentication on (``TRANSOM_FAULT_PRINCIPALS``, :mod:`transom.security`) a fault whose

@@ -29,7 +29,7 @@ Every rank logs ``elastic: rank R epoch E step S params sha256 H`` after a sync.
 Control channel (across hosts: the broker is what every host reaches; the rendezvous address is
 the one the controller's backend gives for rank 0's node, never one a rank made up):
 
-- rank -> controller: ``transom.lifecycle`` under the job's request key, events ``elastic_joined``
+- rank -> controller: ``transom.lifecycle`` under the key ``__elastic__JOB``, events ``elastic_joined``
   (rank, node, generation, pid), ``spare_ready`` (node, generation, pid) and ``elastic_synced``
   (epoch, step: the new group holds one state; the heal is done);
 - controller -> ranks: the job's timeline ``transom.history``: ``reforming`` (generation, epoch,
@@ -218,13 +218,14 @@ class ElasticGroup:
         c = self._contracts
         ev = c.LifecycleEvent(job=self.job, seq=0, ts=time.time(), name=name, state="request",
                               detail={"node": self.node, "generation": self.generation, "pid": os.getpid(), **detail})
-        publish(self._producer, c.LIFECYCLE, f"__request__{self.job}", ev)
+        # a key of its own: the topic is compacted by key, and `transom run`'s requests must not be replaced
+        publish(self._producer, c.LIFECYCLE, f"__elastic__{self.job}", ev)
         self._producer.flush(10)
 
     def _read(self) -> None:
         """Reader thread: the job's timeline into ``_events``. A new group named while this rank is still
-        blocked in a collective of the old one (a peer that left it without closing its connections)
-        aborts the old group, so the step fails and the rank re-forms (as TorchFT's gloo wrapper does)."""
+        blocked in a collective of the old one (a peer that left it without closing its connections) sets
+        ``_abandon``: :meth:`all_reduce_mean_` gives the collective up and the rank re-forms."""
         while not self._closed.is_set():
             try:
                 msg = self._consumer.poll(0.1)
