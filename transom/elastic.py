@@ -388,13 +388,14 @@ class ElasticGroup:
         work = dist.all_reduce(flat, async_op=True)
         self._timeout(self.step_timeout_s)
         deadline = time.monotonic() + self.pg_timeout_s
-        while not work.is_completed():
+        done = threading.Event()           # set by gloo's thread when the work ends: no polling latency
+        work.get_future().add_done_callback(lambda _fut: done.set())
+        while not done.wait(0.05):
             if self._abandon.is_set() or time.monotonic() > deadline:
                 self._stuck = True
                 why = "a new group was named" if self._abandon.is_set() else \
                     f"no answer within {self.pg_timeout_s:.0f}s"
                 raise CollectiveAbandoned(f"all-reduce of rank {self.rank} given up: {why}")
-            time.sleep(0.0005)
         work.wait()                        # raises what failed it
         flat.div_(self.world)
         offset = 0
