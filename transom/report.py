@@ -377,9 +377,9 @@ def _recoveries(data: RunData, t0: float) -> str:
     def cost(r: dict[str, Any]) -> str:
         return "" if r["seconds"] is None else f"{r['seconds']:.2f}"
 
-    body = "".join(f"<tr><td>+{r['ts'] - t0:.1f}s</td><td>{_esc(r['path'])}</td><td>{cost(r)}</td>"
+    body = "".join(f"<tr><td>{_esc(r['path'])}</td><td>+{r['ts'] - t0:.1f}s</td><td>{cost(r)}</td>"
                    f"<td>{_esc(r['to'] or '')}</td><td>{_esc(r['reason'])}</td></tr>" for r in rows)
-    return ("<table><thead><tr><th>decided</th><th>path</th><th>cost s</th><th>replacement</th><th>why</th>"
+    return ("<table><thead><tr><th>path</th><th>decided</th><th>cost s</th><th>replacement</th><th>why</th>"
             f"</tr></thead><tbody>{body}</tbody></table>")
 
 
