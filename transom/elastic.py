@@ -181,10 +181,10 @@ class ElasticGroup:
         # the controller's answers come after this point: read the timeline from its current end on
         self._consumer = Consumer(client_config(bootstrap, group_id=f"transom-elastic-{job}-{node}-{os.getpid()}",
                                                 enable_auto_commit=False, fetch_wait_max_ms=50))
-        md = self._consumer.list_topics(contracts.HISTORY, timeout=30)
+        md = self._consumer.list_topics(contracts.HISTORY, timeout=15)
         parts = []
         for p in md.topics[contracts.HISTORY].partitions:
-            _lo, hi = self._consumer.get_watermark_offsets(TopicPartition(contracts.HISTORY, p), timeout=30)
+            _lo, hi = self._consumer.get_watermark_offsets(TopicPartition(contracts.HISTORY, p), timeout=15)
             parts.append(TopicPartition(contracts.HISTORY, p, hi))
         self._consumer.assign(parts)
         self._events: "queue.Queue[dict[str, Any]]" = queue.Queue()
@@ -205,11 +205,18 @@ class ElasticGroup:
         job, bootstrap = env.get("TRANSOM_JOB"), env.get("TRANSOM_BOOTSTRAP")
         if not job or not bootstrap or env.get("TRANSOM_ELASTIC", "1") == "0":
             return None
-        return cls(job, env.get("TRANSOM_NODE", ""), int(env.get("TRANSOM_GENERATION") or 0), bootstrap,
-                   spare=env.get(ENV_SPARE) == "1",
-                   pg_timeout_s=float(env.get("TRANSOM_PG_TIMEOUT_S") or 300.0),
-                   step_timeout_s=float(env.get("TRANSOM_STEP_TIMEOUT_S") or 5.0),
-                   reform_timeout_s=float(env.get("TRANSOM_REFORM_TIMEOUT_S") or 60.0))
+        try:
+            return cls(job, env.get("TRANSOM_NODE", ""), int(env.get("TRANSOM_GENERATION") or 0), bootstrap,
+                       spare=env.get(ENV_SPARE) == "1",
+                       pg_timeout_s=float(env.get("TRANSOM_PG_TIMEOUT_S") or 300.0),
+                       step_timeout_s=float(env.get("TRANSOM_STEP_TIMEOUT_S") or 5.0),
+                       reform_timeout_s=float(env.get("TRANSOM_REFORM_TIMEOUT_S") or 60.0))
+        except Exception as exc:          # noqa: BLE001 - no control channel: train on, without in-job healing
+            if env.get(ENV_SPARE) == "1":
+                raise
+            _log(f"no control channel at {bootstrap} ({type(exc).__name__}: {exc}): a plain process group, "
+                 "every fault relaunches the job")
+            return None
 
     # ------------------------------------------------------------------ control channel
     def _tell(self, name: str, **detail: Any) -> None:
