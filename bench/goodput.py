@@ -185,6 +185,8 @@ class FaultRecord:
     restarted: bool = False                 # a straggler whose node the controller replaced
     lost_s: float | None = None             # window wall time - its net progress x the steady step time
     note: str = ""
+    path: str = ""                          # Transom: how it recovered (in-job, relaunch, in-job -> relaunch)
+    healed_at: float | None = None          # Transom, in-job: epoch time the new group was synced
 
 
 @dataclass
@@ -382,15 +384,16 @@ class Runner(abc.ABC):
                 if g0 == g1 and s1 == s0 + 1 and not self.is_save_interval(s0, s1)]
         return statistics.median(gaps) if len(gaps) >= 3 else None
 
-    def detected(self, ts: float, detector: str, gen_before: int | None = None) -> None:
-        """The launcher decided to restart (torchrun exited / watchdog / Transom relaunching)."""
+    def detected(self, ts: float, detector: str, gen_before: int | None = None) -> FaultRecord | None:
+        """The launcher decided to restart (torchrun exited / watchdog / Transom relaunching or healing)."""
         for rec in reversed(self.result.faults):
             if rec.kind in RESTARTING and rec.detected_s is None and (gen_before is None or rec.gen_at_fault == gen_before):
                 rec.detected_s, rec.detector = ts - self.t0, detector
-                return
+                return rec
         if self.in_pause(ts):
             self.result.pause.false_restarts += 1
             self.result.pause.false_events.append(f"restart at {ts - self.t0:.1f}s: {detector}")
+        return None
 
     def _on_step(self, row: tuple[int, int, float]) -> None:
         step, gen, ts = row
@@ -764,7 +767,7 @@ class TransomRun(Runner):
         self.t0 = time.time()
         self.ctl = self.stack.start_controller(self.job, cmd, world_size=a.world,
                                                extra=["--exit-when-done", "--max-restarts", "1000",
-                                                      "--precheck", a.precheck])
+                                                      "--precheck", a.precheck, "--heal", a.heal])
 
     def _agent_config(self) -> None:
         """The agents read only the NIC of the default route (unless TRANSOM_AGENT_CONFIG is set): on a
@@ -817,12 +820,37 @@ class TransomRun(Runner):
             if got is None:
                 break
             topic, ev = got
-            if topic == c.LIFECYCLE and ev.job == self.job:
+            if topic == c.LIFECYCLE and ev.job == self.job and ev.state != "request":
                 gen = ev.detail.get("generation")
-                if ev.name == "relaunching" and (ev.cause or {}).get("kind") == "straggler":
-                    self._straggler_replaced(ev)
+                if ev.name == "healing":
+                    # in-job: the survivors keep their processes, a warm spare takes the rank
+                    if (ev.cause or {}).get("kind") == "straggler":
+                        rec = self._straggler_replaced(ev)
+                    else:
+                        rec = self.detected(ev.ts, f"controller: in-job heal ({ev.cause.get('kind') or 'rank exit'})")
+                    if rec is not None:
+                        rec.path = "in-job"
+                    self.nodes_of[self.gen] = list(ev.detail.get("nodes") or self._nodes())
+                elif ev.name == "healed":
+                    rec = next((r for r in reversed(self.result.faults) if r.path == "in-job" and r.healed_at is None),
+                               None)
+                    if rec is not None:
+                        rec.healed_at = ev.ts
+                        rec.note += ("; " if rec.note else "") + f"in-job heal {ev.detail.get('seconds')}s"
+                elif ev.name == "relaunching" and ev.detail.get("fallback"):
+                    rec = next((r for r in reversed(self.result.faults) if r.path == "in-job" and r.healed_at is None),
+                               None)
+                    if rec is not None:
+                        rec.path = "in-job -> relaunch"
+                        rec.note += ("; " if rec.note else "") + f"fallback: {ev.detail.get('reason')}"
+                elif ev.name == "relaunching" and (ev.cause or {}).get("kind") == "straggler":
+                    rec = self._straggler_replaced(ev)
+                    if rec is not None:
+                        rec.path = "relaunch"
                 elif ev.name == "relaunching":
-                    self.detected(ev.ts, f"controller: {ev.cause.get('kind') or ev.detail.get('reason') or 'relaunch'}")
+                    rec = self.detected(ev.ts, f"controller: {ev.cause.get('kind') or ev.detail.get('reason') or 'relaunch'}")
+                    if rec is not None:
+                        rec.path = "relaunch"
                 elif ev.name == "launched" and isinstance(gen, int):
                     self.gen = max(self.gen, gen)
                     self.result.attempts = self.gen + 1
@@ -879,16 +907,24 @@ class TransomRun(Runner):
     def finished(self) -> bool:
         return self.end is not None
 
-    def _straggler_replaced(self, ev) -> None:
-        """The controller evicts a straggling node: from here that fault costs a relaunch."""
+    def _straggler_replaced(self, ev) -> FaultRecord | None:
+        """The controller replaces a straggling node: from here that fault costs a recovery."""
         rec = next((r for r in self.result.faults if r.kind == "straggler" and r.target == ev.cause.get("node")
                     and not r.restarted), None)
         if rec is None:
-            return
+            return None
         last = self.steps.last
         rec.restarted, rec.gen_at_fault = True, self.gen
         rec.detected_s, rec.detector = ev.ts - self.t0, "controller: straggler replaced"
         rec.step_at_fault = last[0] if last else rec.step_at_fault
+        return rec
+
+    def _on_step(self, row: tuple[int, int, float]) -> None:
+        super()._on_step(row)
+        step, _gen, ts = row
+        for rec in self.result.faults:           # in-job: the first step after the new group synced
+            if rec.path == "in-job" and rec.first_step_s is None and rec.healed_at is not None and ts >= rec.healed_at:
+                rec.first_step_s, rec.resume_step = ts - self.t0, step - 1
 
     def _gen_dir(self) -> Path:
         return self.stack.run_dir / "jobs" / self.job / f"gen-{self.gen}"
@@ -905,7 +941,11 @@ class TransomRun(Runner):
         if self.stack is not None and self.stack.bed is not None:
             return self._bed_rank_pid(rank)
         try:
-            return int((self._gen_dir() / f"rank-{rank}.pid").read_text().split()[1])
+            pid_file = self._gen_dir() / f"rank-{rank}.pid"
+            healed = json.loads((self._gen_dir() / "launch.json").read_text()).get("dirs") or {}
+            if str(rank) in healed:                    # a warm spare took this rank (in-job heal)
+                pid_file = Path(healed[str(rank)]) / "rank-0.pid"
+            return int(pid_file.read_text().split()[1])
         except (OSError, IndexError, ValueError):
             return None
 
@@ -1010,7 +1050,8 @@ def print_run(r: RunResult) -> None:
     for f in r.faults:
         print(f"  {f.index:>2} {_fmt(f.delivered_s and round(f.delivered_s, 1)):>7} {f.kind:<9} {f.target:<7} "
               f"{_fmt(f.step_at_fault):>5} {_fmt(f.lost_s):>7} {_fmt(f.detect_s):>7} {_fmt(f.recover_s):>8} "
-              f"{_fmt(f.recompute_s):>7} {_fmt(f.steps_redone):>6} {_fmt(f.slowdown_s):>7}  {f.detector}"
+              f"{_fmt(f.recompute_s):>7} {_fmt(f.steps_redone):>6} {_fmt(f.slowdown_s):>7}  "
+              + (f"[{f.path}] " if f.path else "") + f"{f.detector}"
               + (f" TEE event +{f.tee_event_s}s" if f.tee_event_s is not None else "")
               + (f" ({f.note})" if f.note else ""))
     p = r.pause
@@ -1045,6 +1086,9 @@ def per_kind(r: RunResult) -> dict[str, dict]:
             return round(statistics.median(vals), 2) if vals else None
         out[kind] = {"n": len(fs), "lost_s": med("lost_s"), "detect_s": med("detect_s"),
                      "recover_s": med("recover_s"), "recompute_s": med("recompute_s")}
+        paths = [f.path for f in fs if f.path]
+        if paths:
+            out[kind]["paths"] = {p: paths.count(p) for p in dict.fromkeys(paths)}
     return out
 
 
@@ -1057,7 +1101,7 @@ def summary(r: RunResult) -> dict:
             "eval_pause": asdict(r.pause) if r.pause else None,
             "per_fault": [{k: v for k, v in asdict(f).items()
                            if k in ("kind", "target", "after_step", "delivered_s", "lost_s", "detect_s", "recover_s",
-                                    "recompute_s", "steps_redone", "slowdown_s", "tee_event_s", "detector")}
+                                    "recompute_s", "steps_redone", "slowdown_s", "tee_event_s", "detector", "path")}
                           for f in r.faults]}
 
 
@@ -1141,6 +1185,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchft-heartbeat-ms", type=int, default=1000,
                    help="TorchFT Lighthouse heartbeat timeout, ms (default 1000, tuned down from its 5000; "
                         "../shared/notes/torchft-here.md)")
+    p.add_argument("--heal", default="in-job", choices=["in-job", "relaunch"],
+                   help="Transom's recovery path: in-job (default, the system as it ships: survivors keep their "
+                        "processes, a warm spare takes the failed rank, a relaunch only as the fallback) or relaunch "
+                        "(every fault relaunches from the newest checkpoint, as before issue 17)")
     p.add_argument("--precheck", default="full", choices=["full", "health", "off"],
                    help="Transom controller's pre-check before every launch (default full, as it ships)")
     p.add_argument("--services-nice", type=int, default=10,

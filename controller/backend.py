@@ -135,6 +135,21 @@ class Backend(abc.ABC):
         """
         return None
 
+    #: True when :meth:`start_spare` and :meth:`heal` work (the in-job path); else every fault relaunches.
+    warm_spares: bool = False
+
+    def start_spare(self, job: str, generation: int, node: str, command: tuple[str, ...], *,
+                    workdir: str | None = None, env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+        """Start a warm spare rank of ``generation`` on ``node``: the job's command with ``TRANSOM_SPARE=1`` and no
+        RANK, so it waits at the elastic API's join point (:mod:`transom.elastic`) until it is assigned one."""
+        raise NotImplementedError(f"the {self.name} backend keeps no warm spares")
+
+    def heal(self, job: str, generation: int, rank: int, node: str, nodes: Sequence[str]) -> str:
+        """Kill rank ``rank`` of ``generation`` if it still runs; make the warm spare on ``node`` that rank (its
+        status, stop and logs from now on); return the new group's rendezvous ``HOST:PORT`` on ``nodes[0]``,
+        an address every node of the job reaches."""
+        raise NotImplementedError(f"the {self.name} backend cannot heal a job in place")
+
     def close(self) -> None:
         """Release what the backend holds (helper processes, connections); the jobs keep running."""
 

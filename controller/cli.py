@@ -64,13 +64,22 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
                         "(rendezvous, pods Pending, a queue) fails that launch with the reason (default 600)")
     p.add_argument("--min-world-size", type=int, default=0,
                    help="shrink down to this many ranks when no spare is left (default 0: never shrink)")
+    p.add_argument("--heal", choices=("in-job", "relaunch"), default="in-job",
+                   help="in-job (default): when the ranks joined the elastic API (transom.elastic) and a warm spare "
+                        "waits on a spare node, a rank fault is healed in the job (survivors keep their state, the "
+                        "spare takes the failed rank), else relaunched; relaunch: every fault relaunches the job "
+                        "from the newest checkpoint")
+    p.add_argument("--heal-timeout", type=float, default=60.0, metavar="S",
+                   help="an in-job heal whose group has not stepped this long after the decision falls back to a "
+                        "relaunch (default 60)")
 
 
 def _spec(args: argparse.Namespace, command: list[str], world: int):
     from .state import JobSpec
     return JobSpec(tuple(command), world, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                    backoff_s=args.backoff, min_world_size=args.min_world_size, report_warn_s=args.report_warn,
-                   start_timeout_s=args.start_timeout, spares=getattr(args, "spares", 0))
+                   start_timeout_s=args.start_timeout, spares=getattr(args, "spares", 0), heal=args.heal,
+                   heal_timeout_s=args.heal_timeout)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

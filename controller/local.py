@@ -8,7 +8,11 @@ Layout of ``run_dir``::
     run_dir/JOB/gen-G/rank-R.{pid,log,exit}
     run_dir/cordoned.json              nodes kept out of launches, with the reason
 
-Each launch gets a fresh rendezvous port (gloo cannot re-form a group on the old one).
+    run_dir/JOB/gen-G/spare-NODE-K/rank-0.{pid,log,exit}   the K-th warm spare of G on NODE (spare.json: its pid)
+
+Each launch gets a fresh rendezvous port (gloo cannot re-form a group on the old one), and so does
+each in-job heal (:meth:`LocalBackend.heal`). A spare that takes rank R is recorded in the launch
+record (``pids[R]``, ``dirs[R]``: its directory), so status and stop follow it.
 
 Starting, watching and stopping the ranks is :class:`~.rankhost.RankHost`'s work, the same code
 the node launcher runs on each host of the hosts backend: warm starts (``warm=True``, the default)
@@ -19,7 +23,9 @@ the zygote and the pre-check's processes said.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -27,7 +33,8 @@ from transom.broker import free_port
 from transom.log import get
 
 from .backend import Backend, Cordons, LaunchRecord, RankStatus, register_backend
-from .rankhost import RankHost, warm_argv
+from .rankhost import RankHost, alive, signal_group, warm_argv
+from .rankwrap import write_atomic
 from .zygote import PRELOAD
 
 __all__ = ["LocalBackend", "warm_argv"]
@@ -39,6 +46,7 @@ class LocalBackend(Backend):
     """Ranks as local processes; ``agents`` maps each simulated node to its agent's intake address."""
 
     name = "local"
+    warm_spares = True
 
     def __init__(self, run_dir: str | os.PathLike, agents: Mapping[str, str], *, ckpt_dir: str | None = None,
                  bootstrap: str | None = None, env: Mapping[str, str] | None = None, warm: bool = True,
@@ -110,13 +118,84 @@ class LocalBackend(Backend):
         handle = record.read()
         if handle is None:
             return []
-        return self.host.status(record.dir, dict(enumerate(handle["pids"])))
+        dirs = handle.get("dirs") or {}
+        out = []
+        for rank, pid in enumerate(handle["pids"]):
+            if str(rank) in dirs:             # a spare took this rank: its files are rank-0.* of its directory
+                (st,) = self.host.status(Path(dirs[str(rank)]), {0: pid})
+                out.append(RankStatus(rank, st.running, st.exit_code))
+            else:
+                out.extend(self.host.status(record.dir, {rank: pid}))
+        return out
 
     def stop(self, job: str, generation: int, timeout: float = 10.0) -> None:
         record = LaunchRecord(self.run_dir, job, generation)
         handle = record.read()
-        if self.host.stop(record.dir, list(handle["pids"]) if handle else [], timeout):
+        pids = list(handle["pids"]) if handle else []
+        pids += [p for p in self._spare_pids(job, generation) if p not in pids]
+        if self.host.stop(record.dir, pids, timeout):
             log.info("stopped job %s generation %d", job, generation)
+
+    # ------------------------------------------------------------------ in-job healing
+    def _spare_pids(self, job: str, generation: int) -> list[int]:
+        gen_dir = self.run_dir / job / f"gen-{generation}"
+        out = []
+        for rec in gen_dir.glob("spare-*/spare.json") if gen_dir.is_dir() else ():
+            try:
+                out.append(int(json.loads(rec.read_text())["pid"]))
+            except (OSError, ValueError, KeyError):
+                continue
+        return out
+
+    def start_spare(self, job: str, generation: int, node: str, command: tuple[str, ...], *,
+                    workdir: str | None = None, env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+        if node not in self.agents:
+            raise ValueError(f"node {node} has no agent address; known: {sorted(self.agents)}")
+        gen_dir = self.run_dir / job / f"gen-{generation}"
+        k = len(list(gen_dir.glob(f"spare-{node}-*")))
+        spare_dir = gen_dir / f"spare-{node}-{k}"
+        spare_dir.mkdir(parents=True, exist_ok=True)
+        ckpt_dir = self.ckpt_dir or str(self.run_dir / job / "ckpt")
+        handle = LaunchRecord(self.run_dir, job, generation).read() or {}
+        spare_env = {**os.environ, **dict(env or {}), **self.extra_env}
+        for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRANSOM_RESUME_STEP"):
+            spare_env.pop(key, None)
+        spare_env.update({k2: v for k2, v in rank_env(job, generation, 0, node, len(handle.get("nodes") or ()) or 1,
+                                                      "", 0, ckpt_dir, None, self.bootstrap).items()
+                          if k2 not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
+        spare_env.update(TRANSOM_SPARE="1", TRANSOM_AGENT_ADDR=self.agents[node])
+        pids, _forked = self.host.start(spare_dir, [(0, spare_env)], command, workdir)
+        out = {"pid": pids[0], "node": node, "dir": str(spare_dir)}
+        write_atomic(str(spare_dir / "spare.json"), json.dumps(out))
+        log.info("started a warm spare of job %s generation %d on %s (pid %d)", job, generation, node, pids[0])
+        return out
+
+    def heal(self, job: str, generation: int, rank: int, node: str, nodes: Sequence[str]) -> str:
+        record = LaunchRecord(self.run_dir, job, generation)
+        handle = record.read()
+        if handle is None:
+            raise RuntimeError(f"job {job} generation {generation} has no launch record")
+        spare = None
+        for rec in sorted((record.dir).glob(f"spare-{node}-*/spare.json")):
+            got = json.loads(rec.read_text())
+            if alive(int(got["pid"])):
+                spare = got
+        if spare is None:
+            raise RuntimeError(f"no live warm spare of job {job} generation {generation} on {node}")
+        if (handle.get("dirs") or {}).get(str(rank)) == spare["dir"] and str(rank) in (handle.get("masters") or {}):
+            return handle["masters"][str(rank)]      # carried out already (a controller restarted mid-heal)
+        old = int(handle["pids"][rank])
+        if alive(old):
+            signal_group(old, signal.SIGKILL)            # a hung (stopped) rank too: SIGKILL needs no SIGCONT
+        handle["pids"][rank] = int(spare["pid"])
+        handle.setdefault("dirs", {})[str(rank)] = spare["dir"]
+        handle["nodes"][rank] = node
+        master = f"127.0.0.1:{free_port()}"             # every "node" is this machine
+        handle.setdefault("masters", {})[str(rank)] = master
+        record.write(handle)
+        log.info("job %s generation %d: rank %d -> the warm spare on %s (pid %d); new group at %s", job, generation,
+                 rank, node, spare["pid"], master)
+        return master
 
     def health(self, nodes: Sequence[str]) -> dict[str, str]:
         cordoned = self.cordons.read()

@@ -13,7 +13,10 @@ node-health view warm from ``transom.metrics`` and takes over when the lease lap
 
 Inputs: ``transom.faults`` and ``transom.checkpoints`` from their beginning (decisions are
 idempotent by fault id and checkpoint step), ``transom.metrics`` from now on (training steps and
-node health for the pre-check), and rank exits polled from the backend.
+node health for the pre-check), rank exits polled from the backend, and the ranks' words of the
+elastic API on ``transom.lifecycle`` (key ``__elastic__JOB``: ``elastic_joined``, ``spare_ready``,
+``elastic_synced``; :mod:`transom.elastic`). While a job that heals in the job runs, the service keeps
+a warm spare on each of its spare nodes (:meth:`Controller._keep_spares`).
 
 Fault events are checked before anything is done with them (:meth:`Controller._on_fault`): with
 fault authentication on (``TRANSOM_FAULT_PRINCIPALS``, :mod:`transom.security`) a fault whose
@@ -47,9 +50,11 @@ from transom.security import FaultVerifier, fault_verifier, valid_name
 from .backend import Backend
 from .health import HealthBook
 from .lease import LEASE_KEY, Lease, LeaseLost
-from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, Cordon, Decision, FaultSeen, Job, JobSpec, JobState,
-                    Launch, Launched, Precheck, PrecheckDone, RanksExited, RecoveryStep, StartOverdue, StepDone,
-                    StepSeen, Stop, Submitted, decide, pending_actions)
+from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, Cordon, Decision, ElasticJoined, ElasticSynced,
+                    FaultSeen, Heal,
+                    HealOverdue, HealStarted, Job, JobSpec, JobState, Launch, Launched, Precheck, PrecheckDone,
+                    RanksExited, RecoveryStep, SpareReady, StartOverdue, StepDone, StepSeen, Stop, Submitted, decide,
+                    pending_actions)
 
 __all__ = ["Controller", "PrecheckConfig", "replay", "CRASH_ENV", "NODES_KEY", "request_key"]
 
@@ -129,6 +134,7 @@ class Controller:
         self._started_ts = time.time()
         self._nodes_at, self._nodes_last, self._node_error = 0.0, None, ""
         self._driven: set[str] = set()
+        self._spares_started: set[tuple[str, int, str]] = set()     # (job, generation, node) asked for a warm spare
 
     # ------------------------------------------------------------------ submission
     def submit(self, job_id: str, spec: JobSpec, nodes: tuple[str, ...]) -> None:
@@ -161,6 +167,15 @@ class Controller:
         for action in actions:
             if isinstance(action, Stop):
                 self.backend.stop(job.job, action.generation)
+            elif isinstance(action, Heal):
+                try:
+                    master = self.backend.heal(job.job, action.generation, action.rank, action.node, action.nodes)
+                except (OSError, RuntimeError, ValueError, NotImplementedError) as exc:
+                    log.warning("job %s: in-job heal epoch %d failed (%s): falling back to a relaunch", job.job,
+                                action.epoch, exc)
+                    outcome.append(HealOverdue(action.epoch, float("inf"), time.time()))
+                else:
+                    outcome.append(HealStarted(action.generation, action.epoch, master, time.time()))
             elif isinstance(action, Cordon):
                 self.backend.cordon(action.node, action.reason)
             elif isinstance(action, Precheck):
@@ -315,7 +330,7 @@ class Controller:
         for job_id, job in list(self.jobs.items()):
             if fault.job not in (None, job_id) or job.state in TERMINAL:
                 continue
-            if fault.node not in job.nodes:
+            if fault.node not in job.nodes and fault.node not in job.spares:
                 if fault.job == job_id:    # a fault that claims the job but names a foreign node: say so
                     log.warning("fault %s names node %s, which does not run job %s (nodes %s): ignored",
                                 fault.fault_id, fault.node, job_id, ",".join(job.nodes) or "-")
@@ -327,6 +342,18 @@ class Controller:
         try:
             ev = contracts.decode(contracts.LIFECYCLE, msg.value())
         except ContractError:
+            return
+        if ev.name in ("elastic_joined", "spare_ready", "elastic_synced"):
+            # a rank's word on the control channel (transom.elastic): it can re-form its group, waits as a
+            # spare, or its new group holds one state
+            if ev.job in self.jobs and self.jobs[ev.job].state not in TERMINAL:
+                gen, d = int(ev.detail.get("generation", -1)), ev.detail
+                if ev.name == "elastic_joined":
+                    self.apply(ev.job, ElasticJoined(gen, int(d.get("rank", -1))))
+                elif ev.name == "spare_ready":
+                    self.apply(ev.job, SpareReady(gen, str(d.get("node", ""))))
+                else:
+                    self.apply(ev.job, ElasticSynced(gen, int(d.get("epoch", -1)), int(d.get("step", -1)), ev.ts))
             return
         if ev.name == "cancel_requested":
             if ev.job in self.jobs:
@@ -420,9 +447,33 @@ class Controller:
                     "warning": f"asked for {job.spec.spares} spare node(s), got {got}: no other node is free; "
                                "a faulty node is replaced only while a spare is free"}))
 
+    def _keep_spares(self) -> None:
+        """Keep a warm spare rank waiting on every spare node of each running job that heals in the job."""
+        if not self.backend.warm_spares:
+            return
+        for job in list(self.jobs.values()):
+            # a node that left the pool (its spare took a rank) gets a new spare when it comes back to it
+            self._spares_started -= {k for k in self._spares_started if k[0] == job.job and k[2] not in job.spares}
+            if job.state != JobState.RUNNING or job.spec.heal != "in-job" or job.launched_generation < 0 \
+                    or not set(job.joined) >= set(range(len(job.nodes))):    # a script without the elastic API
+                continue
+            for node in job.spares:
+                if node in job.warm or (job.job, job.launched_generation, node) in self._spares_started:
+                    continue
+                try:
+                    self.backend.start_spare(job.job, job.launched_generation, node, job.spec.command,
+                                             workdir=job.spec.workdir or None, env=dict(job.spec.env) or None)
+                    self._spares_started.add((job.job, job.launched_generation, node))
+                except (OSError, ValueError, RuntimeError) as exc:
+                    log.warning("job %s: could not start a warm spare on %s: %s", job.job, node, exc)
+
     def _poll_ranks(self) -> None:
         for job in list(self.jobs.values()):
-            if not (job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING):
+            if job.step == RecoveryStep.HEALING:
+                if time.time() - job.heal_ts >= job.spec.heal_timeout_s:
+                    self.apply(job.job, HealOverdue(job.heal_epoch, time.time() - job.heal_ts, time.time()))
+                    continue
+            elif not (job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING):
                 continue
             statuses = self.backend.status(job.job, job.launched_generation)
             failed = {s.rank: s.exit_code for s in statuses if not s.running and s.exit_code != 0}
@@ -469,6 +520,7 @@ class Controller:
                 now = time.monotonic()
                 if now >= next_poll:
                     self._poll_ranks()
+                    self._keep_spares()
                     self._start_queued()
                     self._publish_nodes()
                     next_poll = now + self.poll_interval

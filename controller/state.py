@@ -7,9 +7,21 @@ States (``TRANSITIONS`` is the table; anything else raises :class:`IllegalTransi
                     │             ▼  │ (first step of the new generation)
                     └──────▶  RECOVERING ──▶ FAILED  (budget spent, no node to replace with)
 
+Two recovery paths (``path`` in the lifecycle events ``healing``/``relaunching`` and in the report):
+
+- **in-job** (``HEALING``): the job's ranks joined the elastic API (:mod:`transom.elastic`), a warm
+  spare is ready and the fault's kind is in ``IN_JOB_KINDS``: the failed rank is killed (a hung one
+  too), its node cordoned when the policy evicts it (else it goes back to the spare pool), the spare
+  takes its rank, and the survivors, who keep their processes and state, are told the new group
+  (``reforming``: epoch, master, assignment). The first step after it ends the heal (``healed``, with
+  its cost in seconds). A survivor that fails meanwhile, or a group that has not stepped within
+  ``JobSpec.heal_timeout_s``, falls back to the relaunch (``relaunching`` with ``fallback``).
+- **relaunch**: the steps below, from the newest checkpoint.
+
 A recovering job walks the steps of :class:`RecoveryStep` along the table ``RECOVERY_STEPS``
 (``EVICTING`` is skipped when nothing is evicted; a fault while RESUMING starts over)::
 
+    HEALING ─▶ (RUNNING)      in-job; its fallback: ─▶ STOPPING
     STOPPING ─▶ EVICTING ─▶ REPLACING ─▶ RELAUNCHING ─▶ RESUMING ─▶ (RUNNING)
                                 │  ▲
                                 └──┘ a node failed its pre-check: evict it, take another spare
@@ -36,7 +48,8 @@ from transom.contracts import Action, CheckpointReady, FaultEvent, FaultKind, Se
 
 __all__ = [
     "JobState", "RecoveryStep", "TRANSITIONS", "RECOVERY_STEPS", "IllegalTransition", "FAULT_POLICY",
-    "policy_for", "JobSpec", "Job",
+    "policy_for", "IN_JOB_KINDS", "HEAL_PATHS", "JobSpec", "Job", "ElasticJoined", "SpareReady", "ElasticSynced", "HealStarted",
+    "HealOverdue", "Heal",
     "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CheckpointSeen", "RanksExited", "StepSeen",
     "Cancel", "StartOverdue", "TERMINAL_STATES",
     "Precheck", "Launch", "Stop", "Cordon", "Decision", "decide", "pending_actions", "surviving_checkpoint",
@@ -54,6 +67,7 @@ class JobState(str, enum.Enum):
 
 
 class RecoveryStep(str, enum.Enum):
+    HEALING = "healing"             # in-job: a warm spare takes the failed rank, the survivors re-form the group
     STOPPING = "stopping"           # stop every rank of the faulty generation
     EVICTING = "evicting"           # cordon the faulty node(s)
     REPLACING = "replacing"         # pre-check the new node set (spares in place of the evicted)
@@ -74,6 +88,7 @@ TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCE
 
 #: The steps of a recovery and where each may go next (a fault while RESUMING starts a new recovery).
 RECOVERY_STEPS: Mapping[RecoveryStep, frozenset[RecoveryStep]] = {
+    RecoveryStep.HEALING: frozenset({RecoveryStep.STOPPING}),        # the fallback to a relaunch
     RecoveryStep.STOPPING: frozenset({RecoveryStep.EVICTING, RecoveryStep.REPLACING}),
     RecoveryStep.EVICTING: frozenset({RecoveryStep.REPLACING}),
     RecoveryStep.REPLACING: frozenset({RecoveryStep.RELAUNCHING}),
@@ -104,6 +119,14 @@ FAULT_POLICY: Mapping[FaultKind, Mapping[Severity, Action]] = {
 }
 
 
+#: Faults healed in the job when it can be (ranks joined the elastic API, a warm spare is ready): one rank or node
+#: failed and the others' state is good. A NaN loss is not (every replica took the same bad step): relaunch.
+IN_JOB_KINDS = frozenset({FaultKind.RANK_EXIT, FaultKind.XID, FaultKind.GPU_LOST, FaultKind.NODE_LOST,
+                          FaultKind.HANG, FaultKind.STRAGGLER})
+#: ``JobSpec.heal``: "in-job" tries the in-job path first (the default), "relaunch" always relaunches.
+HEAL_PATHS = ("in-job", "relaunch")
+
+
 def policy_for(fault: FaultEvent) -> Action:
     return FAULT_POLICY.get(fault.kind, {}).get(fault.severity, fault.action)
 
@@ -124,6 +147,8 @@ class JobSpec:
     start_timeout_s: float = 600.0    # no first step this long after a launch: that launch failed
     workdir: str = ""                 # the ranks' working directory ("": the backend's own)
     env: Mapping[str, str] = field(default_factory=dict)   # set for the ranks over the backend's environment
+    heal: str = "in-job"              # HEAL_PATHS: try the in-job path first, or always relaunch
+    heal_timeout_s: float = 60.0      # the in-job path falls back to a relaunch when no step came this long after
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -173,6 +198,14 @@ class Job:
     warned_generation: int = -1               # newest generation warned about for sending no report
     submitted_ts: float = 0.0                 # when the controller accepted it (orders `transom jobs`)
     failure: str = ""
+    joined: tuple[int, ...] = ()              # ranks of the launched generation that joined the elastic API
+    warm: tuple[str, ...] = ()                # spare nodes whose warm rank (launched generation) is ready
+    heal_epoch: int = 0                       # group epoch of the newest in-job heal of this generation
+    heal_rank: int = -1                       # the rank it replaced
+    heal_step: int = -1                       # newest step seen when it was decided
+    heal_ts: float = 0.0                      # when it was decided
+    healed_ts: float = 0.0                    # when it ended (faults detected before are about the old group)
+    heals: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -188,7 +221,7 @@ class Job:
         kw["state"] = JobState(d["state"])
         kw["step"] = RecoveryStep(d["step"]) if d.get("step") else None
         for name in ("nodes", "spares", "evicted", "to_evict", "evict_reasons", "handled_faults", "restart_times",
-                     "checkpoints"):
+                     "checkpoints", "joined", "warm"):
             kw[name] = tuple(d.get(name, ()))
         return cls(**kw)
 
@@ -275,7 +308,52 @@ class StepSeen:
     ts: float
 
 
-Event = Union[Submitted, PrecheckDone, StepDone, Launched, FaultSeen, CheckpointSeen, RanksExited, StepSeen, Cancel,
+@dataclass(frozen=True)
+class ElasticJoined:
+    """Rank ``rank`` of ``generation`` joined the elastic API (it can re-form its group in the job)."""
+
+    generation: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class SpareReady:
+    """The warm spare of ``generation`` on ``node`` waits at the join point."""
+
+    generation: int
+    node: str
+
+
+@dataclass(frozen=True)
+class ElasticSynced:
+    """The new group of heal ``epoch`` holds one state (its ranks synced at ``step``): the heal is done."""
+
+    generation: int
+    epoch: int
+    step: int
+    ts: float = 0.0
+
+
+@dataclass(frozen=True)
+class HealStarted:
+    """The heal's actions are carried out: the spare took the rank; the new group's rendezvous is ``master``."""
+
+    generation: int
+    epoch: int
+    master: str
+    ts: float = 0.0
+
+
+@dataclass(frozen=True)
+class HealOverdue:
+    """``waited_s`` since heal ``epoch`` was decided and no step of the new group seen (service's clock)."""
+
+    epoch: int
+    waited_s: float
+    ts: float = 0.0
+
+
+Event = Union[ElasticJoined, SpareReady, ElasticSynced, HealStarted, HealOverdue, Submitted, PrecheckDone, StepDone, Launched, FaultSeen, CheckpointSeen, RanksExited, StepSeen, Cancel,
               StartOverdue]
 
 
@@ -304,6 +382,18 @@ class Stop:
 class Cordon:
     node: str
     reason: str
+
+
+@dataclass(frozen=True)
+class Heal:
+    """Kill rank ``rank`` of ``generation`` if it still runs, give its place to the warm spare on ``node``,
+    choose the new group's rendezvous (on ``nodes[0]``, rank 0's node)."""
+
+    generation: int
+    epoch: int
+    rank: int
+    node: str
+    nodes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -345,6 +435,8 @@ def pending_actions(job: Job) -> tuple[Any, ...]:
         return (Stop(job.launched_generation),) if job.launched_generation >= 0 else ()
     if job.state != JobState.RECOVERING:
         return ()
+    if job.step == RecoveryStep.HEALING:
+        return (Heal(job.launched_generation, job.heal_epoch, job.heal_rank, job.nodes[job.heal_rank], job.nodes),)
     if job.step == RecoveryStep.STOPPING:
         return (Stop(job.stop_generation),)
     if job.step == RecoveryStep.EVICTING:
@@ -409,8 +501,11 @@ def _recover(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any],
                     spares=tuple(spares), evicted=evicted, to_evict=(evict,) if evict else (),
                     evict_reasons=(why,) if evict else (), resume_step=resume,
                     stop_generation=job.launched_generation, restarts=job.restarts + 1,
-                    restart_times=recent + (now,), not_before=now + backoff, prev_last_step=job.last_step)
-    out: dict[str, Any] = {"reason": why}
+                    restart_times=recent + (now,), not_before=now + backoff, prev_last_step=job.last_step,
+                    joined=(), warm=())
+    out: dict[str, Any] = {"reason": why, "path": "relaunch"}
+    if job.step == RecoveryStep.HEALING:
+        out["fallback"] = f"in-job heal epoch {job.heal_epoch} did not complete"
     if evict:
         out["evicted"] = evict
         if evict in detail.get("replacements", {}):
@@ -420,6 +515,42 @@ def _recover(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any],
     out.update(generation=generation, nodes=nodes, resume_step=resume, backoff_s=backoff,
                checkpoint_id=f"{job.job}@{resume}" if resume is not None else None)
     return _decision(new, "relaunching", cause, out)
+
+
+def can_heal(job: Job, kind: FaultKind, rank: int) -> str:
+    """Why the in-job path cannot take this fault ("" when it can)."""
+    if job.spec.heal != "in-job":
+        return "the job's heal policy is relaunch"
+    if kind not in IN_JOB_KINDS:
+        return f"{kind.value} is not healed in the job"
+    if job.state != JobState.RUNNING or job.stepped_generation < job.launched_generation:
+        return "the job is not training"
+    if not 0 <= rank < len(job.nodes):
+        return "the failed rank is unknown"
+    if set(job.joined) < set(range(len(job.nodes))):
+        return "not every rank joined the elastic API"
+    if not [n for n in job.warm if n in job.spares]:
+        return "no warm spare is ready"
+    return ""
+
+
+def _heal(job: Job, rank: int, *, evict: bool, why: str, cause: Mapping[str, Any], now: float) -> Decision:
+    failed = job.nodes[rank]
+    spare = next(n for n in job.warm if n in job.spares)
+    nodes = list(job.nodes)
+    nodes[rank] = spare
+    spares = [n for n in job.spares if n != spare] + ([] if evict else [failed])   # a healthy node: a spare again
+    epoch = job.heal_epoch + 1
+    new = job.moved(JobState.RECOVERING, RecoveryStep.HEALING, nodes=tuple(nodes), spares=tuple(spares),
+                    warm=tuple(n for n in job.warm if n != spare), heal_epoch=epoch, heal_rank=rank,
+                    heal_step=job.last_step, heal_ts=now, heals=job.heals + 1,
+                    evicted=job.evicted + ((failed,) if evict else ()))
+    actions = ((Cordon(failed, why),) if evict else ()) + pending_actions(new)
+    detail = {"path": "in-job", "reason": why, "generation": job.launched_generation, "epoch": epoch,
+              "rank": rank, "failed_node": failed, "spare": spare, "nodes": nodes, "step": job.last_step}
+    if evict:
+        detail["evicted"] = failed
+    return Decision(new, actions, "healing", dict(cause), detail)
 
 
 def _on_precheck(job: Job, ev: PrecheckDone) -> Decision:
@@ -468,6 +599,33 @@ def decide(job: Job, event: Event) -> Decision:
     if isinstance(event, PrecheckDone):
         return _on_precheck(job, event)
 
+    if isinstance(event, ElasticJoined):
+        if event.generation != job.launched_generation or event.rank in job.joined:
+            return Decision(job)
+        return Decision(dataclasses.replace(job, joined=tuple(sorted(job.joined + (event.rank,)))))
+
+    if isinstance(event, SpareReady):
+        if event.generation != job.launched_generation or event.node in job.warm or event.node not in job.spares:
+            return Decision(job)
+        new = dataclasses.replace(job, warm=job.warm + (event.node,))
+        return Decision(new, (), "spare_ready", {}, {"node": event.node, "generation": event.generation,
+                                                     "warm": list(new.warm)})
+
+    if isinstance(event, HealStarted):
+        if job.step != RecoveryStep.HEALING or event.epoch != job.heal_epoch or event.generation != job.launched_generation:
+            return Decision(job)
+        return Decision(job, (), "reforming", {}, {
+            "path": "in-job", "generation": event.generation, "epoch": event.epoch, "master": event.master,
+            "world": len(job.nodes), "nodes": list(job.nodes), "assign": {job.nodes[job.heal_rank]: job.heal_rank},
+            "rank": job.heal_rank})
+
+    if isinstance(event, HealOverdue):
+        if job.step != RecoveryStep.HEALING or event.epoch != job.heal_epoch or event.waited_s < job.spec.heal_timeout_s:
+            return Decision(job)
+        return _recover(job, evict=None, why=f"the group did not re-form within {job.spec.heal_timeout_s:.0f}s "
+                                              f"of in-job heal epoch {job.heal_epoch}",
+                        cause={"kind": "heal_timeout"}, now=event.ts)
+
     if isinstance(event, StepDone):
         if job.state != JobState.RECOVERING or event.generation != job.generation or event.step != job.step:
             return Decision(job)
@@ -514,6 +672,21 @@ def decide(job: Job, event: Event) -> Decision:
                 detail["resume_step"] = resume
         return Decision(new, (), "checkpoint", {"checkpoint_id": ready.checkpoint_id}, detail)
 
+    if isinstance(event, StepSeen) and job.step == RecoveryStep.HEALING:
+        if event.generation != job.launched_generation:
+            return Decision(job)
+        return Decision(dataclasses.replace(job, last_step=max(job.last_step, event.step)))
+
+    if isinstance(event, ElasticSynced):
+        if job.step != RecoveryStep.HEALING or event.generation != job.launched_generation \
+                or event.epoch != job.heal_epoch:
+            return Decision(job)
+        new = job.moved(JobState.RUNNING, healed_ts=event.ts)
+        return Decision(new, (), "healed", {}, {
+            "path": "in-job", "generation": job.launched_generation, "epoch": job.heal_epoch, "rank": job.heal_rank,
+            "node": job.nodes[job.heal_rank], "step": event.step, "seconds": round(event.ts - job.heal_ts, 3),
+            "steps_redone": 1})
+
     if isinstance(event, StepSeen):
         if (event.generation == job.launched_generation - 1 and job.stepped_generation < job.launched_generation):
             # late reports of the generation that was just stopped: they count towards steps lost
@@ -537,13 +710,22 @@ def decide(job: Job, event: Event) -> Decision:
 
     if isinstance(event, FaultSeen):
         f = event.fault
+        if (f.node in job.spares and f.node not in job.nodes and policy_for(f) == Action.EVICT
+                and job.state not in TERMINAL_STATES and f.fault_id not in job.handled_faults and not f.resolved):
+            # a spare node (one a heal just gave back to the pool, its XID a second late): out of the pool
+            why = f.summary or f"{f.kind.value} on {f.node}"
+            new = dataclasses.replace(job, spares=tuple(n for n in job.spares if n != f.node),
+                                      warm=tuple(n for n in job.warm if n != f.node), evicted=job.evicted + (f.node,),
+                                      handled_faults=(job.handled_faults + (f.fault_id,))[-200:])
+            return Decision(new, (Cordon(f.node, why),), "spare_evicted",
+                            {"fault_id": f.fault_id, "kind": f.kind.value, "node": f.node}, {"node": f.node, "reason": why})
         live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
         if not live or f.fault_id in job.handled_faults or f.resolved:
             return Decision(job)
         # not this job's node any more, or decided before this generation was launched: the TEE's decision
         # time, not the sample's, which is the node's clock (one running 5 s behind would otherwise have
         # its faults of a generation's first 5 s ignored)
-        if f.node not in job.nodes or f.detected_ts < job.launched_ts:
+        if f.node not in job.nodes or f.detected_ts < max(job.launched_ts, job.healed_ts):
             return Decision(job)
         gen = f.evidence.get("generation") if isinstance(f.evidence, Mapping) else None
         if gen is not None and int(gen) != job.launched_generation:
@@ -558,10 +740,22 @@ def decide(job: Job, event: Event) -> Decision:
         if action == Action.OBSERVE:
             return Decision(job, (), "fault_observed", cause, {"summary": f.summary})
         why = f.summary or f"{f.kind.value} on {f.node}"
+        if not can_heal(job, f.kind, job.nodes.index(f.node)):
+            return _heal(job, job.nodes.index(f.node), evict=action == Action.EVICT, why=why, cause=cause,
+                         now=event.ts or f.detected_ts)
         return _recover(job, evict=f.node if action == Action.EVICT else None, why=why, cause=cause,
                         now=event.ts or f.detected_ts)
 
     if isinstance(event, RanksExited):
+        if job.step == RecoveryStep.HEALING and event.generation == job.launched_generation:
+            failed = {r: c for r, c in event.codes.items() if c != 0}
+            if not failed:
+                return Decision(job)
+            rank = min(failed)
+            why = (f"rank {rank} on {event.nodes.get(rank) or job.nodes[rank]} exited with code {failed[rank]} "
+                   f"during in-job heal epoch {job.heal_epoch}")
+            return _recover(job, evict=None, why=why, now=event.ts,
+                            cause={"kind": FaultKind.RANK_EXIT.value, "rank": rank, "node": job.nodes[rank]})
         live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
         if event.generation != job.launched_generation or not live:
             return Decision(job)
@@ -582,6 +776,8 @@ def decide(job: Job, event: Event) -> Decision:
             tail = " | ".join(log.get("tail", ())[-3:])
             return _fail(job, f"{why} before its first training step" + (f"; last lines: {tail}" if tail else ""),
                          cause)
+        if len(failed) == 1 and not can_heal(job, FaultKind.RANK_EXIT, rank):
+            return _heal(job, rank, evict=False, why=why, cause=cause, now=event.ts)
         return _recover(job, evict=None, why=why, now=event.ts, cause=cause)
 
     if isinstance(event, Cancel):

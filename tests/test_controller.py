@@ -50,7 +50,8 @@ def start_controller(stack: LocalStack, job: str | None, name: str, *, steps: in
     try:
         # each test its own run directory: cordoned nodes stay out of that test's launches only
         proc = stack.start_controller(job, train_command(steps, ckpt_every), world_size=4, name=name,
-                                      extra=["--exit-when-done", "--run-dir", str(run_dir(stack, job)), *extra])
+                                      extra=["--exit-when-done", "--run-dir", str(run_dir(stack, job)),
+                                             "--heal", "relaunch", *extra])   # these test the relaunch path
     finally:
         os.environ.pop("TRANSOM_TEST_CRASH_AT", None)
         if old is not None:

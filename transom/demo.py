@@ -104,6 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
     job = "demo"
     timeline: dict[str, float] = {}
     steps_lost = None
+    healed: list[dict] = []
     last_step = -1
     result = 1
     report_path = None
@@ -153,9 +154,16 @@ def run_demo(args: argparse.Namespace) -> int:
             elif topic == contracts.CHECKPOINTS and ev.job == job:
                 clock.say(f"ckpt   step {ev.step} ready ({len(ev.shards)} shards, "
                           f"{sum(s.size for s in ev.shards) / 1e6:.1f} MB)", ev.ts)
-            elif topic == contracts.LIFECYCLE and ev.job == job:
+            elif topic == contracts.LIFECYCLE and ev.job == job and ev.state != "request":
                 clock.say(f"life   {ev.name} -> {ev.state} {_brief(ev.detail)}", ev.ts)
-                if ev.name == "relaunching" and "evicted" in ev.detail:
+                if ev.name == "healing":
+                    timeline.setdefault("in-job heal decided (controller): spare takes the rank", ev.ts)
+                elif ev.name == "healed":
+                    timeline.setdefault("group re-formed, state synced (in-job)", ev.ts)
+                    healed.append(ev.detail)
+                    clock.say(f"HEALED in the job: rank {ev.detail.get('rank')} now on {ev.detail.get('node')}, "
+                              f"{ev.detail.get('seconds')} s from the decision; survivors kept their processes")
+                elif ev.name == "relaunching" and "evicted" in ev.detail:
                     timeline.setdefault("eviction decided (controller)", ev.ts)
                 elif ev.name == "launched" and ev.detail.get("generation", 0) > 0:
                     timeline.setdefault("relaunched on the spare", ev.ts)
@@ -182,19 +190,20 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         clock.say("stopping everything the demo started")
         stack.stop()
-    _report(timeline, steps_lost, last_step, args.steps, result)
+    _report(timeline, steps_lost, last_step, args.steps, result, healed)
     if report_path:
         print(f"\nRun report (open in a browser): {report_path}", flush=True)
     return result
 
 
 def _brief(detail: dict) -> str:
-    keep = {k: v for k, v in detail.items() if k in ("generation", "nodes", "evicted", "replacement", "resume_step",
-                                                      "step", "steps_lost", "reason")}
+    keep = {k: v for k, v in detail.items() if k in ("path", "generation", "nodes", "evicted", "replacement", "spare",
+                                                      "resume_step", "step", "steps_lost", "seconds", "reason")}
     return " ".join(f"{k}={v}" for k, v in keep.items())
 
 
-def _report(timeline: dict[str, float], steps_lost, last_step: int, steps: int, result: int) -> None:
+def _report(timeline: dict[str, float], steps_lost, last_step: int, steps: int, result: int,
+            healed: list[dict] | None = None) -> None:
     print("\nTimeline")
     t0 = timeline.get("fault observed (XID sample)")
     for name, ts in sorted(timeline.items(), key=lambda kv: kv[1]):
@@ -202,10 +211,11 @@ def _report(timeline: dict[str, float], steps_lost, last_step: int, steps: int, 
         print(f"  {time.strftime('%H:%M:%S', time.localtime(ts))}.{int(ts % 1 * 1000):03d} {rel}  {name}")
     print("\nSummary")
     detect = timeline.get("fault event (TEE)")
-    resumed = timeline.get("first step after resume")
+    resumed = timeline.get("first step after resume") or timeline.get("group re-formed, state synced (in-job)")
+    print(f"  recovery path  : {'in-job (warm spare, survivors kept their state)' if healed else 'relaunch'}")
     print(f"  time to detect : {detect - t0:.2f} s" if t0 and detect else "  time to detect : n/a")
     print(f"  time to recover: {resumed - t0:.2f} s (fault to first step after resume)" if t0 and resumed
           else "  time to recover: n/a")
-    print(f"  steps lost     : {steps_lost if steps_lost is not None else 'n/a'}")
+    print(f"  steps lost     : {steps_lost if steps_lost is not None else ('1 (the failed step, redone)' if healed else 'n/a')}")
     print(f"  job            : {'completed' if result == 0 else 'NOT completed'}"
           f" (last step seen {last_step}/{steps})")

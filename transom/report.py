@@ -38,7 +38,7 @@ TIER_NAMES = {0: "local memory", 1: "peer memory", 2: "local disk", 3: "shared s
 _HEALTH = {0: ("#d0d4da", "no heartbeat"), 1: ("#4caf50", "healthy"), 2: ("#ffb300", "warning"),
            3: ("#e53935", "fault")}
 _MARKS = {"fault": "#e53935", "eviction": "#8e24aa", "relaunch": "#fb8c00", "resumed": "#1e88e5",
-          "checkpoint": "#90a4ae", "completed": "#2e7d32", "failed": "#b71c1c"}
+          "healed in job": "#00897b", "checkpoint": "#90a4ae", "completed": "#2e7d32", "failed": "#b71c1c"}
 _GEN_COLOURS = ("#1565c0", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457")
 
 
@@ -231,12 +231,15 @@ def _marks(data: RunData, t0: float) -> list[_Mark]:
         kind = lifecycle_kind(ev)
         if kind in ("eviction", "relaunch", "resumed", "completed", "failed"):
             marks.append(_Mark(ev.ts - t0, kind, f"{ev.name}: {_detail(ev.detail)}"))
+        elif ev.name == "healed":
+            marks.append(_Mark(ev.ts - t0, "healed in job", f"{ev.name}: {_detail(ev.detail)}"))
     marks += [_Mark(c.ts - t0, "checkpoint", f"checkpoint step {c.step} ready") for c in data.checkpoints]
     return marks
 
 
 def _detail(detail: dict) -> str:
-    keep = ("reason", "evicted", "replacement", "generation", "resume_step", "step", "steps_lost", "summary")
+    keep = ("path", "reason", "evicted", "replacement", "spare", "generation", "resume_step", "step", "steps_lost",
+            "seconds", "fallback", "summary")
     return ", ".join(f"{k}={detail[k]}" for k in keep if k in detail)
 
 
@@ -344,6 +347,42 @@ def _restores(data: RunData) -> str:
             f"<th>restore s</th></tr></thead><tbody>{body}</tbody></table>")
 
 
+def recoveries(data: RunData) -> list[dict[str, Any]]:
+    """Each recovery of the job: the path it took (``in-job``, ``relaunch``, or ``in-job -> relaunch`` when the
+    in-job heal fell back), why, and its cost in seconds (decision to the re-formed group, or to the first
+    step of the relaunched generation; None while unfinished)."""
+    out: list[dict[str, Any]] = []
+    for ev in data.lifecycle:
+        if ev.name == "healing":
+            out.append({"path": "in-job", "ts": ev.ts, "reason": ev.detail.get("reason", ""), "seconds": None,
+                        "rank": ev.detail.get("rank"), "to": ev.detail.get("spare")})
+        elif ev.name == "healed" and out and out[-1]["path"] == "in-job" and out[-1]["seconds"] is None:
+            out[-1]["seconds"] = round(ev.ts - out[-1]["ts"], 3)
+        elif ev.name == "relaunching":
+            if ev.detail.get("fallback") and out and out[-1]["path"] == "in-job" and out[-1]["seconds"] is None:
+                out[-1].update(path="in-job -> relaunch", fallback=ev.detail["fallback"])
+                out[-1]["reason"] += f"; fallback: {ev.detail.get('reason', '')}"
+            else:
+                out.append({"path": "relaunch", "ts": ev.ts, "reason": ev.detail.get("reason", ""), "seconds": None,
+                            "rank": None, "to": ev.detail.get("replacement")})
+        elif ev.name == "resumed" and out and out[-1]["path"] != "in-job" and out[-1]["seconds"] is None:
+            out[-1]["seconds"] = round(ev.ts - out[-1]["ts"], 3)
+    return out
+
+
+def _recoveries(data: RunData, t0: float) -> str:
+    rows = recoveries(data)
+    if not rows:
+        return '<p class="empty">no recovery: the job took no fault it had to recover from</p>'
+    def cost(r: dict[str, Any]) -> str:
+        return "" if r["seconds"] is None else f"{r['seconds']:.2f}"
+
+    body = "".join(f"<tr><td>{_esc(r['path'])}</td><td>+{r['ts'] - t0:.1f}s</td><td>{cost(r)}</td>"
+                   f"<td>{_esc(r['to'] or '')}</td><td>{_esc(r['reason'])}</td></tr>" for r in rows)
+    return ("<table><thead><tr><th>path</th><th>decided</th><th>cost s</th><th>replacement</th><th>why</th>"
+            f"</tr></thead><tbody>{body}</tbody></table>")
+
+
 def _summary(data: RunData) -> list[tuple[str, str]]:
     last = data.lifecycle[-1] if data.lifecycle else None
     steps = [int(t["step"]) for t in data.train if "step" in t]
@@ -367,6 +406,10 @@ def _summary(data: RunData) -> list[tuple[str, str]]:
     lost = [ev.detail.get("steps_lost") for ev in resumed if ev.detail.get("steps_lost") is not None]
     if lost:
         out.append(("steps lost", ", ".join(str(v) for v in lost)))
+    rec = recoveries(data)
+    if rec:
+        paths = [r["path"] for r in rec]
+        out.append(("recoveries", ", ".join(f"{paths.count(p)} {p}" for p in dict.fromkeys(paths))))
     return out
 
 
@@ -405,6 +448,7 @@ def render(data: RunData) -> str:
         f'<div class="legend">markers: {mark_legend}</div>',
         "<h2>Checkpoint stalls</h2>", _chart(_stall_series(data, t0), marks, x_range=x_range,
                                              ylabel="save stall s", bars=True),
+        "<h2>Recoveries</h2>", _recoveries(data, t0),
         "<h2>Restores</h2>", _restores(data),
         "<h2>Node health</h2>", _heatmap(data, t0, t1),
         "<h2>Timeline</h2>", _timeline(data, t0),

@@ -27,6 +27,11 @@ Contract with the rest of Transom:
   (node: TRANSOM_NODE, else ``slot<RANK>``) and holds ``f [S]`` (f a fraction in (0, 1)), each step
   spins on the CPU for S seconds, or without S for (1/f - 1) x its compute time: a straggling
   device (bench/goodput.py);
+- under Transom it joins an elastic group (:mod:`transom.elastic`, ``--no-elastic`` to opt out): a
+  rank failure is healed in the job (the survivors drop the broken group, join the new one the
+  controller names and redo the step, keeping their model and optimizer; a warm spare, started with
+  ``TRANSOM_SPARE=1``, waits at the join point, then takes the failed rank's place with the state of a
+  survivor and its data position from the rank's newest checkpoint);
 - with ``--steps-file F``, rank 0 appends ``step generation epoch_seconds`` to F after every step
   (bench/goodput.py times both of its runs from such files).
 
@@ -57,6 +62,7 @@ from transom import log as tlog
 from transom.checkpoint import CheckpointEngine, CheckpointError, CorruptCheckpoint, NoCheckpoint
 from transom.checkpoint.layout import complete_steps
 from transom.checkpoint.planner import CapacityError, check_node, node_need
+from transom.elastic import ENV_SPARE, ElasticGroup, Replica, SpareReleased
 
 try:
     from transom.agents.intake import report
@@ -64,7 +70,7 @@ except ImportError:  # the agent package is optional for the example: reports ar
     def report(**_fields: Any) -> None:
         return None
 
-__all__ = ["main", "TinyLM", "TemplateText", "parse_args", "slowdown", "train_step"]
+__all__ = ["main", "LMReplica", "TinyLM", "TemplateText", "parse_args", "slowdown", "train_step"]
 
 log = tlog.get("train")
 
@@ -214,9 +220,11 @@ def _resume(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
 # --------------------------------------------------------------------------- main
 
 def train_step(net: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
-               data: "TemplateText", step: int, args: argparse.Namespace) -> torch.Tensor:
+               data: "TemplateText", step: int, args: argparse.Namespace,
+               sync: Any = None) -> torch.Tensor:
     """One optimizer step of step number ``step`` (learning-rate warm-up by step number, so a resumed
-    run takes the same steps); returns the loss. ``args``: lr, batch_size, seq_len."""
+    run takes the same steps); returns the loss. ``args``: lr, batch_size, seq_len. ``sync``: called
+    with the gradients after the backward pass (the elastic group's all-reduce; None: DDP's, or none)."""
     for group in opt.param_groups:
         group["lr"] = args.lr * min(1.0, (step + 1) / 20)
     batch = data.batch(args.batch_size, args.seq_len)
@@ -224,12 +232,14 @@ def train_step(net: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, los
     loss = loss_fn(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if sync is not None:
+        sync([p.grad for p in model.parameters() if p.grad is not None])
     nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     return loss
 
 
-def slowdown(directory: str, compute_s: float) -> float:
+def slowdown(directory: str, compute_s: float, step: int | None = None) -> float:
     """The benchmarks' straggler hook: busy-wait as a device at fraction f of its speed would; return the wait.
 
     ``directory/<node>`` (node: TRANSOM_NODE, else ``slot<RANK>``) is read every step and holds
@@ -239,17 +249,22 @@ def slowdown(directory: str, compute_s: float) -> float:
     still does the work, and where ranks share CPU cores a sleeping rank would hand its core to the
     others and the job would barely slow down.
 
-    ``directory/pause`` holds an epoch time: until then every rank sleeps (the benchmark's
-    evaluation pause: all ranks stop stepping together, with no phase marker).
+    ``directory/pause`` holds an epoch time ``T [STEP]``: until then every rank sleeps after its
+    steps (from step STEP on, when given) (the benchmark's evaluation pause: all ranks stop stepping
+    together, with no phase marker; the tests hold a job so). The file is read again while it waits.
     """
     paused = 0.0
-    try:
-        until = float(open(os.path.join(directory, "pause")).read().split()[0])
-    except (OSError, ValueError, IndexError):
-        until = 0.0
-    while (left := until - time.time()) > 0:
-        time.sleep(min(left, 0.5))
-        paused += min(left, 0.5)
+
+    def until() -> float:
+        try:
+            values = open(os.path.join(directory, "pause")).read().split()
+            return float(values[0]) if step is None or len(values) < 2 or step >= int(values[1]) else 0.0
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    while (left := until() - time.time()) > 0:
+        time.sleep(min(left, 0.2))
+        paused += min(left, 0.2)
     node = os.environ.get("TRANSOM_NODE") or f"slot{os.environ.get('RANK', '0')}"
     try:
         values = [float(v) for v in open(os.path.join(directory, node)).read().split()[:2]]
@@ -303,6 +318,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="benchmark hook: while D/<node> holds a fraction f, steps take 1/f of their time (default: off)")
     p.add_argument("--steps-file", default=None, metavar="F",
                    help="rank 0 appends 'step generation epoch_seconds' to F after every step (default: none)")
+    p.add_argument("--elastic", action=argparse.BooleanOptionalAction, default=True,
+                   help="under Transom (TRANSOM_JOB, TRANSOM_BOOTSTRAP set): join an elastic group, so a rank "
+                        "failure is healed in the job (survivors keep their state, a warm spare steps in) "
+                        "instead of a relaunch (default: on; transom.elastic)")
     p.add_argument("--eval-pause", default=None, metavar="STEP:SECONDS",
                    help="benchmark hook: after step STEP every rank stands still for SECONDS, as an evaluation "
                         "pass without a phase marker would (default: none)")
@@ -319,20 +338,89 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class LMReplica(Replica):
+    """The replica of :mod:`transom.elastic`: model, optimizer and step alike on every rank; the data
+    stream and RNG are the rank's own (a spare takes them from the rank's newest checkpoint)."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, data: TemplateText, step: int,
+                 distributed: bool, engine: CheckpointEngine | None, args: argparse.Namespace, rank: int,
+                 elastic: bool = False) -> None:
+        super().__init__(model, opt, step)
+        self.data, self.distributed, self.engine, self.args, self.rank = data, distributed, engine, args, rank
+        self.elastic = elastic          # gradients through the elastic group's all-reduce, not DDP's reducer
+        self.net: nn.Module | None = None
+        self.rebuild()
+
+    def drop(self) -> None:
+        self.net = None                 # DDP's reducer holds the broken group
+
+    def rebuild(self) -> None:
+        use_ddp = self.distributed and not self.elastic
+        self.net = nn.parallel.DistributedDataParallel(self.model) if use_ddp else self.model
+
+    def position(self) -> Any:
+        return self.data.state_dict()
+
+    def rewind(self, position: Any) -> None:
+        self.data.load_state_dict(position)
+
+    def adopt(self, step: int) -> None:
+        """The rank's data stream and RNG at ``step``: from its newest checkpoint at or before it, then
+        the batches since (the stream depends only on the seed, the rank and what was read)."""
+        start, t0 = 0, time.perf_counter()
+        self.data = TemplateText(self.args.seed, self.rank)
+        random.seed(self.args.seed * 7919 + self.rank)
+        torch.manual_seed(self.args.seed * 7919 + self.rank)
+        for s in reversed(complete_steps(self.engine.directory) if self.engine else []):
+            if s > step:
+                continue
+            try:
+                got = self.engine.load(s)
+            except CheckpointError as exc:
+                log.warning("rank %d: checkpoint step %d unusable for the data position: %s", self.rank, s, exc)
+                continue
+            if got is not None:
+                start, state = got
+                self.data.load_state_dict(state["data"])
+                torch.set_rng_state(state["rng"]["torch"])
+                random.setstate(state["rng"]["python"])
+                break
+        for _ in range(step - start):
+            self.data.batch(self.args.batch_size, self.args.seq_len)
+        print(f"rank {self.rank}: data position of step {step} from "
+              f"{'checkpoint step %d' % start if start else 'the start'} + {step - start} batches in "
+              f"{time.perf_counter() - t0:.3f}s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tlog.setup()
     torch.set_num_threads(1)
+    torch.manual_seed(args.seed)                         # same init on every rank (and a spare, before it has one)
+    model = TinyLM(args.seq_len, d_model=args.width, n_heads=args.heads, n_layers=args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     distributed = _distributed_env()
-    if distributed:
+    group = None
+    if args.elastic and (distributed or os.environ.get(ENV_SPARE) == "1"):
+        group = ElasticGroup.from_env()          # None outside Transom: a plain process group
+    if group is not None:
+        try:
+            group.join()                         # a warm spare waits here for a rank
+        except SpareReleased as exc:
+            print(f"spare released: {exc}", flush=True)
+            return 0
+        distributed = True
+    elif distributed:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    elif os.environ.get(ENV_SPARE) == "1":
+        print("train_lm: started as a spare but no elastic group (TRANSOM_BOOTSTRAP, TRANSOM_JOB): exiting",
+              file=sys.stderr, flush=True)
+        return 1
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     generation = int(os.environ.get("TRANSOM_GENERATION") or 0)
+    spare = group is not None and group.spare
 
-    torch.manual_seed(args.seed)                         # same init on every rank
-    model = TinyLM(args.seq_len, d_model=args.width, n_heads=args.heads, n_layers=args.layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     data = TemplateText(args.seed, rank)
     random.seed(args.seed * 7919 + rank)
     torch.manual_seed(args.seed * 7919 + rank)           # per-rank stream for anything stochastic
@@ -340,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = CheckpointEngine.from_env(args.ckpt_dir, rank=rank, world_size=world, keep=args.keep)
     _check_capacity(engine, model)
     step = 0
-    got = _resume(engine, world)
+    got = None if spare else _resume(engine, world)
     if got is not None:
         step, state = got
         model.load_state_dict(state["model"])
@@ -354,26 +442,40 @@ def main(argv: list[str] | None = None) -> int:
               f"in {where.get('seconds', 0.0):.3f}s{also}", flush=True)
         if rank == 0:
             print(f"resumed from step {step} gen {generation}", flush=True)
-    elif rank == 0:
+    elif rank == 0 and not spare:
         print(f"starting from scratch gen {generation}", flush=True)
 
-    net = nn.parallel.DistributedDataParallel(model) if distributed else model
+    replica = LMReplica(model, opt, data, step, distributed, engine, args, rank, elastic=group is not None)
+    if spare:
+        step = group.sync(replica)                       # model, optimizer, step from a survivor
+        replica.rebuild()
     loss_fn = nn.CrossEntropyLoss()
     tokens = args.batch_size * args.seq_len
     recent: list[tuple[float, float]] = []
     last_saved = step if got is not None else None
     steps_out = open(args.steps_file, "a") if args.steps_file and rank == 0 else None
+    value = float("nan")
 
-    while step < args.steps:
+    def one_step() -> torch.Tensor:
+        return train_step(replica.net, model, opt, loss_fn, replica.data, replica.step, args,
+                          sync=group.all_reduce_mean_ if group is not None else None)
+
+    while replica.step < args.steps:
         t0 = time.perf_counter()
-        loss = train_step(net, model, opt, loss_fn, data, step, args)
-        step += 1
+        if group is not None:
+            loss = group.step(one_step, replica)
+        else:
+            loss = one_step()
+            replica.step += 1
+        step = replica.step
         if args.slowdown_dir:
-            slowdown(args.slowdown_dir, time.perf_counter() - t0)
+            slowdown(args.slowdown_dir, time.perf_counter() - t0, step)
         step_time = time.perf_counter() - t0
-        value = loss.item()
+        if loss is not None:                             # None: a survivor had done this step for us
+            value = loss.item()
         if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
-            state = {"data": data.state_dict(), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            state = {"data": replica.data.state_dict(),
+                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                      "step": step, "world_size": world}
             if rank == 0 or not args.dedup_replicas:
                 state.update(model=model.state_dict(), optimizer=opt.state_dict())
@@ -402,9 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         # DDP's reducer keeps the process group (and gloo's worker threads) alive: drop it first, or the
         # group is torn down during interpreter finalization, which can abort ("terminate called ...")
-        del net
+        replica.drop()
         gc.collect()
         dist.destroy_process_group()
+    if group is not None:
+        group.close()
     if rank == 0 and all_persisted:
         print(f"done: {step} steps, last checkpoint step {last_saved}", flush=True)
     return 0 if persisted else 1

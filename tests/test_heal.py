@@ -1,0 +1,227 @@
+"""In-job recovery with real ranks (issue 17): real broker, real agents, real 4-rank gloo jobs of
+``transom.examples.train_lm`` under ``transom controller``, a warm spare on the fifth node.
+
+The jobs are held at a step with the example's pause hook (``--slowdown-dir D``, ``D/pause`` =
+``T STEP``), so a fault always lands while the job trains, whatever the machine's load: the test
+signals a rank while the others sleep in the hook, then releases them into the collective that fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from transom import contracts as c
+from transom.stack import LocalStack, train_command
+
+from test_controller import fault, finish, lifecycle, send
+from util import until_alive
+
+pytestmark = pytest.mark.integration
+NODES = [f"node{i}" for i in range(5)]
+TINY = ("--width", "16", "--layers", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--log-every", "5")
+
+
+@pytest.fixture(scope="module")
+def stack(broker, tmp_path_factory):
+    s = LocalStack(tmp_path_factory.mktemp("heal"), bootstrap=broker.bootstrap, nodes=len(NODES))
+    try:
+        s.start_agents()
+        yield s
+    finally:
+        s.stop()
+        from transom.controller.local import LocalBackend
+        for gen_dir in s.run_dir.glob("runs/*/*/gen-*"):        # ranks and spares a failed test may have left
+            LocalBackend(gen_dir.parents[1], {}).stop(gen_dir.parent.name, int(gen_dir.name.split("-")[1]), 5)
+
+
+def start(stack: LocalStack, job: str, steps: int, hold: Path) -> tuple:
+    hold.mkdir(parents=True, exist_ok=True)
+    (hold / "pause").write_text(f"{time.time() + 3600} 6\n")   # every rank stops after step 6 (saved step 5)
+    run_dir = stack.run_dir / "runs" / job
+    proc = stack.start_controller(job, train_command(steps, 5, "--slowdown-dir", str(hold), *TINY), world_size=4,
+                                  name=job, extra=["--exit-when-done", "--run-dir", str(run_dir), "--precheck",
+                                                   "health", "--heal-timeout", "40"])
+    return proc.popen, run_dir / job
+
+
+def hold_from(hold: Path, step: int) -> None:
+    (hold / "pause").write_text(f"{time.time() + 3600} {step}\n")
+
+
+def release(hold: Path) -> None:
+    (hold / "pause").write_text("0\n")
+
+
+def decisions(bs: str, job: str) -> list[c.LifecycleEvent]:
+    """The controller's events of ``job`` (not the ranks' own words on the control channel)."""
+    return [e for e in lifecycle(bs, job) if e.state != "request"]
+
+
+def names(bs: str, job: str) -> list[str]:
+    return [e.name for e in decisions(bs, job)]
+
+
+def pids(gen: Path) -> dict[int, int]:
+    return {r: int((gen / f"rank-{r}.pid").read_text().split()[0]) for r in range(4)}
+
+
+def at_step(gen: Path, step: int) -> bool:
+    return f"step {step}/" in (gen / "rank-0.log").read_text() if (gen / "rank-0.log").exists() else False
+
+
+def sync_hashes(logs: list[Path], epoch: int) -> dict[int, str]:
+    out = {}
+    for log in logs:
+        for m in re.finditer(r"elastic: rank (\d+) epoch (\d+) step \d+ params sha256 ([0-9a-f]+)", log.read_text()):
+            if int(m.group(2)) == epoch:
+                out[int(m.group(1))] = m.group(3)
+    return out
+
+
+def test_crash_and_hang_are_healed_in_the_job_survivors_keep_their_processes(broker, stack):
+    job, bs = "heal-a", broker.bootstrap
+    hold = stack.run_dir / "hold-a"
+    proc, jobdir = start(stack, job, 30, hold)
+    gen = jobdir / "gen-0"
+    try:
+        until_alive(proc, lambda: at_step(gen, 5) and "spare_ready" in names(bs, job), 60,
+                    "step 5 and a warm spare on node4")
+        before = pids(gen)
+        os.kill(before[1], signal.SIGKILL)                      # (a) a crash of rank 1, while the others wait
+        hold_from(hold, 12)
+        until_alive(proc, lambda: "healed" in names(bs, job), 60, "the in-job heal of the crash")
+        # the crashed node went back to the pool: a new warm spare there; then (d) a hang of rank 2
+        until_alive(proc, lambda: names(bs, job).count("spare_ready") >= 2 and at_step(gen, 10), 60,
+                    "a new warm spare on node1")
+        os.kill(before[2], signal.SIGSTOP)
+        release(hold)
+        send(bs, fault(job, "node2", c.FaultKind.HANG))         # what the TEE raises for the stopped rank
+        assert finish(proc, 90) == 0
+    finally:
+        release(hold)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    events = decisions(bs, job)
+    seen = [e.name for e in events]
+    assert "relaunching" not in seen and seen[-1] in ("completed", "checkpoint"), seen
+    heals = [e for e in events if e.name == "healing"]
+    assert [(h.detail["rank"], h.detail["failed_node"], h.detail["spare"]) for h in heals] == \
+        [(1, "node1", "node4"), (2, "node2", "node1")]
+    assert heals[1].cause["kind"] == "hang"
+    healed = [e for e in events if e.name == "healed"]
+    assert len(healed) == 2 and all(h.detail["path"] == "in-job" and h.detail["seconds"] >= 0 for h in healed)
+    # (a) the survivors are the same processes, and they finished the job
+    assert [p for p in (jobdir).glob("gen-*")] == [gen]
+    for r in (0, 3):
+        assert int((gen / f"rank-{r}.pid").read_text().split()[0]) == before[r]
+        assert (gen / f"rank-{r}.exit").read_text().strip() == "0"
+        assert "restored step" not in (gen / f"rank-{r}.log").read_text()      # no checkpoint loaded
+    assert "done: 30 steps" in (gen / "rank-0.log").read_text()
+    # (b) each spare's parameters equal the survivors' bit for bit after it joined
+    logs = [gen / f"rank-{r}.log" for r in range(4)] + sorted(gen.glob("spare-*/rank-0.log"))
+    for epoch in (1, 2):
+        hashes = sync_hashes(logs, epoch)
+        assert sorted(hashes) == [0, 1, 2, 3] and len(set(hashes.values())) == 1, (epoch, hashes)
+    spare_log = (gen / "spare-node4-0" / "rank-0.log").read_text()
+    assert "took rank 1" in spare_log and "data position of step 6 from checkpoint step 5 + 1 batches" in spare_log
+
+
+def test_a_survivor_lost_during_the_reform_falls_back_to_a_relaunch(broker, stack):
+    job, bs = "heal-c", broker.bootstrap
+    hold = stack.run_dir / "hold-c"
+    proc, jobdir = start(stack, job, 12, hold)
+    gen = jobdir / "gen-0"
+    try:
+        until_alive(proc, lambda: at_step(gen, 5) and "spare_ready" in names(bs, job), 60,
+                    "step 5 and a warm spare on node4")
+        before = pids(gen)
+        os.kill(before[2], signal.SIGSTOP)                      # rank 2 will never join the new group
+        os.kill(before[1], signal.SIGKILL)
+        release(hold)
+        until_alive(proc, lambda: "reforming" in names(bs, job), 60, "the new group to be named")
+        os.kill(before[2], signal.SIGKILL)                      # (c) a survivor lost during the re-form
+        assert finish(proc, 90) == 0
+    finally:
+        release(hold)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    events = decisions(bs, job)
+    relaunch = [e for e in events if e.name == "relaunching"]
+    assert len(relaunch) == 1 and relaunch[0].detail["path"] == "relaunch" and "fallback" in relaunch[0].detail
+    assert "healed" not in [e.name for e in events]
+    assert "resumed from step 5 gen 1" in (jobdir / "gen-1" / "rank-0.log").read_text()
+    assert "done: 12 steps" in (jobdir / "gen-1" / "rank-0.log").read_text()
+
+
+# --------------------------------------------------------------------------- the policy, driven directly
+
+def _running(**spec):
+    from transom.controller.state import ElasticJoined, Job, JobSpec, Launched, PrecheckDone, SpareReady, StepSeen, \
+        Submitted, decide
+    job = Job(job="j", spec=JobSpec(("python", "train.py"), 4, **spec))
+    for ev in (Submitted(tuple(NODES)), PrecheckDone(0), Launched(0, ts=100.0), StepSeen(0, 1, 101.0),
+               *(ElasticJoined(0, r) for r in range(4)), SpareReady(0, "node4")):
+        job = decide(job, ev).job
+    return job
+
+
+def test_policy_heals_in_the_job_only_with_a_warm_spare_and_falls_back_to_a_relaunch():
+    from transom.controller.state import (Cordon, ElasticSynced, FaultSeen, Heal, HealOverdue, HealStarted, JobState,
+                                          RanksExited, RecoveryStep, Stop, decide)
+    job = _running()
+    assert job.warm == ("node4",) and job.joined == (0, 1, 2, 3)
+    d = decide(job, RanksExited(0, {1: -9}, ts=110.0))
+    assert d.name == "healing" and d.detail["path"] == "in-job" and d.job.step == RecoveryStep.HEALING
+    assert d.actions == (Heal(0, 1, 1, "node4", ("node0", "node4", "node2", "node3")),)
+    assert d.job.spares == ("node1",) and d.job.warm == () and d.job.restarts == 0     # node1 is a spare again
+    d = decide(d.job, HealStarted(0, 1, "127.0.0.1:5", 110.1))
+    assert d.name == "reforming" and d.detail["assign"] == {"node4": 1} and d.detail["master"] == "127.0.0.1:5"
+    healed = decide(d.job, ElasticSynced(0, 1, 6, 112.0))
+    assert healed.name == "healed" and healed.job.state == JobState.RUNNING and healed.detail["seconds"] == 2.0
+    # a survivor lost during the re-form, or no step in time: the relaunch, from the checkpoint
+    lost = decide(d.job, RanksExited(0, {2: -9}, ts=111.0))
+    assert lost.name == "relaunching" and lost.detail["path"] == "relaunch" and "fallback" in lost.detail
+    assert lost.actions == (Stop(0),) and lost.job.nodes == ("node0", "node4", "node2", "node3")
+    late = decide(d.job, HealOverdue(1, 61.0, 171.0))
+    assert late.name == "relaunching" and late.cause["kind"] == "heal_timeout"
+    # an XID evicts: the node is cordoned and does not go back to the pool
+    f = fault("j", "node2", c.FaultKind.XID)
+    x = decide(job, FaultSeen(f, f.detected_ts))
+    assert x.name == "healing" and x.actions[0] == Cordon("node2", f.summary) and x.job.spares == ()
+    # no warm spare, a relaunch policy, or a NaN loss: today's relaunch
+    assert decide(dataclasses.replace(job, warm=()), RanksExited(0, {1: -9}, ts=110.0)).name == "relaunching"
+    assert decide(_running(heal="relaunch"), RanksExited(0, {1: -9}, ts=110.0)).name == "relaunching"
+    nan = fault("j", "node2", c.FaultKind.NAN_LOSS)
+    assert decide(job, FaultSeen(nan, nan.detected_ts)).name == "relaunching"
+
+
+def test_report_lists_each_recovery_with_its_path_and_cost():
+    from transom.report import RunData, recoveries
+
+    def ev(seq, name, ts, **detail):
+        return c.LifecycleEvent(job="j", seq=seq, ts=ts, name=name, state="x", detail=detail)
+
+    data = RunData("j")
+    data.lifecycle = [ev(0, "healing", 10.0, reason="rank 1 exited", spare="node4"), ev(1, "healed", 11.5),
+                      ev(2, "healing", 20.0, reason="hang", spare="node1"),
+                      ev(3, "relaunching", 30.0, reason="no step", fallback="epoch 2"), ev(4, "resumed", 36.0),
+                      ev(5, "relaunching", 50.0, reason="nan", replacement=None), ev(6, "resumed", 55.0)]
+    got = [(r["path"], r["seconds"]) for r in recoveries(data)]
+    assert got == [("in-job", 1.5), ("in-job -> relaunch", 16.0), ("relaunch", 5.0)]
+    from transom.report import render
+    page = render(data)
+    assert "<h2>Recoveries</h2>" in page and "in-job -&gt; relaunch" in page and "healed in job" in page
+
+
+def test_only_a_failed_collective_is_healed_an_error_of_the_step_itself_is_raised():
+    from transom.elastic import collective_failure
+    assert collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert collective_failure(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    assert not collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
