@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .rankwrap import write_atomic
 
-__all__ = ["Backend", "RankStatus", "LaunchRecord", "Cordons", "register_backend", "create_backend", "BACKENDS"]
+__all__ = ["Backend", "RankStatus", "LaunchRecord", "Cordons", "CordonedNodes", "register_backend", "create_backend", "BACKENDS"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,24 @@ class Cordons:
             return False
         write_atomic(str(self.path), json.dumps(cordoned, indent=1))
         return True
+
+
+class CordonedNodes:
+    """The cordon methods of a backend that keeps its own :class:`Cordons` (``self.cordons``) and logs to ``log``."""
+
+    cordons: Cordons
+    log: logging.Logger
+
+    def cordon(self, node: str, reason: str) -> None:
+        if self.cordons.add(node, reason):
+            self.log.info("cordoned %s: %s", node, reason)
+
+    def cordoned(self) -> dict[str, str]:
+        return self.cordons.read()
+
+    def uncordon(self, node: str, reason: str) -> None:
+        if self.cordons.remove(node):
+            self.log.info("uncordoned %s: %s", node, reason)
 
 
 class Backend(abc.ABC):

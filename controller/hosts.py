@@ -14,8 +14,15 @@ advertise themselves there when given a broker), and:
 - stops a generation on every host it can reach, and again on a host that comes back (a
   partitioned host's ranks are stopped when its link returns).
 
+In-job recovery (:meth:`HostsBackend.start_spare`, :meth:`HostsBackend.heal`): a warm spare is
+started by its spare host's launcher (``spare`` op) and recorded in the launch record
+(``spares``: node -> [pid]); a heal kills the failed rank through its host's launcher (``kill``; a
+host that does not answer is left to the node-lost path: its ranks are stopped when it answers
+again), assigns the spare that rank on its host (``assign``), and names the new group's rendezvous
+on the new rank 0's host: its advertised address (never loopback) and a port its launcher found free.
+
 Records: ``RUN_DIR/JOB/gen-G/launch.json`` on the controller (hosts, ranks and pids per node,
-rendezvous address), ``RUN_DIR/cordoned.json``; rank logs stay on their hosts (the launcher's
+rendezvous address, warm spares, and ``masters``: rank -> the rendezvous of the heal that gave it away), ``RUN_DIR/cordoned.json``; rank logs stay on their hosts (the launcher's
 ``logs`` op).
 """
 
@@ -32,7 +39,7 @@ from transom.channel import ChannelError, call, cluster_key
 from transom.config import ConfigError
 from transom.log import get
 
-from .backend import Backend, Cordons, LaunchRecord, RankStatus, register_backend
+from .backend import Backend, CordonedNodes, Cordons, LaunchRecord, RankStatus, register_backend
 from .local import rank_env
 
 __all__ = ["HostsBackend", "advertise_launcher", "discover_launchers", "KILLED"]
@@ -64,10 +71,11 @@ def discover_launchers(bootstrap: str) -> Callable[[], dict[str, str]] | None:
     return lambda: {node: reg.endpoint for node, reg in reader.live(ServiceKind.LAUNCHER).items()}
 
 
-class HostsBackend(Backend):
+class HostsBackend(CordonedNodes, Backend):
     """Ranks on node hosts through their launchers; ``launchers`` maps node -> launcher ``HOST:PORT``."""
 
     name = "hosts"
+    warm_spares = True
 
     def __init__(self, run_dir: str | os.PathLike, launchers: Mapping[str, str] | None = None, *,
                  key: bytes | None = None, ckpt_dir: str | None = None, bootstrap: str | None = None,
@@ -85,6 +93,7 @@ class HostsBackend(Backend):
         self.unreachable_s, self.ping_s, self.launch_timeout = unreachable_s, ping_s, launch_timeout
         self.discover = discover
         self.cordons = Cordons(self.run_dir)
+        self.log = log
         self._lock = threading.Lock()
         self._seen: dict[str, float] = {}                    # node -> monotonic time of its last answer
         self._statuses: dict[str, dict[str, list]] = {}      # node -> "JOB/GEN" -> [[rank, running, code]]
@@ -193,17 +202,6 @@ class HostsBackend(Backend):
         cordoned = self.cordons.read()
         return [n for n in self.launchers if n not in cordoned]
 
-    def cordon(self, node: str, reason: str) -> None:
-        if self.cordons.add(node, reason):
-            log.info("cordoned %s: %s", node, reason)
-
-    def cordoned(self) -> dict[str, str]:
-        return self.cordons.read()
-
-    def uncordon(self, node: str, reason: str) -> None:
-        if self.cordons.remove(node):
-            log.info("uncordoned %s: %s", node, reason)
-
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
                resume_step: int | None, *, workdir: str | None = None,
                env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
@@ -265,6 +263,8 @@ class HostsBackend(Backend):
         since = self._live.get((job, generation), (time.monotonic(), {}))[0]
         out: dict[int, RankStatus] = {}
         for node, ranks in handle["ranks"].items():
+            if not ranks:                      # every rank it had was given to a spare
+                continue
             age = self._age(node)
             lost = node in handle.get("failed", {})
             if not lost and (age is None and time.monotonic() - since > self.unreachable_s
@@ -292,7 +292,7 @@ class HostsBackend(Backend):
         handle = LaunchRecord(self.run_dir, job, generation).read()
         if handle is None:
             return
-        nodes = [n for n in handle["ranks"] if n in self.launchers]
+        nodes = [n for n in dict.fromkeys([*handle["ranks"], *(handle.get("spares") or {})]) if n in self.launchers]
         # a launcher already counted lost is not waited for: its stop is kept for when it answers again
         lost = {n: ChannelError(f"no answer for {self._age(n):.0f}s") for n in nodes
                 if (self._age(n) or 0.0) > self.unreachable_s}
@@ -305,6 +305,84 @@ class HostsBackend(Backend):
                 with self._lock:
                     self._pending_stops.add((job, generation, node))
         log.info("stopped job %s generation %d", job, generation)
+
+    # ------------------------------------------------------------------ in-job healing
+    def start_spare(self, job: str, generation: int, node: str, command: tuple[str, ...], *,
+                    workdir: str | None = None, env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+        if node not in self.launchers:
+            raise ValueError(f"node {node} has no launcher; known: {sorted(self.launchers)}")
+        record = LaunchRecord(self.run_dir, job, generation)
+        handle = record.read()
+        if handle is None:
+            raise RuntimeError(f"job {job} generation {generation} has no launch record")
+        ckpt_dir = self.ckpt_dir or str(self.run_dir / job / "ckpt")
+        spare_env = {**dict(env or {}), **self.extra_env,
+                     **{k: v for k, v in rank_env(job, generation, 0, node, len(handle["nodes"]), "", 0, ckpt_dir,
+                                                  None, self.bootstrap).items()
+                        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}}
+        try:
+            got = self._call(node, "spare", self.launch_timeout, job=job, generation=generation, env=spare_env,
+                             command=list(command), workdir=workdir)
+        except ChannelError as exc:
+            raise RuntimeError(f"the launcher of {node} did not start a spare: {exc}") from exc
+        with self._lock:
+            handle = record.read() or handle
+            handle.setdefault("spares", {}).setdefault(node, []).append(int(got["pid"]))
+            record.write(handle)
+        log.info("started a warm spare of job %s generation %d on %s (pid %d)", job, generation, node, got["pid"])
+        return {"pid": int(got["pid"]), "node": node, "dir": got.get("dir")}
+
+    def heal(self, job: str, generation: int, rank: int, node: str, nodes: Sequence[str]) -> str:
+        record = LaunchRecord(self.run_dir, job, generation)
+        handle = record.read()
+        if handle is None:
+            raise RuntimeError(f"job {job} generation {generation} has no launch record")
+        if rank in handle["ranks"].get(node, []) and str(rank) in (handle.get("masters") or {}):
+            return handle["masters"][str(rank)]      # carried out already (a controller restarted mid-heal)
+        spares = list((handle.get("spares") or {}).get(node, []))
+        if not spares:
+            raise RuntimeError(f"no warm spare of job {job} generation {generation} on {node}")
+        old = next((n for n, r in handle["ranks"].items() if rank in r), None)
+        if old is not None and old != node:
+            lost = old in handle.get("failed", {}) or (self._age(old) or 0.0) > self.unreachable_s
+            try:
+                if lost:
+                    raise ChannelError(f"no answer for {self._age(old) or 0.0:.0f}s")
+                self._call(old, "kill", 10.0, job=job, generation=generation, rank=rank)
+            except ChannelError as exc:
+                log.warning("job %s generation %d: cannot reach the launcher of %s to kill rank %d (%s): it is "
+                            "stopped when that host answers again", job, generation, old, rank, exc)
+                with self._lock:
+                    self._pending_stops.add((job, generation, old))
+        pid = spares[-1]
+        try:
+            self._call(node, "assign", 10.0, job=job, generation=generation, rank=rank, pid=pid)
+        except (ChannelError, ValueError) as exc:
+            raise RuntimeError(f"the launcher of {node} could not give rank {rank} to its spare: {exc}") from exc
+        # the new group's store runs in rank 0: its host's advertised address, a port that host found free
+        try:
+            host, port = self._master(nodes[0])
+        except ChannelError as exc:
+            raise RuntimeError(f"no rendezvous port from the new rank 0's host {nodes[0]}: {exc}") from exc
+        master = f"{host}:{port}"
+        with self._lock:
+            if old is not None:
+                handle["ranks"][old] = [r for r in handle["ranks"][old] if r != rank]
+                handle["pids"].get(old, {}).pop(str(rank), None)
+            handle["ranks"].setdefault(node, []).append(rank)
+            handle["pids"].setdefault(node, {})[str(rank)] = pid
+            handle["spares"][node] = [p for p in spares if p != pid]
+            handle["nodes"][rank] = node
+            handle.setdefault("hosts", {})[node] = self.launchers[node]
+            handle.setdefault("masters", {})[str(rank)] = master
+            record.write(handle)
+            self._statuses.get(node, {}).pop(f"{job}/{generation}", None)   # polled before it had the rank
+            if (job, generation) in self._live:
+                since, _ranks = self._live[(job, generation)]
+                self._live[(job, generation)] = (since, {n: list(r) for n, r in handle["ranks"].items()})
+        log.info("job %s generation %d: rank %d -> the warm spare on %s (pid %d); new group at %s", job, generation,
+                 rank, node, pid, master)
+        return master
 
     def health(self, nodes: Sequence[str]) -> dict[str, str]:
         cordoned = self.cordons.read()

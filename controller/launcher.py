@@ -16,9 +16,16 @@ rank on this host starts warm. Operations (the channel's ops; arguments as keywo
 ``collective(ranks=[[rank, node]], world, master, timeout)`` -> ``{node: reason}`` of failures
 ``port()`` -> a free TCP port on this host (the rendezvous port when rank 0 runs here)
 ``logs(job, generation, rank, nbytes)`` -> the tail of the rank's log
+``spare(job, generation, env, command, workdir=None)`` -> ``{"pid", "dir"}``: a warm spare of the
+    generation (``env`` from the controller, with ``TRANSOM_SPARE=1`` and no ``RANK``), waiting at the
+    elastic API's join point; stopped with the generation
+``assign(job, generation, rank, pid)`` -> true: the spare ``pid`` is now rank ``rank`` here (its status,
+    logs and stop follow it)
+``kill(job, generation, rank)`` -> true if the rank ran: SIGKILL to its process group (an in-job heal)
 
-Files: ``RUN_DIR/JOB/gen-G/host.json`` (this host's part of a launch: rank -> pid) and the
-rank files of :mod:`.rankhost`. Nothing taken from a request is run through a shell.
+Files: ``RUN_DIR/JOB/gen-G/host.json`` (this host's part of a launch: rank -> pid, and ``dirs``:
+rank -> the directory of the spare that took it), ``RUN_DIR/JOB/gen-G/spare-K/`` (a spare's
+``spare.json`` and its ``rank-0.*`` files) and the rank files of :mod:`.rankhost`. Nothing taken from a request is run through a shell.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -39,7 +47,7 @@ from transom.config import ConfigError
 from transom.log import get
 from transom.security import valid_name
 
-from .rankhost import RankHost
+from .rankhost import RankHost, alive, signal_group
 from .rankwrap import write_atomic
 from .zygote import PRELOAD
 
@@ -76,11 +84,13 @@ class Launcher:
         self.host = RankHost(self.run_dir, env=self.host_env, warm=warm, preload=preload)
         self._lock = threading.Lock()
         self._gens: dict[tuple[str, int], dict[int, int]] = {}      # (job, gen) -> rank -> pid
+        self._dirs: dict[tuple[str, int], dict[int, str]] = {}      # (job, gen) -> rank -> a spare's directory
 
     @property
     def handlers(self) -> dict[str, Any]:
         return {"launch": self.launch, "status": self.status, "health": self.health, "stop": self.stop,
-                "collective": self.collective, "port": self.port, "logs": self.logs}
+                "collective": self.collective, "port": self.port, "logs": self.logs, "spare": self.spare,
+                "assign": self.assign, "kill": self.kill}
 
     def _gen_dir(self, job: str, generation: int) -> Path:
         if not valid_name(str(job)):
@@ -93,8 +103,25 @@ class Launcher:
             record = self._gen_dir(job, generation) / "host.json"
             if not record.exists():
                 return None
-            self._gens[key] = {int(r): int(p) for r, p in json.loads(record.read_text())["pids"].items()}
+            got = json.loads(record.read_text())
+            self._gens[key] = {int(r): int(p) for r, p in got["pids"].items()}
+            self._dirs[key] = {int(r): str(d) for r, d in (got.get("dirs") or {}).items()}
         return self._gens[key]
+
+    def _write(self, job: str, generation: int) -> None:
+        key = (job, int(generation))
+        write_atomic(str(self._gen_dir(job, generation) / "host.json"), json.dumps(
+            {"node": self.node, "pids": self._gens[key], "dirs": self._dirs.get(key, {})}))
+
+    def _spares(self, job: str, generation: int) -> list[dict[str, Any]]:
+        gen_dir = self._gen_dir(job, generation)
+        out = []
+        for rec in sorted(gen_dir.glob("spare-*/spare.json")) if gen_dir.is_dir() else ():
+            try:
+                out.append(json.loads(rec.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
 
     # ------------------------------------------------------------------ ops
     def launch(self, job: str, generation: int, ranks: Sequence[Mapping[str, Any]],
@@ -114,8 +141,8 @@ class Launcher:
                 env = {**os.environ, **{str(k): str(v) for k, v in dict(item["env"]).items()}, **self.host_env}
                 wanted.append((int(item["rank"]), env))
             pids, forked = self.host.start(gen_dir, wanted, list(command), workdir or None)
-            write_atomic(str(gen_dir / "host.json"), json.dumps({"node": self.node, "pids": pids}))
             self._gens[(job, int(generation))] = pids
+            self._write(job, generation)
         log.info("launched ranks %s of job %s generation %d on %s (%d forked from the zygote)",
                  ",".join(map(str, sorted(pids))), job, generation, self.node, forked)
         return {"pids": pids, "forked": forked}
@@ -124,7 +151,15 @@ class Launcher:
         pids = self._pids(job, generation)
         if pids is None:
             return []
-        return [[s.rank, s.running, s.exit_code] for s in self.host.status(self._gen_dir(job, generation), pids)]
+        gen_dir, dirs = self._gen_dir(job, generation), self._dirs.get((job, int(generation)), {})
+        out = []
+        for rank, pid in sorted(pids.items()):
+            if rank in dirs:                  # a spare took this rank: its files are rank-0.* of its directory
+                (st,) = self.host.status(Path(dirs[rank]), {0: pid})
+            else:
+                (st,) = self.host.status(gen_dir, {rank: pid})
+            out.append([rank, st.running, st.exit_code])
+        return out
 
     def health(self, want: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
         return {"node": self.node, "ts": time.time(),
@@ -132,8 +167,9 @@ class Launcher:
 
     def stop(self, job: str, generation: int, timeout: float = 10.0) -> bool:
         gen_dir = self._gen_dir(job, generation)
-        pids = self._pids(job, generation) or {}
-        stopped = self.host.stop(gen_dir, list(pids.values()), float(timeout))
+        pids = list((self._pids(job, generation) or {}).values())
+        pids += [int(s["pid"]) for s in self._spares(job, generation) if int(s["pid"]) not in pids]
+        stopped = self.host.stop(gen_dir, pids, float(timeout))
         if stopped:
             log.info("stopped job %s generation %d on %s", job, generation, self.node)
         return stopped
@@ -146,7 +182,55 @@ class Launcher:
         return free_port()
 
     def logs(self, job: str, generation: int, rank: int, nbytes: int = 4096) -> str:
+        self._pids(job, generation)
+        spare_dir = self._dirs.get((job, int(generation)), {}).get(int(rank))
+        if spare_dir is not None:
+            return self.host.log_tail(Path(spare_dir), 0, min(int(nbytes), 1 << 20))
         return self.host.log_tail(self._gen_dir(job, generation), int(rank), min(int(nbytes), 1 << 20))
+
+    def spare(self, job: str, generation: int, env: Mapping[str, Any], command: Sequence[str],
+              workdir: str | None = None) -> dict[str, Any]:
+        gen_dir = self._gen_dir(job, generation)
+        if not command or not all(isinstance(a, str) for a in command):
+            raise ValueError("command must be a non-empty list of strings")
+        if workdir and not os.path.isdir(workdir):
+            raise ValueError(f"the job's working directory {workdir} does not exist on {self.node}")
+        spare_env = {**os.environ, **{str(k): str(v) for k, v in dict(env).items()}, **self.host_env}
+        for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRANSOM_RESUME_STEP"):
+            spare_env.pop(key, None)
+        spare_env["TRANSOM_SPARE"] = "1"
+        with self._lock:
+            k = len(list(gen_dir.glob("spare-*"))) if gen_dir.is_dir() else 0
+            spare_dir = gen_dir / f"spare-{k}"
+            spare_dir.mkdir(parents=True, exist_ok=True)
+            pids, _forked = self.host.start(spare_dir, [(0, spare_env)], list(command), workdir or None)
+            out = {"pid": pids[0], "node": self.node, "dir": str(spare_dir)}
+            write_atomic(str(spare_dir / "spare.json"), json.dumps(out))
+        log.info("started a warm spare of job %s generation %d on %s (pid %d)", job, generation, self.node, pids[0])
+        return out
+
+    def assign(self, job: str, generation: int, rank: int, pid: int) -> bool:
+        with self._lock:
+            spare = next((s for s in self._spares(job, generation) if int(s["pid"]) == int(pid)), None)
+            if spare is None:
+                raise ValueError(f"no warm spare {pid} of job {job} generation {generation} on {self.node}")
+            key = (job, int(generation))
+            if self._pids(job, generation) is None:
+                self._gens[key] = {}
+            self._gens[key][int(rank)] = int(pid)
+            self._dirs.setdefault(key, {})[int(rank)] = str(spare["dir"])
+            self._write(job, generation)
+        log.info("job %s generation %d: the warm spare %d on %s is rank %d now", job, generation, pid, self.node, rank)
+        return True
+
+    def kill(self, job: str, generation: int, rank: int) -> bool:
+        pid = (self._pids(job, generation) or {}).get(int(rank))
+        if pid is None or not alive(pid):
+            return False
+        signal_group(pid, signal.SIGKILL)        # a hung (stopped) rank too: SIGKILL needs no SIGCONT
+        log.info("killed rank %d of job %s generation %d on %s (pid %d): a spare takes it", rank, job, generation,
+                 self.node, pid)
+        return True
 
     def close(self) -> None:
         self.host.close()

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 from transom.broker import free_port
 from transom.log import get
 
-from .backend import Backend, Cordons, LaunchRecord, RankStatus, register_backend
+from .backend import Backend, CordonedNodes, Cordons, LaunchRecord, RankStatus, register_backend
 from .rankhost import RankHost, alive, signal_group, warm_argv
 from .rankwrap import write_atomic
 from .zygote import PRELOAD
@@ -42,7 +42,7 @@ __all__ = ["LocalBackend", "warm_argv"]
 log = get("controller.local")
 
 
-class LocalBackend(Backend):
+class LocalBackend(CordonedNodes, Backend):
     """Ranks as local processes; ``agents`` maps each simulated node to its agent's intake address."""
 
     name = "local"
@@ -59,6 +59,7 @@ class LocalBackend(Backend):
         self.extra_env = dict(env or {})
         self.host = RankHost(self.run_dir, env=self.extra_env, warm=warm, preload=preload)
         self.cordons = Cordons(self.run_dir)
+        self.log = log
 
     @property
     def _zygote(self):
@@ -68,17 +69,6 @@ class LocalBackend(Backend):
     def nodes(self) -> list[str]:
         cordoned = self.cordons.read()
         return [n for n in self.agents if n not in cordoned]
-
-    def cordon(self, node: str, reason: str) -> None:
-        if self.cordons.add(node, reason):
-            log.info("cordoned %s: %s", node, reason)
-
-    def cordoned(self) -> dict[str, str]:
-        return self.cordons.read()
-
-    def uncordon(self, node: str, reason: str) -> None:
-        if self.cordons.remove(node):
-            log.info("uncordoned %s: %s", node, reason)
 
     def launch(self, job: str, generation: int, nodes: tuple[str, ...], command: tuple[str, ...],
                resume_step: int | None, *, workdir: str | None = None,

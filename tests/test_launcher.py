@@ -3,6 +3,7 @@ a lost launcher, and the pre-check's all-reduce through launchers. Real processe
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -126,6 +127,44 @@ def test_hosts_backend_launches_watches_and_stops_ranks_through_launchers(tmp_pa
         assert "unreachable" in backend.health(["n1"])["n1"]
         backend.stop("j", 2, timeout=5)                # n0 stopped now, n1 when it answers again
         assert ("j", 2, "n1") in backend._pending_stops
+    finally:
+        backend.close()
+
+
+def test_hosts_backend_keeps_warm_spares_and_heals_through_launchers(tmp_path, launchers):
+    """A warm spare started by its host's launcher takes a killed rank's place: status, logs and stop follow it."""
+    from transom.controller.hosts import HostsBackend
+
+    addrs = {n: f"127.0.0.1:{srv.port}" for n, (_l, srv) in launchers.items()}
+    backend = HostsBackend(tmp_path / "ctl", addrs, key=KEY, ckpt_dir=str(tmp_path / "ckpt"), unreachable_s=5,
+                           ping_s=0.2)
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\n"
+                      "print('spare' if os.environ.get('TRANSOM_SPARE') else 'rank ' + os.environ['RANK'], 'on',"
+                      " os.environ['TRANSOM_NODE'], 'RANK' in os.environ, flush=True)\n"
+                      "time.sleep(600)\n")
+    command = (sys.executable, str(script))
+    try:
+        assert backend.warm_spares
+        backend.launch("j", 0, ("n0",), command, None)
+        wait_until(lambda: [s.running for s in backend.status("j", 0)] == [True], 30, "rank 0 running")
+        first = backend.start_spare("j", 0, "n1", command)
+        second = backend.start_spare("j", 0, "n1", command)
+        wait_until(lambda: "spare on n1" in launchers["n1"][0].host.log_tail(
+            tmp_path / "n1" / "j" / "gen-0" / "spare-1", 0), 30, "the spare waiting")
+        old = backend.status("j", 0)
+        master = backend.heal("j", 0, 0, "n1", ["n1"])
+        assert master.startswith("127.0.0.1:") and backend.heal("j", 0, 0, "n1", ["n1"]) == master   # idempotent
+        handle = json.loads((tmp_path / "ctl" / "j" / "gen-0" / "launch.json").read_text())
+        assert handle["ranks"] == {"n0": [], "n1": [0]} and handle["pids"]["n1"] == {"0": second["pid"]}
+        assert handle["spares"]["n1"] == [first["pid"]] and handle["nodes"] == ["n1"]
+        wait_until(lambda: not launchers["n0"][0].status("j", 0)[0][1], 30, "the old rank killed on n0")
+        assert old and [s.running for s in backend.status("j", 0)] == [True]          # the spare is rank 0 now
+        assert backend.logs("j", 0, 0).startswith("spare on n1 False")      # no RANK until assigned
+        backend.stop("j", 0, timeout=5)                 # the rank and the spare still waiting
+        wait_until(lambda: not any(s.running for s in backend.status("j", 0)), 30, "the spare-rank stopped")
+        from transom.controller.rankhost import alive
+        wait_until(lambda: not alive(first["pid"]), 30, "the waiting spare stopped")
     finally:
         backend.close()
 
