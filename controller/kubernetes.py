@@ -17,6 +17,15 @@
   Service exists is reported exited with ``-SIGKILL``, so the controller sees a failed generation.
 - ``health``: the node's ``Ready`` condition and whether it is cordoned.
 - no collective test: it would need pods of its own (the pre-check rests on the agents' health).
+- warm spares (in-job recovery): ``start_spare`` creates a waiting pod ``JOB-gG-sNODE-K`` pinned to
+  the spare node, labelled ``transom.io/spare=NODE`` and no rank (``TRANSOM_SPARE=1``, no ``RANK``
+  nor ``MASTER_*``: the user's script waits at the elastic API's join point). ``heal`` takes the
+  failed rank's label off its pod and deletes it, relabels the spare pod ``transom.io/rank=R`` (so
+  status and stop follow it; for rank 0 the Service selects it), and names the new group's
+  rendezvous: rank 0's pod DNS name through the Service and a fresh port ``PORT + 1 + heals`` (gloo
+  cannot re-form on the old one), recorded on the spare pod (annotation ``transom.io/master``), so
+  a heal repeated after a controller restart returns it and changes nothing. The API server is the
+  record: nothing is kept on the controller's disk.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ log = get("controller.kubernetes")
 TAINT_KEY = "transom.io/evicted"
 PORT = 29500
 WORLD_KEY = "transom.io/world-size"
+SPARE_KEY = "transom.io/spare"
+MASTER_KEY = "transom.io/master"
+HEALS_KEY = "transom.io/heals"
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -47,6 +59,7 @@ def _label_value(text: str) -> str:
 
 class KubernetesBackend(Backend):
     name = "kubernetes"
+    warm_spares = True
 
     def __init__(self, namespace: str = "default", image: str = "transom:latest", *, kubeconfig: str | None = None,
                  api_url: str | None = None, bootstrap: str | None = None, ckpt_dir: str | None = None,
@@ -194,6 +207,66 @@ class KubernetesBackend(Backend):
                          # a GPU node's usual taint; never the eviction taint: evicted ranks must go
                          "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]}}
 
+    # ------------------------------------------------------------------ in-job healing
+    def start_spare(self, job: str, generation: int, node: str, command: tuple[str, ...], *,
+                    workdir: str | None = None, env: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+        svc, _ = self._names(job, generation)
+        world = self._world(job, generation)
+        if world is None:
+            raise RuntimeError(f"job {job} generation {generation} is not launched (no Service {svc})")
+        node_label = _label_value(node)
+        k = len([p for p in self._pods(job, generation) if (p.metadata.name or "").startswith(f"{svc}-s{node_label}-")])
+        body = self.pod_spec(job, generation, 0, [node], command, None, env)
+        name = f"{svc}-s{re.sub(r'[^a-z0-9-]+', '-', node.lower())[:12]}-{k}"
+        c = body["spec"]["containers"][0]
+        drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRANSOM_RESUME_STEP")
+        c["env"] = [e for e in c["env"] if e["name"] not in drop] + [{"name": "TRANSOM_SPARE", "value": "1"}]
+        c["ports"] = [{"containerPort": PORT}]                 # it may become rank 0
+        labels = body["metadata"]["labels"]
+        labels.pop("transom.io/rank")
+        labels[SPARE_KEY] = node_label
+        body["metadata"]["name"] = body["spec"]["hostname"] = name
+        self.api.create_namespaced_pod(self.namespace, body)
+        log.info("started a warm spare of job %s generation %d on %s (pod %s)", job, generation, node, name)
+        return {"pod": name, "node": node}
+
+    def heal(self, job: str, generation: int, rank: int, node: str, nodes: Sequence[str]) -> str:
+        svc, _ = self._names(job, generation)
+        pods = self._pods(job, generation)
+        mine = [p for p in pods if (p.metadata.labels or {}).get("transom.io/rank") == str(rank)]
+        done = [p for p in mine if (p.metadata.annotations or {}).get(MASTER_KEY)
+                and (p.metadata.labels or {}).get(SPARE_KEY + "-took") == _label_value(node)]
+        if done:
+            return done[0].metadata.annotations[MASTER_KEY]      # carried out already (a controller restarted)
+        spares = [p for p in pods if (p.metadata.labels or {}).get(SPARE_KEY) == _label_value(node)
+                  and (p.status is None or p.status.phase in (None, "Pending", "Running"))]
+        if not spares:
+            raise RuntimeError(f"no waiting spare pod of job {job} generation {generation} on {node}")
+        spare = spares[0]
+        for old in mine:                                   # off the rank first, so status never sees two
+            self.api.patch_namespaced_pod(old.metadata.name, self.namespace,
+                                          {"metadata": {"labels": {"transom.io/rank": None}}})
+            try:
+                self.api.delete_namespaced_pod(old.metadata.name, self.namespace, grace_period_seconds=0)
+            except self.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+        service = self.api.read_namespaced_service(svc, self.namespace)
+        heals = int((service.metadata.annotations or {}).get(HEALS_KEY) or 0) + 1
+        self.api.patch_namespaced_service(svc, self.namespace, {"metadata": {"annotations": {HEALS_KEY: str(heals)}}})
+        if rank == 0:
+            host = spare.metadata.name
+        else:
+            zero = [p for p in pods if (p.metadata.labels or {}).get("transom.io/rank") == "0"]
+            host = (zero[0].spec.hostname or zero[0].metadata.name) if zero else f"{svc}-r0"
+        master = f"{host}.{svc}.{self.namespace}.svc:{PORT + heals}"
+        self.api.patch_namespaced_pod(spare.metadata.name, self.namespace, {"metadata": {
+            "labels": {"transom.io/rank": str(rank), SPARE_KEY: None, SPARE_KEY + "-took": _label_value(node)},
+            "annotations": {MASTER_KEY: master}}})
+        log.info("job %s generation %d: rank %d -> the warm spare pod %s on %s; new group at %s", job, generation,
+                 rank, spare.metadata.name, node, master)
+        return master
+
     def _pods(self, job: str, generation: int) -> list[Any]:
         _, selector = self._names(job, generation)
         return list(self.api.list_namespaced_pod(self.namespace, label_selector=selector).items)
@@ -213,6 +286,8 @@ class KubernetesBackend(Backend):
     def status(self, job: str, generation: int) -> list[RankStatus]:
         out = {}
         for pod in self._pods(job, generation):
+            if "transom.io/rank" not in (pod.metadata.labels or {}):
+                continue                       # a warm spare, or a rank's pod being replaced
             rank = int(pod.metadata.labels["transom.io/rank"])
             phase = pod.status.phase if pod.status else "Pending"
             if phase in ("Pending", "Running", None):

@@ -16,7 +16,11 @@ four node hosts. Two faults in one job:
 From the first checkpoint until the partition's checks are done, the ranks are held to a slow pace
 through train_lm's ``--slowdown-dir`` pause file (a condition the test lifts, not a timing guess):
 each fault lands within a few steps of the checkpoint the test saw, and the job is still running
-when the link returns. Skips where namespaces cannot be made."""
+when the link returns. Skips where namespaces cannot be made.
+
+The controller runs with ``--heal relaunch``: this is the relaunch path on the bed (also the in-job
+path's fallback) and its generation fencing; the in-job path on the bed (a warm spare on a spare host
+takes the failed rank, no relaunch) is tests/test_hosts_heal.py."""
 
 from __future__ import annotations
 
@@ -125,7 +129,7 @@ def test_a_killed_host_and_a_partitioned_host_are_replaced_by_spares_and_the_old
         # node's health (agent heartbeat, launcher answering) decides, and the training's gloo crosses hosts
         ctl = stack.start_controller(extra=["--exit-when-done", "--unreachable", "4", "--precheck", "health"])
         submit = subprocess.run([sys.executable, "-m", "transom.cli", "run", "--bootstrap", bootstrap, "--nodes", "4",
-                                 "--spares", "2", "--job-id", JOB, "--",
+                                 "--spares", "2", "--job-id", JOB, "--heal", "relaunch", "--",
                                  *train_command(STEPS, CKPT_EVERY, "--slowdown-dir", str(stack.run_dir / "slow"))],
                                 capture_output=True, text=True, timeout=60)
         assert submit.returncode == 0, submit.stderr

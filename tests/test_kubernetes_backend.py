@@ -69,3 +69,32 @@ def test_vanished_pods_fail_the_generation_and_stop_deletes_every_object(kube):
     assert not kube.pods and not kube.services                          # the Service too
     assert backend.status("job", 0) == []                               # stopped: nothing left to report
     assert ("DELETE", "/api/v1/namespaces/default/services/job-g0") in kube.requests
+
+
+def test_warm_spares_wait_as_pods_and_take_a_failed_ranks_place(kube, tmp_path):
+    backend = KubernetesBackend(api_url=kube.url, gpus=0, ckpt_pvc="")
+    assert backend.warm_spares
+    backend.launch("job", 0, ("node0", "node1"), ("sleep", "300"), None)
+    spare = backend.start_spare("job", 0, "node2", ("sleep", "300"))
+    wait_until(lambda: [s.running for s in backend.status("job", 0)] == [True, True], 30, "the rank pods to run")
+    pod = kube.pods[("default", spare["pod"])]
+    validate(pod)
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["TRANSOM_SPARE"] == "1" and env["TRANSOM_NODE"] == "node2" and "RANK" not in env
+    assert "MASTER_ADDR" not in env and pod["spec"]["nodeName"] == "node2"
+    assert "transom.io/rank" not in pod["metadata"]["labels"]                      # not a rank: status skips it
+    assert len(backend.status("job", 0)) == 2
+    master = backend.heal("job", 0, 1, "node2", ("node0", "node2"))
+    assert master == f"job-g0-r0.job-g0.default.svc:{29500 + 1}"                     # rank 0's pod, a fresh port
+    assert backend.heal("job", 0, 1, "node2", ("node0", "node2")) == master          # repeated: the same, no change
+    assert ("default", "job-g0-r1") not in kube.pods                                 # the failed rank's pod deleted
+    assert kube.pods[("default", spare["pod"])]["metadata"]["labels"]["transom.io/rank"] == "1"
+    assert [(s.rank, s.running) for s in backend.status("job", 0)] == [(0, True), (1, True)]
+    # rank 0 replaced: the Service selects the spare pod, whose DNS name is the new rendezvous
+    second = backend.start_spare("job", 0, "node1", ("sleep", "300"))
+    assert backend.heal("job", 0, 0, "node1", ("node1", "node2")) == \
+        f"{second['pod']}.job-g0.default.svc:{29500 + 2}"
+    with pytest.raises(RuntimeError, match="no waiting spare pod"):
+        backend.heal("job", 0, 1, "node0", ("node1", "node0"))
+    backend.stop("job", 0)
+    assert not kube.pods and not kube.services

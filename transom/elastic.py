@@ -277,6 +277,10 @@ class ElasticGroup:
             assign = d.get("assign") or {}
             if self.rank < 0 and self.node not in assign:
                 continue                         # another spare was picked: keep waiting
+            if self.rank >= 0 and (taken := [n for n, r in assign.items() if int(r) == self.rank and n != self.node]):
+                # this rank was counted lost (its host partitioned, or not killable) and given to a spare
+                raise ReformFailed(f"rank {self.rank} of job {self.job} was given to the spare on {taken[0]}: "
+                                   f"this process on {self.node} is stale and leaves")
             return d
         raise ReformFailed(f"no new group for job {self.job} within {timeout:.0f}s (rank {self.rank} on {self.node})")
 

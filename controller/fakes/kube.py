@@ -147,7 +147,7 @@ class FakeKubeAPI:
                 if k.startswith("TRANSOM_") and (value == m["mountPath"] or value.startswith(m["mountPath"] + "/")):
                     env[k] = str(local) + value[len(m["mountPath"]):]
         svc = pod["spec"].get("subdomain")
-        if svc:
+        if svc and "TRANSOM_SPARE" not in env:      # a warm spare learns its group when it takes a rank
             env["MASTER_ADDR"] = "127.0.0.1"
             env["MASTER_PORT"] = str(self.ports.setdefault((ns, svc), free_port()))
         name = pod["metadata"]["name"]
@@ -238,12 +238,14 @@ class FakeKubeAPI:
                 body["metadata"]["namespace"] = ns
                 self.services[(ns, name)] = body
                 return 201, body
-            if kind == "services" and len(rest) == 4 and method in ("GET", "DELETE"):
+            if kind == "services" and len(rest) == 4 and method in ("GET", "DELETE", "PATCH"):
                 svc = self.services.get((ns, rest[3]))
                 if svc is None:
                     return 404, _status(404, "NotFound", f'services "{rest[3]}" not found')
                 if method == "DELETE":
                     del self.services[(ns, rest[3])]
+                elif method == "PATCH":
+                    _merge(svc, body)
                 return 200, svc
             if kind == "pods":
                 return self._pods(method, ns, rest[3] if len(rest) > 3 else None, query, body)
@@ -275,6 +277,8 @@ class FakeKubeAPI:
         if method == "DELETE":
             self._kill((ns, name))
             del self.pods[(ns, name)]
+        elif method == "PATCH":                 # a JSON merge patch (labels, annotations)
+            _merge(pod, body)
         return 200, pod
 
     def delete_pods(self, prefix: str, ns: str = "default") -> list[str]:
