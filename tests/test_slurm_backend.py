@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,28 @@ def test_rank_zero_runs_on_the_master_addr_node_when_srun_reorders_the_nodes(slu
     placed = slurm.placement("job", 1)
     assert {r: p["node"] for r, p in placed.items()} == on
     assert {p["master_node"] for p in placed.values()} == {"node1"}
+
+
+WAIT = [sys.executable, "-c", "import os, time; open(os.environ['OUT'] + '/up-' + (os.environ['TRANSOM_NODE'] + "
+        "'-spare' if os.environ.get('TRANSOM_SPARE') else os.environ['RANK']), 'w').close(); time.sleep(300)"]
+
+
+def test_warm_spares_wait_as_batch_jobs_and_take_a_killed_ranks_place(slurm, tmp_path):
+    assert slurm.warm_spares
+    slurm.launch("job", 0, ("node0", "node1"), tuple(WAIT), None)
+    spare = slurm.start_spare("job", 0, "node2", tuple(WAIT))
+    wait_until(lambda: all((tmp_path / f).exists() for f in ("up-0", "up-1", "up-node2-spare")), 60,
+               "both ranks and the spare up")
+    assert [(s.rank, s.running) for s in slurm.status("job", 0)] == [(0, True), (1, True)]   # a spare is no rank
+    master = slurm.heal("job", 0, 1, "node2", ("node0", "node2"))
+    assert master.startswith(AGENTS["node0"].split(":")[0] + ":")           # rank 0's node, as srun placed it
+    assert slurm.heal("job", 0, 1, "node2", ("node0", "node2")) == master   # repeated: the same, nothing more
+    gen = tmp_path / "runs" / "job" / "gen-0"
+    wait_until(lambda: (gen / "rank-1.exit").exists(), 30, "the old rank 1 killed on node1")
+    assert (gen / "rank-1.exit").read_text().split()[0] == str(-9)
+    assert [(s.rank, s.running, s.node) for s in slurm.status("job", 0)] == [(0, True, "node0"), (1, True, "node2")]
+    with pytest.raises(RuntimeError, match="no waiting spare"):
+        slurm.heal("job", 0, 0, "node2", ("node2", "node2"))
+    slurm.stop("job", 0, timeout=20)                   # the generation's allocation and the spare's
+    wait_until(lambda: (gen / "rank-0.exit").exists() and (Path(spare["dir"]) / "rank-0.exit").exists(), 30, "every rank ended")
+    assert [s.running for s in slurm.status("job", 0)] == [False, False]

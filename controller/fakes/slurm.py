@@ -83,7 +83,7 @@ def _opts(argv: list[str]) -> tuple[dict[str, str], list[str]]:
             break
         if "=" in arg:
             k, v = arg.split("=", 1)
-        elif arg in ("--noheader", "-h", "--oneliner", "--parsable"):
+        elif arg in ("--noheader", "-h", "--oneliner", "--parsable", "--overlap"):
             k, v = arg, "1"
         else:
             k, v = arg, argv[i + 1]
@@ -236,7 +236,16 @@ def srun(argv: list[str], path: str) -> int:
         print("srun: error: no command", file=sys.stderr)
         return 1
     alloc = os.environ.get("FAKE_SLURM_ALLOCATION")
-    if alloc and not opts.get("nodelist", opts.get("w")):          # a step of the batch job's allocation
+    if opts.get("jobid"):                        # a step of a running job's allocation (--overlap), on its nodes
+        with _state(path) as data:
+            job = data["jobs"].get(opts["jobid"])
+            if job is None or job["state"] != "RUNNING":
+                print(f"srun: error: job {opts['jobid']} is not running", file=sys.stderr)
+                return 1
+            want = [n for n in opts.get("nodelist", opts.get("w", "")).split(",") if n] or job["nodes"]
+            jid, nodes, name = opts["jobid"], [n for n in job["nodes"] if n in want], job["name"]
+        alloc = jid
+    elif alloc and not opts.get("nodelist", opts.get("w")):          # a step of the batch job's allocation
         with _state(path) as data:
             jid, nodes, name = alloc, data["jobs"][alloc]["nodes"], data["jobs"][alloc]["name"]
     else:
