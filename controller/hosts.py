@@ -354,11 +354,16 @@ class HostsBackend(CordonedNodes, Backend):
                             "stopped when that host answers again", job, generation, old, rank, exc)
                 with self._lock:
                     self._pending_stops.add((job, generation, old))
-        pid = spares[-1]
-        try:
-            self._call(node, "assign", 10.0, job=job, generation=generation, rank=rank, pid=pid)
-        except (ChannelError, ValueError) as exc:
-            raise RuntimeError(f"the launcher of {node} could not give rank {rank} to its spare: {exc}") from exc
+        pid, why = None, ""
+        for candidate in reversed(spares):            # the newest first; one that has exited is refused
+            try:
+                self._call(node, "assign", 10.0, job=job, generation=generation, rank=rank, pid=candidate)
+                pid = candidate
+                break
+            except ChannelError as exc:
+                why = str(exc)
+        if pid is None:
+            raise RuntimeError(f"the launcher of {node} could not give rank {rank} to a spare: {why}")
         # the new group's store runs in rank 0: its host's advertised address, a port that host found free
         try:
             host, port = self._master(nodes[0])

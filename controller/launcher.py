@@ -212,8 +212,8 @@ class Launcher:
     def assign(self, job: str, generation: int, rank: int, pid: int) -> bool:
         with self._lock:
             spare = next((s for s in self._spares(job, generation) if int(s["pid"]) == int(pid)), None)
-            if spare is None:
-                raise ValueError(f"no warm spare {pid} of job {job} generation {generation} on {self.node}")
+            if spare is None or not alive(int(pid)):
+                raise ValueError(f"no live warm spare {pid} of job {job} generation {generation} on {self.node}")
             key = (job, int(generation))
             if self._pids(job, generation) is None:
                 self._gens[key] = {}
