@@ -77,27 +77,44 @@ def stack(tmp_path):
 
 
 class _Pace:
-    """Holds every rank to about one step per ``every`` seconds while on: keeps train_lm's
-    ``--slowdown-dir`` pause file a little in the future (each rank sleeps until then after a step)."""
+    """Holds every rank to about one step per ``every`` seconds once started: train_lm's ``--slowdown-dir``
+    pause file ``T S`` (T far ahead) lets the ranks run the steps before S only, and S moves on by one
+    step each ``every`` seconds (a rank waiting in the hook reads the file again), never more than
+    ``ahead`` steps past the newest checkpoint seen (a relaunched job does not race to catch up)."""
 
-    def __init__(self, directory, every: float = 0.4) -> None:
-        self.file, self.every = directory / "pause", every
+    def __init__(self, directory, every: float = 0.4, ahead: int = CKPT_EVERY + 2) -> None:
+        self.file, self.every, self.ahead = directory / "pause", every, ahead
+        self.cap = 0
+        self.released = False
         directory.mkdir(parents=True, exist_ok=True)
         self.on, self.done = threading.Event(), threading.Event()
+        self.next = 0
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
+    def start(self, step: int) -> None:
+        """Called with each checkpoint's step: starts the pace at the first, and moves the cap."""
+        self.cap = max(self.cap, step + self.ahead)
+        if not self.on.is_set():
+            self.next = step + 1
+            self.on.set()
+
     def _run(self) -> None:
         while not self.done.is_set():
-            if self.on.is_set():
-                tmp = self.file.with_suffix(".tmp")
-                tmp.write_text(f"{time.time() + self.every:.3f}\n")
-                tmp.replace(self.file)
-            self.done.wait(self.every / 2)
+            with self.lock:
+                if self.on.is_set():
+                    tmp = self.file.with_suffix(".tmp")
+                    tmp.write_text(f"{time.time() + 3600:.3f} {self.next}\n")
+                    tmp.replace(self.file)
+                    self.next = min(self.next + 1, self.cap)
+            self.done.wait(self.every)
 
     def release(self) -> None:
-        self.on.clear()
-        self.file.unlink(missing_ok=True)
+        with self.lock:
+            self.released = True
+            self.on.clear()
+            self.file.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.done.set()
@@ -150,8 +167,8 @@ def test_a_killed_host_and_a_partitioned_host_are_replaced_by_spares_and_the_old
             if topic != contracts.LIFECYCLE or ev.job != JOB:
                 continue
             events.append(ev)
-            if ev.name == "checkpoint" and stale is None:
-                pace.on.set()     # from the first checkpoint on, each fault lands within a step of the one seen
+            if ev.name == "checkpoint" and stale is None and not pace.released:
+                pace.start(ev.detail["step"])   # from the first checkpoint on, each fault lands within a few steps
             if killed_at is None and ev.name == "checkpoint" and ev.detail["step"] >= 2 * CKPT_EVERY:
                 stack.kill_host("node1")           # a node lost for real, right after a checkpoint
                 killed_at = ev.detail["step"]
