@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .rankwrap import write_atomic
 
-__all__ = ["Backend", "RankStatus", "LaunchRecord", "Cordons", "CordonedNodes", "register_backend", "create_backend", "BACKENDS"]
+__all__ = ["Backend", "RankStatus", "LaunchRecord", "Cordons", "CordonedNodes", "register_backend", "create_backend",
+           "BACKENDS"]
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ again), assigns the spare that rank on its host (``assign``), and names the new 
 on the new rank 0's host: its advertised address (never loopback) and a port its launcher found free.
 
 Records: ``RUN_DIR/JOB/gen-G/launch.json`` on the controller (hosts, ranks and pids per node,
-rendezvous address, warm spares, and ``masters``: rank -> the rendezvous of the heal that gave it away), ``RUN_DIR/cordoned.json``; rank logs stay on their hosts (the launcher's
-``logs`` op).
+rendezvous address, warm spares, and ``masters``: rank -> the rendezvous of the heal that gave it
+away), ``RUN_DIR/cordoned.json``; rank logs stay on their hosts (the launcher's ``logs`` op).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ rank on this host starts warm. Operations (the channel's ops; arguments as keywo
 
 Files: ``RUN_DIR/JOB/gen-G/host.json`` (this host's part of a launch: rank -> pid, and ``dirs``:
 rank -> the directory of the spare that took it), ``RUN_DIR/JOB/gen-G/spare-K/`` (a spare's
-``spare.json`` and its ``rank-0.*`` files) and the rank files of :mod:`.rankhost`. Nothing taken from a request is run through a shell.
+``spare.json`` and its ``rank-0.*`` files) and the rank files of :mod:`.rankhost`. Nothing taken
+from a request is run through a shell.
 """
 
 from __future__ import annotations

@@ -85,5 +85,6 @@ def test_warm_spares_wait_as_batch_jobs_and_take_a_killed_ranks_place(slurm, tmp
     with pytest.raises(RuntimeError, match="no waiting spare"):
         slurm.heal("job", 0, 0, "node2", ("node2", "node2"))
     slurm.stop("job", 0, timeout=20)                   # the generation's allocation and the spare's
-    wait_until(lambda: (gen / "rank-0.exit").exists() and (Path(spare["dir"]) / "rank-0.exit").exists(), 30, "every rank ended")
+    wait_until(lambda: (gen / "rank-0.exit").exists() and (Path(spare["dir"]) / "rank-0.exit").exists(), 30,
+               "every rank ended")
     assert [s.running for s in slurm.status("job", 0)] == [False, False]
