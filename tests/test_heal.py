@@ -225,3 +225,19 @@ def test_only_a_failed_collective_is_healed_an_error_of_the_step_itself_is_raise
     assert collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
     assert collective_failure(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     assert not collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+
+
+def test_a_rank_whose_rank_was_given_to_a_spare_leaves_instead_of_joining_twice():
+    import queue
+
+    from transom.elastic import ElasticGroup, ReformFailed
+
+    group = object.__new__(ElasticGroup)            # the waiting logic alone: no broker, no process group
+    group.job, group.node, group.generation, group.epoch, group.rank = "j", "node2", 0, 0, 2
+    group._events = queue.Queue()
+    reform = {"name": "reforming", "detail": {"generation": 0, "epoch": 1, "master": "198.18.0.3:5", "world": 4}}
+    group._events.put({**reform, "detail": {**reform["detail"], "assign": {"node4": 1}}})
+    assert group._wait_group(5)["assign"] == {"node4": 1}              # another rank healed: this one joins
+    group._events.put({**reform, "detail": {**reform["detail"], "epoch": 2, "assign": {"node5": 2}}})
+    with pytest.raises(ReformFailed, match="given to the spare on node5"):
+        group._wait_group(5)                                            # its own rank healed: a stale process
