@@ -25,7 +25,10 @@ CODE = ("transom", "agents", "streams", "controller", "checkpoint")
 
 #: Set by the controller's backends for the ranks they launch (never by an operator).
 LAUNCHER_SET = {"TRANSOM_JOB", "TRANSOM_GENERATION", "TRANSOM_RESUME_STEP", "TRANSOM_AGENT_ADDR", "TRANSOM_AGENTS",
-                "TRANSOM_HOST_IP"}
+                "TRANSOM_HOST_IP", "TRANSOM_SPARE"}
+#: Read by the training API (transom/elastic.py) inside the user's ranks, from the job's environment (the
+#: submitter's, which `transom run` passes on): settings of a job, not of a deployed service.
+JOB_SIDE = {"TRANSOM_ELASTIC", "TRANSOM_PG_TIMEOUT_S", "TRANSOM_REFORM_TIMEOUT_S", "TRANSOM_STEP_TIMEOUT_S"}
 #: Given per node or per pod, not in the shared settings: the node id (a flag or the pod's node name),
 #: the address a node's services advertise (the pod's IP, from the downward API), the InfluxDB token (a secret).
 PER_NODE = {"TRANSOM_NODE", "TRANSOM_ADVERTISE_ADDR"}
@@ -49,7 +52,7 @@ def code_env() -> dict[str, set[str]]:
 
 
 def operator_env() -> set[str]:
-    return set(code_env()) - LAUNCHER_SET
+    return set(code_env()) - LAUNCHER_SET - JOB_SIDE
 
 
 def test_launcher_set_variables_are_set_by_a_launcher():
@@ -306,6 +309,7 @@ _K8S_CALLS = {   # kubernetes client method -> (resource, verb, namespaced)
     "create_namespaced_service": ("services", "create", True),
     "read_namespaced_service": ("services", "get", True),
     "delete_namespaced_service": ("services", "delete", True),
+    "patch_namespaced_pod": ("pods", "patch", True), "patch_namespaced_service": ("services", "patch", True),
     "list_node": ("nodes", "list", False), "read_node": ("nodes", "get", False), "patch_node": ("nodes", "patch", False),
 }
 
