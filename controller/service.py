@@ -343,7 +343,7 @@ class Controller:
             ev = contracts.decode(contracts.LIFECYCLE, msg.value())
         except ContractError:
             return
-        if ev.name in ("elastic_joined", "spare_ready", "elastic_synced"):
+        if ev.name in contracts.RANK_LIFECYCLE_EVENTS:
             # a rank's word on the control channel (transom.elastic): it can re-form its group, waits as a
             # spare, or its new group holds one state
             if ev.job in self.jobs and self.jobs[ev.job].state not in TERMINAL:

@@ -42,7 +42,7 @@ import orjson      # 3-4x faster parsing of metric batches (the TEE reads thousa
 __all__ = [
     "SCHEMA_VERSION", "ContractError", "TopicSpec", "TOPICS",
     "METRICS", "FAULTS", "CHECKPOINTS", "LIFECYCLE", "HISTORY", "DEADLETTER", "PEER_WINDOWS", "PeerWindow",
-    "RankReport", "JobFeed",
+    "RankReport", "JobFeed", "RANK_LIFECYCLE_EVENTS",
     "Source", "Sample", "MetricBatch", "FaultKind", "Severity", "Action", "FaultEvent",
     "Shard", "Copy", "Tier", "CheckpointReady", "LifecycleEvent", "DeadLetter",
     "REGISTRY", "ServiceKind", "Registration", "UNROUTABLE", "registry_key",
@@ -55,6 +55,9 @@ METRICS = "transom.metrics"
 FAULTS = "transom.faults"
 CHECKPOINTS = "transom.checkpoints"
 LIFECYCLE = "transom.lifecycle"
+#: Events a rank's elastic API (transom.elastic) sends the controller on LIFECYCLE under the key
+#: ``__elastic__JOB``: not steps of the controller's timeline (their seq is not the job's).
+RANK_LIFECYCLE_EVENTS = frozenset({"elastic_joined", "spare_ready", "elastic_synced"})
 HISTORY = "transom.history"
 DEADLETTER = "transom.deadletter"
 REGISTRY = "transom.registry"

@@ -38,7 +38,8 @@ CRASH_STEPS = ("stopping", "evicting", "replacing", "relaunching")
 
 
 def lifecycle(bootstrap: str) -> list[c.LifecycleEvent]:
-    return [e for e in topic_values(bootstrap, c.LIFECYCLE) if e.job == JOB]
+    """The controller's timeline of JOB (the ranks' elastic messages share the topic under their own key)."""
+    return [e for e in topic_values(bootstrap, c.LIFECYCLE) if e.job == JOB and e.name not in c.RANK_LIFECYCLE_EVENTS]
 
 
 def test_controller_killed_in_each_recovery_step_finishes_the_recovery_once(broker, tmp_path):
