@@ -66,7 +66,7 @@ from transom.log import get
 from transom.security import ckpt_secret
 
 from . import layout, segments, store
-from .digest import DEFAULT as DIGEST, StreamDigest, algorithm, digest_of
+from .digest import DEFAULT as DIGEST, StreamDigest, algorithm, chunk_digests, digest_of
 from .errors import StaleGeneration
 from .segments import Segment, safe_name
 from .transport import Replicator, make_replicator
@@ -454,7 +454,12 @@ class CheckpointServer:
             return None
         view = slot.seg.view(slot.size)
         try:
-            send_msg(sock, {"found": True, "size": slot.size, "digest": slot.digest, "kind": slot.kind})
+            head = {"found": True, "size": slot.size, "digest": slot.digest, "kind": slot.kind}
+            if msg.get("chunks") and slot.digest and not algorithm(slot.digest).startswith("sha256"):
+                # the reader verifies each chunk against these before it lets it into its tensors,
+                # and these against the manifest's digest before the first one (load(into=))
+                head["chunks"] = [d.hex() for d in chunk_digests(view, algorithm(slot.digest))]
+            send_msg(sock, head)
             send_view(sock, view)               # from this daemon's memory, not the file's path
         except BaseException:
             # the head promised bytes: the reader must see a short stream, never a reply read as bytes
