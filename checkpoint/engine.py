@@ -111,6 +111,9 @@ class CheckpointEngine:
         self.unpersisted: list[int] = []    # steps saved whose disk or shared write failed
         self._maps: dict[str, Segment] = {}
         self._staging = restore.Staging()   # load(into=)'s chunk buffers, touched once
+        #: a refused copy had laid verified bytes into load(into=)'s tensors before it was refused
+        #: (a later successful load overwrites them; a caller left without a checkpoint re-inits them)
+        self.into_touched = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -396,7 +399,9 @@ class CheckpointEngine:
         opt.state_dict(), ...}``): its tensors that match a saved tensor (same place, dtype and shape,
         contiguous, CPU) are filled in place and are the returned state's tensors, so a rank whose
         model is built loads without faulting in new memory (:mod:`.restore`); only verified bytes
-        reach them. When the load fails they may hold part of the step's (verified) bytes.
+        reach them. A copy refused part way may have laid some of its verified bytes into them first
+        (:attr:`into_touched` says so): the next copy overwrites them; a caller left with no
+        checkpoint must re-initialise them.
         """
         if template is not None:
             if into is not None:
@@ -494,6 +499,8 @@ class CheckpointEngine:
                     else:
                         state = shardfmt.decode(buf, f"{TIERS[tier]} copy on {node}")
             except (CorruptCheckpoint, DaemonError, OSError) as exc:
+                if scatter is not None and scatter.reused and scatter.pos > len(scatter.head):
+                    self.into_touched = True
                 log.warning("rank %d: step %d: %s copy on %s (of rank %d's shard) is unusable, trying the next: "
                             "%s", self.rank, step, TIERS[tier], node, rank, exc)
                 problems.append(f"{TIERS[tier]}@{node}: {exc}")
