@@ -105,6 +105,7 @@ class StreamDigest:
         self._t = threading.Thread(target=self._run, name="digest", daemon=True)
         self._t.start()
         self._result = ""
+        self.parts: list[bytes] | None = None       # the chunk digests, after hexdigest() (XXH3 only)
 
     def _run(self) -> None:
         if self._fam == "sha256":
@@ -127,6 +128,7 @@ class StreamDigest:
                     cur, filled = h(), 0
         if filled or not parts:
             parts.append(cur.digest())
+        self.parts = parts
         self._result = f"{self.alg}:{h(b''.join(parts)).hexdigest()}"
 
     def feed(self, piece: memoryview) -> None:

@@ -423,14 +423,15 @@ def test_a_corrupt_chunk_never_reaches_the_tensors_loaded_into_and_the_next_copy
         assert placed[0] == (0, CHUNK) and placed[1] == (0, CHUNK)          # node1's chunk 0, then node0's
         assert torch.equal(live["model"]["w"], saved["model"]["w"]) and got["model"]["w"] is live["model"]["w"]
         restore.recv_exact_into = real_recv
-        # a copy whose memory is damaged: its chunk digests do not make up the manifest's, refused at once
+        # a copy whose memory is damaged after it was hashed: refused at that chunk, the next copy used
         flip_bit(Path(copies[("memory", "node1")]), at=CHUNK + 100)
         # every copy refused at its first chunk: the tensors loaded into are left as they were
         placed.clear()
         step, got = relaunched.load(into=live)
         assert relaunched.last_restore["node"] == "node0" and placed[0] == (0, CHUNK)
         # every copy refused: the tensors loaded into are left as they were
-        flip_bit(Path(copies[("memory", "node0")]), at=100)
+        flip_bit(Path(copies[("memory", "node0")]), at=100)                  # both refused at their first chunk
+        flip_bit(Path(copies[("memory", "node1")]), at=200)
         live = _model_state(6)
         before = {k: t.clone() for k, t in live["model"].items()}
         with pytest.raises(Exception, match="no copy verifies"):
