@@ -86,6 +86,8 @@ def test_a_checkpoint_written_with_sha256_manifests_still_loads_and_verifies(tmp
     step, state = eng.load()
     assert step == 5 and eng.last_restore["tier_name"] == "shared"
     assert torch.equal(state["w"], torch.arange(1000.0))
+    live = {"w": torch.zeros(1000)}
+    assert eng.load(5, into=live)[1]["w"] is live["w"] and torch.equal(live["w"], torch.arange(1000.0))
     flip_bit(sdir / layout.shard_name(0))
     with pytest.raises(Exception, match="digest mismatch \\(sha256\\)"):
         eng.load(5)
@@ -379,6 +381,18 @@ def test_load_into_existing_tensors_from_a_peer_is_bit_equal_and_fills_them_in_p
     assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], saved["optimizer"]["state"][0]["exp_avg"])
     assert got["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"] and got["step"] == 3
     assert torch.equal(got["rng"], saved["rng"])
+    # a daemon that sends no chunk digests (an older one): the shard is verified whole, then laid in place
+    from transom.checkpoint import restore
+
+    real_send = restore.send_msg
+    restore.send_msg = lambda sock, msg: real_send(sock, {k: v for k, v in msg.items() if k != "chunks"})
+    try:
+        live = _model_state(8)
+        _, got = relaunched.load(7, into=live)
+    finally:
+        restore.send_msg = real_send
+    assert relaunched.last_restore["tier_name"] == "peer-memory" and got["model"]["w"] is live["model"]["w"]
+    assert torch.equal(live["model"]["w"], saved["model"]["w"])
     # a template that does not match (shape, dtype) gets tensors of its own; the caller's stay as they were
     odd = {"model": {"w": torch.zeros(5), "b": torch.zeros(7, 3)}}
     _, got = relaunched.load(7, into=odd)
