@@ -27,11 +27,12 @@ host is shared and noisy), after ``--warm`` saves that bring the daemons to thei
   write of the bytes with fsync into the daemon's disk directory).
 - **peer restore** of the shard from a neighbour's memory on a node that holds no copy, its digest
   verified, as a relaunched rank calls it: its model built (the state's tensors exist), then
-  ``load(into=state)`` lays the verified bytes into them (transom/examples/train_lm.py): at least 0.8x the raw socket transfer, and at least 2x faster than ``torch.load`` of the
+  ``load(into=state)`` lays the verified bytes into them (transom/examples/train_lm.py): at least
+  0.8x the raw socket transfer, and at least 2x faster than ``torch.load`` of the
   same state from a file whose pages were dropped from the page cache (fsync, then
   ``posix_fadvise(DONTNEED)``): the read a relaunched rank does without Transom. An info row
-  receives the raw socket into new memory, as a restore must (the kernel faults in and zeroes
-  its pages while the bytes arrive); another restores with a plain ``load()`` into new memory.
+  receives the raw socket into new memory, as a plain ``load()`` does (the kernel faults in and
+  zeroes its pages while the bytes arrive); another restores with a plain ``load()``.
 
 Three ``transom ckpt-server`` daemons run as processes (node0 saves, node1 is its neighbour,
 node2 restores). Big buffers are freed between cases (the host has other users). Prints a table,

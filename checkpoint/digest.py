@@ -24,7 +24,8 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["DEFAULT", "CHUNK", "digest_of", "chunk_digests", "chunk_digest", "combine", "StreamDigest", "algorithm", "spec"]
+__all__ = ["DEFAULT", "CHUNK", "digest_of", "chunk_digests", "chunk_digest", "combine", "StreamDigest", "algorithm",
+           "spec"]
 
 CHUNK = 16 << 20
 DEFAULT = f"xxh3-128/c{CHUNK}"

@@ -430,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = CheckpointEngine.from_env(args.ckpt_dir, rank=rank, world_size=world, keep=args.keep)
     _check_capacity(engine, model)
     step = 0
-    got = None if spare else _resume(engine, world, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    built = {"model": model.state_dict(), "optimizer": opt.state_dict()}     # restored into, in place
+    got = None if spare else _resume(engine, world, built)
     if got is None and engine.into_touched:       # a refused copy laid part of its bytes into the model
         rng = torch.get_rng_state()
         torch.manual_seed(args.seed)
