@@ -24,7 +24,8 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["DEFAULT", "CHUNK", "digest_of", "StreamDigest", "algorithm", "spec"]
+__all__ = ["DEFAULT", "CHUNK", "digest_of", "chunk_digests", "chunk_digest", "combine", "StreamDigest", "algorithm",
+           "spec"]
 
 CHUNK = 16 << 20
 DEFAULT = f"xxh3-128/c{CHUNK}"
@@ -61,19 +62,37 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
-def digest_of(buf: bytes | bytearray | memoryview, alg: str = DEFAULT) -> str:
-    """The digest of ``buf`` under ``alg`` (default :data:`DEFAULT`)."""
+def chunk_digests(buf: bytes | bytearray | memoryview, alg: str = DEFAULT) -> list[bytes]:
+    """The XXH3-128 of each ``alg`` chunk of ``buf``, in order (the chunks in parallel threads when
+    the buffer is big: xxhash releases the GIL); what a daemon sends ahead of a shard so that the
+    reader can verify every chunk before it uses it (:func:`combine` of them is the shard's digest)."""
     fam, chunk = spec(alg)
     if fam == "sha256":
-        return f"sha256:{hashlib.sha256(buf).hexdigest()}"
+        raise ValueError("sha256 digests have no chunks")
     h = _xxh3()
     mv = memoryview(buf).cast("B")
     bounds = range(0, max(len(mv), 1), chunk)
     if len(bounds) > 4:
-        parts = list(_executor().map(lambda lo: h(mv[lo:lo + chunk]).digest(), bounds))
-    else:
-        parts = [h(mv[lo:lo + chunk]).digest() for lo in bounds]
-    return f"{alg}:{h(b''.join(parts)).hexdigest()}"
+        return list(_executor().map(lambda lo: h(mv[lo:lo + chunk]).digest(), bounds))
+    return [h(mv[lo:lo + chunk]).digest() for lo in bounds]
+
+
+def combine(alg: str, parts: list[bytes]) -> str:
+    """The shard digest made of its chunk digests ``parts`` (see :func:`chunk_digests`)."""
+    return f"{alg}:{_xxh3()(b''.join(parts)).hexdigest()}"
+
+
+def chunk_digest(piece: bytes | bytearray | memoryview) -> bytes:
+    """The XXH3-128 of one chunk."""
+    return _xxh3()(piece).digest()
+
+
+def digest_of(buf: bytes | bytearray | memoryview, alg: str = DEFAULT) -> str:
+    """The digest of ``buf`` under ``alg`` (default :data:`DEFAULT`)."""
+    fam, _ = spec(alg)
+    if fam == "sha256":
+        return f"sha256:{hashlib.sha256(buf).hexdigest()}"
+    return combine(alg, chunk_digests(buf, alg))
 
 
 class StreamDigest:
@@ -87,6 +106,7 @@ class StreamDigest:
         self._t = threading.Thread(target=self._run, name="digest", daemon=True)
         self._t.start()
         self._result = ""
+        self.parts: list[bytes] | None = None       # the chunk digests, after hexdigest() (XXH3 only)
 
     def _run(self) -> None:
         if self._fam == "sha256":
@@ -109,6 +129,7 @@ class StreamDigest:
                     cur, filled = h(), 0
         if filled or not parts:
             parts.append(cur.digest())
+        self.parts = parts
         self._result = f"{self.alg}:{h(b''.join(parts)).hexdigest()}"
 
     def feed(self, piece: memoryview) -> None:

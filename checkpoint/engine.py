@@ -53,7 +53,7 @@ from transom.agents.intake import report_event
 from transom.config import ConfigError, env_int, env_str
 from transom.log import get
 
-from . import layout, segments, shardfmt, snapshot, store
+from . import layout, restore, segments, shardfmt, snapshot, store
 from .digest import StreamDigest, algorithm
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .segments import Segment
@@ -110,6 +110,10 @@ class CheckpointEngine:
         self.skipped: list[int] = []        # steps dropped by SavePolicy.SKIP
         self.unpersisted: list[int] = []    # steps saved whose disk or shared write failed
         self._maps: dict[str, Segment] = {}
+        self._staging = restore.Staging()   # load(into=)'s chunk buffers, touched once
+        #: a refused copy had laid verified bytes into load(into=)'s tensors before it was refused
+        #: (a later successful load overwrites them; a caller left without a checkpoint re-inits them)
+        self.into_touched = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -381,7 +385,7 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ load
     def load(self, step: int | None = None, *, rank: int | None = None,
-             template: Any = None) -> tuple[int, Any] | None:
+             template: Any = None, into: Any = None) -> tuple[int, Any] | None:
         """This rank's state of a committed step, as ``(step, state)``, from its fastest good copy.
 
         Without ``step``: the newest committed step with a good copy (a step without one is
@@ -391,15 +395,24 @@ class CheckpointEngine:
         ``template``: a state of DTensors laid out as the job runs now; they are filled in place
         from the saved pieces, re-sharded when the step was saved by another world size
         (:mod:`.sharded`).
+        ``into``: a state shaped like the saved one (``{"model": model.state_dict(), "optimizer":
+        opt.state_dict(), ...}``): its tensors that match a saved tensor (same place, dtype and shape,
+        contiguous, CPU) are filled in place and are the returned state's tensors, so a rank whose
+        model is built loads without faulting in new memory (:mod:`.restore`); only verified bytes
+        reach them. A copy refused part way may have laid some of its verified bytes into them first
+        (:attr:`into_touched` says so): the next copy overwrites them; a caller left with no
+        checkpoint must re-initialise them.
         """
         if template is not None:
+            if into is not None:
+                raise ValueError("load(): give template (DTensor state) or into, not both")
             return self._load_template(step, template)
         rank = self.rank if rank is None else rank
         if step is not None:
-            return step, self._load_step(step, rank)
+            return step, self._load_step(step, rank, into=into)
         for s in reversed(layout.complete_steps(self.directory)):
             try:
-                return s, self._load_step(s, rank)
+                return s, self._load_step(s, rank, into=into)
             except (CorruptCheckpoint, NoCheckpoint) as exc:
                 log.warning("rank %d: skipping checkpoint step %d: %s", self.rank, s, exc)
         return None
@@ -458,7 +471,7 @@ class CheckpointEngine:
             out.append((3, "shared", contracts.Copy(shard.rank, "shared", contracts.Tier.SHARED, here)))
         return out
 
-    def _load_step(self, step: int, rank: int, reshard: bool = False) -> Any:
+    def _load_step(self, step: int, rank: int, reshard: bool = False, into: Any = None) -> Any:
         man = self._manifest(step, reshard)
         shard = next((s for s in man.shards if s.rank == rank), None)
         if shard is None:
@@ -466,18 +479,35 @@ class CheckpointEngine:
         problems = []
         for tier, node, copy in self._candidates(step, man, shard):
             t0 = time.perf_counter()
+            scatter = None
             try:
-                buf = self._fetch(tier, node, copy, step, shard)
-                if buf is None:
-                    continue
-                state = shardfmt.decode(buf, f"{TIERS[tier]} copy on {node}")
+                if into is not None:
+                    scatter = restore.Scatter(into, shard.size, f"{TIERS[tier]} copy on {node}")
+                if scatter is not None and tier == 1:
+                    addr = self._resolve(node, copy)
+                    if addr is None or not restore.read_peer_into(addr, self.job, shard.rank, step, shard, node,
+                                                                  scatter, self._staging, STALL_S):
+                        continue
+                    state = scatter.finish()
+                else:
+                    buf = self._fetch(tier, node, copy, step, shard)
+                    if buf is None:
+                        continue
+                    if scatter is not None:
+                        scatter.put(0, memoryview(buf)[:shard.size])
+                        state = scatter.finish()
+                    else:
+                        state = shardfmt.decode(buf, f"{TIERS[tier]} copy on {node}")
             except (CorruptCheckpoint, DaemonError, OSError) as exc:
+                if scatter is not None and scatter.reused and scatter.pos > len(scatter.head):
+                    self.into_touched = True
                 log.warning("rank %d: step %d: %s copy on %s (of rank %d's shard) is unusable, trying the next: "
                             "%s", self.rank, step, TIERS[tier], node, rank, exc)
                 problems.append(f"{TIERS[tier]}@{node}: {exc}")
                 continue
             self.last_restore = {"step": step, "tier": tier, "tier_name": TIERS[tier], "node": node,
-                                 "seconds": time.perf_counter() - t0, "bytes": shard.size, "rank": rank}
+                                 "seconds": time.perf_counter() - t0, "bytes": shard.size, "rank": rank,
+                                 "into_bytes": scatter.reused if scatter is not None else 0}
             log.info("rank %d: restored step %d (rank %d's shard) from %s on %s (%d bytes, %.3fs)", self.rank,
                      step, rank, TIERS[tier], node, shard.size, self.last_restore["seconds"])
             report_event("restore", restore_step=step, restore_tier=tier, restore_s=self.last_restore["seconds"],

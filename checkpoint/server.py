@@ -66,7 +66,7 @@ from transom.log import get
 from transom.security import ckpt_secret
 
 from . import layout, segments, store
-from .digest import DEFAULT as DIGEST, StreamDigest, algorithm, digest_of
+from .digest import DEFAULT as DIGEST, StreamDigest, algorithm, chunk_digests, combine, digest_of
 from .errors import StaleGeneration
 from .segments import Segment, safe_name
 from .transport import Replicator, make_replicator
@@ -89,6 +89,7 @@ class Slot:
     step: int = -1
     size: int = 0
     digest: str = ""              # ALG:HEX (:mod:`.digest`)
+    chunks: list | None = None    # its chunk digests, kept from hashing (what load(into=) reads first)
     origin: str = ""              # node that wrote the shard
     generation: int = 0
 
@@ -454,7 +455,13 @@ class CheckpointServer:
             return None
         view = slot.seg.view(slot.size)
         try:
-            send_msg(sock, {"found": True, "size": slot.size, "digest": slot.digest, "kind": slot.kind})
+            head = {"found": True, "size": slot.size, "digest": slot.digest, "kind": slot.kind}
+            if msg.get("chunks") and slot.digest and not algorithm(slot.digest).startswith("sha256"):
+                # the reader verifies each chunk against these before it lets it into its tensors,
+                # and these against the manifest's digest before the first one (load(into=))
+                parts = slot.chunks or chunk_digests(view, algorithm(slot.digest))
+                head["chunks"] = [d.hex() for d in parts]
+            send_msg(sock, head)
             send_view(sock, view)               # from this daemon's memory, not the file's path
         except BaseException:
             # the head promised bytes: the reader must see a short stream, never a reply read as bytes
@@ -476,7 +483,7 @@ class CheckpointServer:
             slot.generation = msg.get("generation", 0)
             return slot
 
-    def _finish_replica(self, slot: Slot, msg, digest: str | None = None) -> dict:
+    def _finish_replica(self, slot: Slot, msg, digest: str | None = None, parts: list | None = None) -> dict:
         if digest is None:
             digest = digest_of(slot.seg.view(slot.size), algorithm(msg["digest"]))
         with self.lock:
@@ -488,7 +495,7 @@ class CheckpointServer:
                 if other is not slot and other.state == "held" and other.kind == "replica" and \
                         (other.job, other.rank, other.step) == (slot.job, slot.rank, slot.step):
                     other.state = "free"
-            slot.digest, slot.state = digest, "held"
+            slot.digest, slot.state, slot.chunks = digest, "held", parts
         return {"path": str(slot.seg.path), "node": self.node}
 
     def _op_replica_put(self, sock, msg) -> dict:
@@ -510,7 +517,8 @@ class CheckpointServer:
         finally:
             sock.settimeout(None)
         dt = time.perf_counter() - t0
-        return {**self._finish_replica(slot, msg, hasher.hexdigest()), "transfer_s": dt}
+        digest = hasher.hexdigest()
+        return {**self._finish_replica(slot, msg, digest, hasher.parts), "transfer_s": dt}
 
     def _op_replica_alloc(self, _sock, msg) -> dict:
         if self.mooncake is None:
@@ -560,9 +568,11 @@ class CheckpointServer:
                 with self.lock:
                     slot.state = "free"          # not a copy of anything: the segment is reused
                 raise
-        dig = digest_of(data, DIGEST)                                   # 1. hash
+        parts = chunk_digests(data, DIGEST)                             # 1. hash
+        dig = combine(DIGEST, parts)
         with self.lock:
             slot.digest, slot.state, slot.generation, slot.origin = dig, "held", gen, self.node
+            slot.chunks = parts
         t["hash_s"] = time.perf_counter() - t0
         copies = [contracts.Copy(rank, self.node, contracts.Tier.MEMORY, f"{self.addr}#{slot.seg.path}")]
         meta = {"job": job, "rank": rank, "step": step, "size": size, "digest": dig, "origin": self.node,

@@ -234,34 +234,45 @@ def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+def header_size(buf: bytes | bytearray | memoryview) -> int:
+    """Bytes of the length field and JSON header at the start of a shard (``buf``: at least 8 bytes)."""
+    return 8 + struct.unpack_from("<Q", buf, 0)[0]
+
+
+def parse(buf: bytes | bytearray | memoryview, size: int) -> tuple[Any, list[tuple[int, int, int, Any, list]]]:
+    """The skeleton and, per tensor, ``(index, first byte, end byte, dtype, shape)`` (offsets in the
+    shard) of a shard of ``size`` bytes whose first bytes (at least :func:`header_size`) are ``buf``."""
+    (hlen,) = struct.unpack_from("<Q", buf, 0)
+    header = json.loads(bytes(memoryview(buf)[8:8 + hlen]))
+    meta = header.pop("__metadata__")
+    dtypes = json.loads(meta["transom.dtypes"])
+    skel = _Unpickler(io.BytesIO(base64.b64decode(meta["transom.skeleton"]))).load()
+    base, out = 8 + hlen, []
+    for name, d in header.items():
+        lo, hi = d["data_offsets"]
+        if name in dtypes:
+            dt, shape = _DTYPE_BY_NAME[dtypes[name][0]], dtypes[name][1]
+        else:
+            dt, shape = next(k for k, v in _ST_DTYPES.items() if v == d["dtype"]), d["shape"]
+        if base + hi > size or hi < lo:
+            raise ValueError(f"tensor {name} ends at byte {base + hi}, the shard has {size}")
+        out.append((int(name[1:]), base + lo, base + hi, dt, shape))
+    return skel, out
+
+
 def decode(buf: bytearray | memoryview, where: str = "shard") -> Any:
     """The state stored in ``buf`` (writable buffer), tensors as views of it."""
     try:
-        (hlen,) = struct.unpack_from("<Q", buf, 0)
-        header = json.loads(bytes(memoryview(buf)[8:8 + hlen]))
-        meta = header.pop("__metadata__")
-        dtypes = json.loads(meta["transom.dtypes"])
-        skel = _Unpickler(io.BytesIO(base64.b64decode(meta["transom.skeleton"]))).load()
-        base = 8 + hlen
-        tensors: list[torch.Tensor] = [None] * len(header)  # type: ignore[list-item]
-        for name, d in header.items():
-            i = int(name[1:])
-            lo, hi = d["data_offsets"]
-            if name in dtypes:
-                dt, shape = _DTYPE_BY_NAME[dtypes[name][0]], dtypes[name][1]
-            else:
-                dt, shape = next(k for k, v in _ST_DTYPES.items() if v == d["dtype"]), d["shape"]
+        skel, entries = parse(buf, len(buf))
+        tensors: list[torch.Tensor] = [None] * len(entries)  # type: ignore[list-item]
+        for i, lo, hi, dt, shape in entries:
             n = (hi - lo) // torch.empty(0, dtype=dt).element_size()
-            if base + hi > len(buf) or hi < lo:
-                raise ValueError(f"tensor {name} ends at byte {base + hi}, the shard has {len(buf)}")
             # one storage per tensor, starting at its first byte: some torch APIs (set_rng_state)
             # ignore a view's storage offset
-            tensors[i] = (torch.frombuffer(buf, dtype=dt, count=n, offset=base + lo) if n
+            tensors[i] = (torch.frombuffer(buf, dtype=dt, count=n, offset=lo) if n
                           else torch.empty(0, dtype=dt)).view(shape)
         return _rebuild(skel, tensors)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - any parse failure means the copy is unusable
         raise CorruptCheckpoint(where, f"unreadable shard: {type(exc).__name__}: {exc}") from None
-
-

@@ -86,6 +86,8 @@ def test_a_checkpoint_written_with_sha256_manifests_still_loads_and_verifies(tmp
     step, state = eng.load()
     assert step == 5 and eng.last_restore["tier_name"] == "shared"
     assert torch.equal(state["w"], torch.arange(1000.0))
+    live = {"w": torch.zeros(1000)}
+    assert eng.load(5, into=live)[1]["w"] is live["w"] and torch.equal(live["w"], torch.arange(1000.0))
     flip_bit(sdir / layout.shard_name(0))
     with pytest.raises(Exception, match="digest mismatch \\(sha256\\)"):
         eng.load(5)
@@ -348,3 +350,107 @@ def test_a_peer_that_breaks_off_or_stalls_mid_shard_is_left_for_the_next_copy(tm
         release.set()
         for s in servers:
             s.close()
+
+
+# --------------------------------------------------------------------------- restore into existing tensors
+
+def _model_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(9 << 20, generator=g),                 # 36 MiB: three chunks
+                      "b": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+                      "n": torch.tensor(seed, dtype=torch.int64)},
+            "optimizer": {"state": {0: {"exp_avg": torch.randn(1000, generator=g)}},
+                          "param_groups": [{"lr": 0.1 * seed, "params": [0]}]},
+            "rng": torch.get_rng_state(), "step": seed}
+
+
+def test_load_into_existing_tensors_from_a_peer_is_bit_equal_and_fills_them_in_place(tmp_path, cluster):
+    saver = one(cluster, tmp_path)
+    saved = _model_state(3)
+    saver.save(7, saved)
+    saver.wait()
+    relaunched = cluster.engine(tmp_path, saver.job, 0, 1, "node2")        # holds no copy: a peer's memory
+    live = _model_state(4)                                                  # a rank whose model is built
+    ptrs = {k: t.data_ptr() for k, t in live["model"].items()}
+    step, got = relaunched.load(into={"model": live["model"], "optimizer": {}})
+    assert step == 7 and relaunched.last_restore["tier_name"] == "peer-memory"
+    assert all(got["model"][k] is live["model"][k] and live["model"][k].data_ptr() == ptrs[k] for k in ptrs)
+    assert relaunched.last_restore["into_bytes"] == sum(t.numel() * t.element_size() for t in live["model"].values())
+    for k in ("w", "b", "n"):
+        assert torch.equal(live["model"][k], saved["model"][k]) and live["model"][k].dtype == saved["model"][k].dtype
+    assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], saved["optimizer"]["state"][0]["exp_avg"])
+    assert got["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"] and got["step"] == 3
+    assert torch.equal(got["rng"], saved["rng"])
+    # a daemon that sends no chunk digests (an older one): the shard is verified whole, then laid in place
+    from transom.checkpoint import restore
+
+    real_send = restore.send_msg
+    restore.send_msg = lambda sock, msg: real_send(sock, {k: v for k, v in msg.items() if k != "chunks"})
+    try:
+        live = _model_state(8)
+        _, got = relaunched.load(7, into=live)
+    finally:
+        restore.send_msg = real_send
+    assert relaunched.last_restore["tier_name"] == "peer-memory" and got["model"]["w"] is live["model"]["w"]
+    assert torch.equal(live["model"]["w"], saved["model"]["w"])
+    # a template that does not match (shape, dtype) gets tensors of its own; the caller's stay as they were
+    odd = {"model": {"w": torch.zeros(5), "b": torch.zeros(7, 3)}}
+    _, got = relaunched.load(7, into=odd)
+    assert torch.equal(odd["model"]["w"], torch.zeros(5)) and torch.equal(got["model"]["w"], saved["model"]["w"])
+    assert got["model"]["b"].dtype == torch.bfloat16 and torch.equal(odd["model"]["b"], torch.zeros(7, 3))
+
+
+def test_a_corrupt_chunk_never_reaches_the_tensors_loaded_into_and_the_next_copy_is_used(tmp_path, cluster, caplog):
+    import logging
+
+    from transom.checkpoint import restore
+
+    saver = one(cluster, tmp_path, disk=False, shared=False)             # memory copies only
+    saved = _model_state(5)
+    saver.save(9, saved)
+    saver.wait()
+    copies = copies_of(tmp_path, 9)
+    relaunched = cluster.engine(tmp_path, saver.job, 0, 1, "node2")
+    placed: list[tuple[int, int]] = []
+    real_put = restore.Scatter.put
+
+    def spy(self, lo, piece):
+        placed.append((lo, len(piece)))
+        return real_put(self, lo, piece)
+
+    real_recv, calls = restore.recv_exact_into, []
+
+    def torn(sock, mv, on_chunk=None):          # the replica's second chunk is damaged on the way
+        real_recv(sock, mv, on_chunk)
+        calls.append(len(mv))
+        if len(calls) == 2:
+            mv[100] ^= 0x10
+
+    restore.Scatter.put = spy
+    restore.recv_exact_into = torn
+    try:
+        live = _model_state(6)
+        with caplog.at_level(logging.WARNING, logger="transom.checkpoint"):
+            step, got = relaunched.load(into=live)
+        assert step == 9 and relaunched.last_restore["node"] == "node0"      # the writer's memory, next
+        assert any("chunk 1" in r.getMessage() and "node1" in r.getMessage() for r in caplog.records)
+        assert placed[0] == (0, CHUNK) and placed[1] == (0, CHUNK)          # node1's chunk 0, then node0's
+        assert torch.equal(live["model"]["w"], saved["model"]["w"]) and got["model"]["w"] is live["model"]["w"]
+        restore.recv_exact_into = real_recv
+        # a copy whose memory is damaged after it was hashed: refused at that chunk, the next copy used
+        flip_bit(Path(copies[("memory", "node1")]), at=CHUNK + 100)
+        # every copy refused at its first chunk: the tensors loaded into are left as they were
+        placed.clear()
+        step, got = relaunched.load(into=live)
+        assert relaunched.last_restore["node"] == "node0" and placed[0] == (0, CHUNK)
+        # every copy refused: the tensors loaded into are left as they were
+        flip_bit(Path(copies[("memory", "node0")]), at=100)                  # both refused at their first chunk
+        flip_bit(Path(copies[("memory", "node1")]), at=200)
+        live = _model_state(6)
+        before = {k: t.clone() for k, t in live["model"].items()}
+        with pytest.raises(Exception, match="no copy verifies"):
+            relaunched.load(9, into=live)
+        assert all(torch.equal(live["model"][k], before[k]) for k in before)
+    finally:
+        restore.Scatter.put = real_put
+        restore.recv_exact_into = real_recv

@@ -162,25 +162,27 @@ def _all_min(value: int, world: int) -> int:
     return int(t.item())
 
 
-def _load_full(engine: CheckpointEngine, step: int | None = None) -> tuple[int, Any] | None:
+def _load_full(engine: CheckpointEngine, step: int | None = None, into: Any = None) -> tuple[int, Any] | None:
     """This rank's state of ``step`` (default: the newest it can load), with the model and optimizer
-    from rank 0's shard when this rank's shard has none (the replicas were saved once)."""
-    got = engine.load(step)
+    from rank 0's shard when this rank's shard has none (the replicas were saved once). ``into``: the
+    built model's and optimizer's state dicts; the restore lays the bytes into their tensors
+    (``load(into=)``: no new memory to fault in)."""
+    got = engine.load(step, into=into)
     if got is None or "model" in got[1]:
         return got
     s, state = got
     own = dict(engine.last_restore or {})
-    _, shared = engine.load(s, rank=0)
+    _, shared = engine.load(s, rank=0, into=into)
     rep = engine.last_restore or {}
     engine.last_restore = {**own, "seconds": own.get("seconds", 0.0) + rep.get("seconds", 0.0),
                            "replicas_from": f"{rep.get('tier_name')} on {rep.get('node')}"}
     return s, {**state, "model": shared["model"], "optimizer": shared["optimizer"]}
 
 
-def _newest_agreed(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
+def _newest_agreed(engine: CheckpointEngine, world: int, into: Any = None) -> tuple[int, Any] | None:
     """The newest complete step every rank can load; ranks propose, the minimum wins, repeat."""
     try:
-        got = _load_full(engine)
+        got = _load_full(engine, into=into)
     except (CorruptCheckpoint, NoCheckpoint) as exc:
         log.warning("rank %d: the newest checkpoint cannot be loaded: %s", engine.rank, exc)
         got = None
@@ -193,20 +195,20 @@ def _newest_agreed(engine: CheckpointEngine, world: int) -> tuple[int, Any] | No
         for s in reversed(complete_steps(engine.directory)):
             if s <= agreed:
                 try:
-                    got = _load_full(engine, s)
+                    got = _load_full(engine, s, into)
                     break
                 except (CorruptCheckpoint, NoCheckpoint) as exc:
                     log.warning("rank %d: skipping checkpoint step %d: %s", engine.rank, s, exc)
 
 
-def _resume(engine: CheckpointEngine, world: int) -> tuple[int, Any] | None:
+def _resume(engine: CheckpointEngine, world: int, into: Any = None) -> tuple[int, Any] | None:
     raw = os.environ.get("TRANSOM_RESUME_STEP")
     if not raw:
-        return _newest_agreed(engine, world)
+        return _newest_agreed(engine, world, into)
     step = int(raw)
     got, err = None, None
     try:
-        got = _load_full(engine, step)
+        got = _load_full(engine, step, into)
     except CheckpointError as exc:
         err = exc
     if _all_min(1 if got else 0, world) == 0:
@@ -428,10 +430,19 @@ def main(argv: list[str] | None = None) -> int:
     engine = CheckpointEngine.from_env(args.ckpt_dir, rank=rank, world_size=world, keep=args.keep)
     _check_capacity(engine, model)
     step = 0
-    got = None if spare else _resume(engine, world)
+    built = {"model": model.state_dict(), "optimizer": opt.state_dict()}     # restored into, in place
+    got = None if spare else _resume(engine, world, built)
+    if got is None and engine.into_touched:       # a refused copy laid part of its bytes into the model
+        rng = torch.get_rng_state()
+        torch.manual_seed(args.seed)
+        model.load_state_dict(TinyLM(args.seq_len, d_model=args.width, n_heads=args.heads,
+                                     n_layers=args.layers).state_dict())
+        torch.set_rng_state(rng)
     if got is not None:
         step, state = got
-        model.load_state_dict(state["model"])
+        mine = model.state_dict()
+        if not all(k in state["model"] and state["model"][k].data_ptr() == v.data_ptr() for k, v in mine.items()):
+            model.load_state_dict(state["model"])    # some were not laid in place (load(into=))
         opt.load_state_dict(state["optimizer"])
         data.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
