@@ -172,9 +172,14 @@ class _Window:
         return win
 
 
+#: A new node's window until its first batch opens one (each site that makes a _NodeSoft replaces it
+#: at once, never changes it): a _Window costs a dozen containers, and a replay makes nodes by thousands.
+_NO_WINDOW = _Window()
+
+
 @dataclass
 class _NodeSoft:
-    window: _Window = field(default_factory=_Window)
+    window: _Window = field(default_factory=lambda: _NO_WINDOW)
     base: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=30)))   # device key -> medians
     run: int = 0
     run_start: float = 0.0

@@ -282,11 +282,12 @@ class Sample:
 _SOURCES = {m.value: m for m in Source}
 
 
-def _owned_samples(samples: list) -> tuple[Sample, ...] | None:
+def _owned_samples(samples: list, no_bools: bool = False) -> tuple[Sample, ...] | None:
     """The samples of a just-parsed batch, checked together: the same checks as :meth:`Sample.from_dict`
-    made once per batch (one type check and one finite sum over every value of every sample), or None
-    when any sample is not the plain case (then each is decoded alone and the culprit named). The TEE
-    decodes a dozen samples per node batch, thousands of batches a second."""
+    made once per batch (one finite sum over every value of every sample, a type check unless
+    ``no_bools``: the text held no ``true``/``false``), or None when any sample is not the plain case
+    (then each is decoded alone and the culprit named). The TEE decodes a dozen samples per node
+    batch, thousands of batches a second."""
     out = []
     values: list = []
     tagvals: list = []
@@ -312,7 +313,11 @@ def _owned_samples(samples: list) -> tuple[Sample, ...] | None:
         obj = new(Sample)
         obj.__dict__.update(source=source, fields=fields_, index=index, tags=tags, ts=ts)
         out.append(obj)
-    if not set(map(type, values)) <= plain or not _finite_sum(values) or not set(map(type, tagvals)) <= _PLAIN_STR:
+    try:      # sum and join refuse what is not a number, a string: only bools pass them, and no_bools says none
+        if not no_bools and not set(map(type, values)) <= plain or not _finite_sum(values):
+            return None
+        "".join(tagvals)
+    except TypeError:
         return None
     return tuple(out)
 
@@ -344,7 +349,9 @@ class MetricBatch:
     v: int = SCHEMA_VERSION
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, owned: bool = False) -> "MetricBatch":
+    def from_dict(cls, d: Mapping[str, Any], *, owned: bool = False, no_bools: bool = False) -> "MetricBatch":
+        """``owned``: ``d`` was just parsed (its dicts are used as they are); ``no_bools``: its text held
+        no ``true``/``false``, so no value is a bool."""
         what = "metric batch"
         _check_version(d, what)
         node = _get(d, "node", str, what=what)
@@ -357,7 +364,7 @@ class MetricBatch:
         seq = _get(d, "seq", int, what=what)
         if seq < 0:
             raise ContractError(f"{what}: field 'seq' must not be negative, got {seq}")
-        built = _owned_samples(samples) if owned else None
+        built = _owned_samples(samples, no_bools) if owned else None
         if built is None:     # not just parsed, or a sample the fast checks do not pass: one by one, saying why
             built = tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=owned) for i, s in enumerate(samples))
         job = d.get("job")
@@ -868,4 +875,6 @@ def decode(topic: str, raw: bytes | str | None) -> Any:
         raise ContractError(f"value is not JSON: {exc}") from None
     if not isinstance(d, dict):
         raise ContractError(f"value must be a JSON object, got {type(d).__name__}")
-    return cls.from_dict(d, owned=True) if cls is MetricBatch else cls.from_dict(d)
+    if cls is MetricBatch:
+        return cls.from_dict(d, owned=True, no_bools=type(raw) is bytes and b"true" not in raw and b"false" not in raw)
+    return cls.from_dict(d)
