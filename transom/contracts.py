@@ -289,35 +289,38 @@ def _owned_samples(samples: list, no_bools: bool = False) -> tuple[Sample, ...] 
     (then each is decoded alone and the culprit named). The TEE decodes a dozen samples per node
     batch, thousands of batches a second."""
     out = []
-    values: list = []
-    tagvals: list = []
+    values: list = []         # only where a value may be a bool: their types are checked
+    total = 0.0
     new, sources, plain = object.__new__, _SOURCES, _PLAIN_NUMBERS
-    for s in samples:
-        if type(s) is not dict:
-            return None
-        fields_, source, index, ts, tags = s.get("fields"), s.get("source"), s.get("index"), s.get("ts"), s.get("tags")
-        if type(fields_) is not dict or type(source) is not str:
-            return None
-        source = sources.get(source)
-        if source is None or index is not None and (type(index) is not int or index < 0):
-            return None
-        if ts is not None and (type(ts) not in plain or not 0 < ts < math.inf):
-            return None
-        if tags is None:
-            tags = {}
-        elif type(tags) is not dict:
-            return None
-        elif tags:
-            tagvals.extend(tags.values())
-        values.extend(fields_.values())
-        obj = new(Sample)
-        obj.__dict__.update(source=source, fields=fields_, index=index, tags=tags, ts=ts)
-        out.append(obj)
-    try:      # sum and join refuse what is not a number, a string: only bools pass them, and no_bools says none
-        if not no_bools and not set(map(type, values)) <= plain or not _finite_sum(values):
-            return None
-        "".join(tagvals)
-    except TypeError:
+    try:      # sum refuses what is not a number (TypeError): of the rest only bools pass
+        for s in samples:
+            if type(s) is not dict:
+                return None
+            fields_, source, index, ts, tags = s.get("fields"), s.get("source"), s.get("index"), s.get("ts"), \
+                s.get("tags")
+            if type(fields_) is not dict or type(source) is not str:
+                return None
+            source = sources.get(source)
+            if source is None or index is not None and (type(index) is not int or index < 0):
+                return None
+            if ts is not None and (type(ts) not in plain or not 0 < ts < math.inf):
+                return None
+            if tags is None:
+                tags = {}
+            elif type(tags) is not dict:
+                return None
+            elif tags and not set(map(type, tags.values())) <= _PLAIN_STR:
+                return None
+            if fields_:
+                total = sum(fields_.values(), total)
+                if not no_bools:
+                    values.extend(fields_.values())
+            obj = new(Sample)
+            obj.__dict__.update(source=source, fields=fields_, index=index, tags=tags, ts=ts)
+            out.append(obj)
+    except (TypeError, OverflowError):
+        return None
+    if not math.isfinite(total) or values and not set(map(type, values)) <= plain:
         return None
     return tuple(out)
 
