@@ -58,7 +58,7 @@ from transom.security import fault_signer
 from .config import TEEConfig
 from .engine import TEEEngine
 from .resume import emitted_faults
-from .worker import BoundedWorker, faust_app, new_event_loop
+from .worker import BoundedWorker, faust_app, new_event_loop, settle_gc
 
 __all__ = ["APP_ID", "make_app", "partition_clocks", "run_worker"]
 
@@ -264,6 +264,7 @@ def run_worker(bootstrap: str, config: TEEConfig, *, datadir: str | None = None)
         # Our logging stays (override_logging=False); quiet and no spinner: no banner on stdout.
         worker = _BoundedWorker(app, loop=loop, quiet=True, override_logging=False, redirect_stdouts=False)
         worker.spinner = None
+        settle_gc()          # the detectors, models and modules are built: out of the collector's way
         log.info("TEE consuming %s from %s (hang timeout %gs, heartbeat timeout %gs; %d fault(s) already on %s; "
                  "event loop %s)", contracts.METRICS, bootstrap, config.hang_timeout, config.heartbeat_timeout,
                  restored, contracts.FAULTS, type(loop).__module__.split(".")[0])

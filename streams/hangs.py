@@ -58,6 +58,7 @@ from .rules import NodeState, fault
 
 __all__ = ["HangDetector", "RankView", "JobView"]
 
+_UTIL = DCGM.GPU_UTIL
 _FORGET_AFTER = 3600.0    # drop ranks not seen for this long (sample time)
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 
@@ -156,12 +157,14 @@ class HangDetector:
         """What of ``batch`` the judgement of each of its jobs needs: (job, report) pairs. On the
         worker that reads the node; the job's worker passes them to :meth:`take` (``transom.peer-windows``)."""
         trains = batch.of(Source.TRAIN)
-        gpus = [s.fields[DCGM.GPU_UTIL] for s in batch.of(Source.GPU) if DCGM.GPU_UTIL in s.fields]
+        gpus = [s.fields[_UTIL] for s in batch.of(Source.GPU) if _UTIL in s.fields]
         util = sum(gpus) / len(gpus) if gpus else None
         if not trains:
             return [] if util is None or batch.job is None else [(batch.job, RankReport(batch.node, batch.ts, util))]
         if len(trains) == 1 and not trains[0].tags.get("event"):      # the common case: one rank per node
-            return [(trains[0].tags.get("job") or batch.job or "", RankReport(batch.node, batch.ts, util, trains))]
+            report = object.__new__(RankReport)      # from a validated batch: no frozen __init__
+            report.__dict__.update(node=batch.node, ts=batch.ts, gpu_util=util, samples=trains)
+            return [(trains[0].tags.get("job") or batch.job or "", report)]
         by_job: dict[str, list] = {}
         for s in trains:
             if not s.tags.get("event"):      # a one-off event (a save, a restore), not the rank's progress

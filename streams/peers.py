@@ -83,6 +83,8 @@ FAMILIES = {"thermal": (0,), "gpu": (1, 2), "nic": (3, 4)}
 #: Smallest spread per feature (units of the feature): noise floors so a quiet history is not a hair trigger.
 _FLOOR = np.array([0.7, 0.01, 0.02, 0.2, 0.02])
 _REASONS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
+_TEMP = DCGM.GPU_TEMP
+_GPU_FIELDS = (DCGM.GPU_TEMP, DCGM.SM_CLOCK, DCGM.POWER_USAGE, DCGM.GPU_UTIL)
 _POWER_CAP_BITS = 0x4 | 0x8 | 0x100
 _THERMAL_BITS = 0x20 | 0x40          # SW and HW thermal slowdown
 _CLOCK = 1                           # FEATURES.index("clock_drop")
@@ -170,9 +172,14 @@ class _Window:
         return win
 
 
+#: A new node's window until its first batch opens one (each site that makes a _NodeSoft replaces it
+#: at once, never changes it): a _Window costs a dozen containers, and a replay makes nodes by thousands.
+_NO_WINDOW = _Window()
+
+
 @dataclass
 class _NodeSoft:
-    window: _Window = field(default_factory=_Window)
+    window: _Window = field(default_factory=lambda: _NO_WINDOW)
     base: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=30)))   # device key -> medians
     run: int = 0
     run_start: float = 0.0
@@ -220,15 +227,16 @@ class PeerDetector:
             ns.window = _Window(index=index, first_ts=batch.ts)
         win = ns.window
         win.last_ts = batch.ts
-        for s in batch.of(Source.GPU):
+        gpus, reasons = win.gpu, win.reasons
+        for s in batch.of(Source.GPU):      # the node side's cost per batch: locals, no call per value
             f = s.fields
-            if DCGM.GPU_TEMP not in f or s.index is None:
+            if _TEMP not in f or s.index is None:
                 continue
-            g = win.gpu[s.index]
-            for name in (DCGM.GPU_TEMP, DCGM.SM_CLOCK, DCGM.POWER_USAGE, DCGM.GPU_UTIL):
+            g = gpus[s.index]
+            for name in _GPU_FIELDS:
                 if name in f:
                     g[name].append(float(f[name]))
-            win.reasons[s.index] |= int(f.get(_REASONS, 0))
+            reasons[s.index] |= int(f.get(_REASONS, 0))
         for s in batch.of(Source.TRAIN):
             if "step" in s.fields and not s.tags.get("event"):     # events (a save, a restore) are not progress
                 win.steps.append(s.fields["step"])

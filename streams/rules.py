@@ -83,6 +83,9 @@ _CLASS_OF_KIND = {"xid": "xid", "gpu_lost": "gpu_lost", "node_lost": "node_lost"
                   "nan_loss": "nan_loss"}
 
 
+_XID, _LOST, _DBE = DCGM.XID_ERRORS, DCGM.GPU_LOST, DCGM.ECC_DBE_VOL_TOTAL
+
+
 def _ts(sample: Sample, batch: MetricBatch) -> float:
     return float(sample.ts) if sample.ts is not None else batch.ts
 
@@ -128,8 +131,10 @@ class XidRule:
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         out = []
         for s in batch.of(Source.GPU):
-            value = s.fields.get(DCGM.XID_ERRORS)
-            if value is None or value <= 0:
+            if _XID not in s.fields:      # the common case: one lookup
+                continue
+            value = s.fields[_XID]
+            if value <= 0:
                 continue
             code, ts = int(value), _ts(s, batch)
             severity, action, meaning = XID_POLICY.get(code, _XID_DEFAULT)
@@ -152,7 +157,7 @@ class GpuLostRule:
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         out = []
         for s in batch.of(Source.GPU):
-            if s.fields.get(DCGM.GPU_LOST) != 1 or s.index in state.lost_gpus:
+            if _LOST not in s.fields or s.fields[_LOST] != 1 or s.index in state.lost_gpus:
                 continue
             state.lost_gpus.add(s.index)
             ts = _ts(s, batch)
@@ -253,14 +258,17 @@ class EccRule:
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         out = []
+        seen = state.ecc_dbe
         for s in batch.of(Source.GPU):
-            value = s.fields.get(DCGM.ECC_DBE_VOL_TOTAL)
-            if value is None or s.index is None:
+            if _DBE not in s.fields or s.index is None:
                 continue
-            last = state.ecc_dbe.get(s.index, 0.0)
-            state.ecc_dbe[s.index] = float(value)
+            value = s.fields[_DBE]
+            last = seen.get(s.index, 0.0)
             if value <= last:
+                if value != last:
+                    seen[s.index] = float(value)
                 continue
+            seen[s.index] = float(value)
             ts = _ts(s, batch)
             out.append(fault(
                 FaultKind.XID, Severity.CRITICAL, Action.EVICT,
@@ -280,12 +288,13 @@ class RowRemapRule:
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         out = []
+        failed = state.remap_failed
         for s in batch.of(Source.GPU):
-            value = s.fields.get(_ROW_REMAP_FAILURE)
-            if value is None or s.index is None:
+            if _ROW_REMAP_FAILURE not in s.fields or s.index is None:
                 continue
-            if value != 1:
-                state.remap_failed.discard(s.index)
+            if s.fields[_ROW_REMAP_FAILURE] != 1:
+                if failed:
+                    failed.discard(s.index)
                 continue
             if s.index in state.remap_failed:
                 continue

@@ -44,6 +44,15 @@ def test_round_trip(topic, event):
     (b'{"v":1,"node":"n0","ts":1.0,"seq":0,"samples":[{"source":"disk","fields":{}}]}',
      "expected one of: gpu, nic"),
     (b'{"v":1,"node":"n0","ts":NaN,"seq":0,"samples":[]}', "NaN"),
+    # the batch-level checks (every sample at once) hand a bad sample to the one-by-one checks that name it
+    (b'{"v":1,"node":"n0","ts":1.0,"seq":0,"samples":[{"source":"gpu","fields":{"a":1.0}},'
+     b'{"source":"gpu","fields":{"x":true}}]}', "sample 1: metric 'x' must be a number, got bool"),
+    (b'{"v":1,"node":"n0","ts":1.0,"seq":0,"samples":[{"source":"gpu","fields":{"x":[1]}}]}',
+     "metric 'x' must be a number, got list"),
+    (b'{"v":1,"node":"n0","ts":1.0,"seq":0,"samples":[{"source":"nic","fields":{},"tags":{"port":1}}]}',
+     "tag 'port' must be a string"),
+    (b'{"v":1,"node":"n0","ts":1.0,"seq":0,"samples":[{"source":"gpu","fields":{},"index":true}]}',
+     "'index' must be an integer, got bool"),
 ])
 def test_malformed_metrics_are_refused_with_reason(raw, reason):
     with pytest.raises(c.ContractError, match=reason):
