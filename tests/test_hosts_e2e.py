@@ -34,6 +34,7 @@ import time
 import pytest
 
 from transom import contracts
+from util import bed_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
 
@@ -60,20 +61,8 @@ print("ACCEPTED", flush=True)
 
 @pytest.fixture()
 def stack(tmp_path):
-    from transom import testbed
-    from transom.stack import LocalStack
-
-    ok, reason = testbed.available()
-    if not ok:
-        pytest.skip(f"test bed unavailable: {reason}")
-    s = LocalStack(tmp_path / "run", nodes=6, hosts=True)
-    index = s.bed.index
-    try:
+    with bed_stack(tmp_path / "run", nodes=6) as s:
         yield s
-    finally:
-        s.stop()
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert f"tb{index}-" not in left, f"namespaces of bed {index} left behind:\n{left}"
 
 
 class _Pace:

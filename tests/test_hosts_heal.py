@@ -9,14 +9,13 @@ job trains whatever the machine's load. Skips where namespaces cannot be made.""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 
 from test_controller import finish, lifecycle
 from test_heal import TINY, at_step, hold_from, names, release, sync_hashes
-from util import until_alive
+from util import bed_stack, until_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 JOB = "hosts-heal"
@@ -25,20 +24,8 @@ STEPS = 16
 
 @pytest.fixture()
 def stack(tmp_path):
-    from transom import testbed
-    from transom.stack import LocalStack
-
-    ok, reason = testbed.available()
-    if not ok:
-        pytest.skip(f"test bed unavailable: {reason}")
-    s = LocalStack(tmp_path / "run", nodes=3, hosts=True)
-    index = s.bed.index
-    try:
+    with bed_stack(tmp_path / "run", nodes=3) as s:
         yield s
-    finally:
-        s.stop()
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert f"tb{index}-" not in left, f"namespaces of bed {index} left behind:\n{left}"
 
 
 def _pid(path) -> int:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from transom import contracts
 from transom.kafka import read_topic
@@ -45,3 +48,25 @@ def until_alive(proc, fn: Callable[[], Any], timeout: float, what: str) -> Any:
             raise AssertionError(f"the controller exited ({proc.returncode}) while waiting for {what}")
         return got
     return wait_until(check, timeout, what)
+
+
+@contextlib.contextmanager
+def bed_stack(root: Path, nodes: int) -> Iterator[Any]:
+    """A LocalStack of ``nodes`` hosts on the test bed (the test skips when the bed cannot run here);
+    stopped at the end, and no namespace of its bed may be left behind."""
+    import pytest
+
+    from transom import testbed
+    from transom.stack import LocalStack
+
+    ok, reason = testbed.available()
+    if not ok:
+        pytest.skip(f"test bed unavailable: {reason}")
+    s = LocalStack(root, nodes=nodes, hosts=True)
+    index = s.bed.index
+    try:
+        yield s
+    finally:
+        s.stop()
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"tb{index}-" not in left, f"namespaces of bed {index} left behind:\n{left}"
