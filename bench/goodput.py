@@ -208,6 +208,7 @@ class RunResult:
     completed: bool = False
     wall_s: float | None = None
     startup_s: float | None = None
+    warm_s: float | None = None             # Transom: run start -> every warm spare ready (the steady window opens)
     normal_step_s: float | None = None
     steady_step_s: float | None = None      # mean step of undisturbed stretches, checkpoint stalls included
     overhead: float | None = None           # steady_step_s / the plain run's step - 1
@@ -265,6 +266,7 @@ class Runner(abc.ABC):
         self.t0 = 0.0
         self.end_ts: float | None = None   # the job ended (torchrun exit 0 / Transom ``completed``)
         self.gen = 0                      # current attempt / generation (launched)
+        self.warm_ts: float | None = None  # the system's start-up work done (Transom: its warm spares ready)
         self.slow_slots: list[str] = []
 
     # hooks --------------------------------------------------------------
@@ -467,8 +469,11 @@ class Runner(abc.ABC):
         gen_start: dict[int, int] = {}
         for s0, g0, _ in rows:
             gen_start.setdefault(g0, s0)
+        # steady: after the system's start-up work (a warm spare importing torch and building the model
+        # shares these cores with the ranks for its first seconds, once), before the first fault
+        warm = self.warm_ts if self.warm_ts is not None else -math.inf
         gaps = [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
-                if g0 == g1 and s1 == s0 + 1 and t1 <= first and s0 >= gen_start[g0] + 3]
+                if g0 == g1 and s1 == s0 + 1 and t1 <= first and s0 >= gen_start[g0] + 3 and t0 >= warm]
         if len(gaps) >= 3:
             r.steady_step_s = round(statistics.fmean(gaps), 4)
             if self.plain_step:
@@ -756,7 +761,8 @@ class TransomRun(Runner):
         replaced = sum(1 for f in self.schedule if f.kind in ("xid79", "straggler"))   # each takes a spare
         kw = {"hosts": True} if a.hosts else {}
         self._agent_config()
-        self.stack = LocalStack(self.work / "stack", nodes=a.world + max(a.spares, replaced + 1), **kw)
+        self._spares, self._warm = max(a.spares, replaced + 1), 0
+        self.stack = LocalStack(self.work / "stack", nodes=a.world + self._spares, **kw)
         self.stack.start_broker()
         self.stack.start_agents()
         self.stack.start_tee()
@@ -820,7 +826,12 @@ class TransomRun(Runner):
             if got is None:
                 break
             topic, ev = got
-            if topic == c.LIFECYCLE and ev.job == self.job and ev.state != "request":
+            if topic == c.LIFECYCLE and ev.job == self.job and ev.name == "spare_ready" and self.warm_ts is None:
+                self._warm += 1                 # a rank's own message (state "request"): the spare waits
+                if self._warm >= self._spares:
+                    self.warm_ts = ev.ts
+                    self.result.warm_s = round(ev.ts - self.t0, 1)
+            elif topic == c.LIFECYCLE and ev.job == self.job and ev.state != "request":
                 gen = ev.detail.get("generation")
                 if ev.name == "healing":
                     # in-job: the survivors keep their processes, a warm spare takes the rank
@@ -1039,7 +1050,8 @@ def _fmt(v, unit: str = "") -> str:
 
 def print_run(r: RunResult) -> None:
     print(f"\n{r.name}: {'completed' if r.completed else 'NOT completed'} {r.steps} steps; wall {_fmt(r.wall_s, 's')}; "
-          f"startup {_fmt(r.startup_s and round(r.startup_s, 1), 's')}; steady step {_fmt(r.steady_step_s, 's')} "
+          f"startup {_fmt(r.startup_s and round(r.startup_s, 1), 's')}"
+          f"{'' if r.warm_s is None else f' (spares warm at {r.warm_s} s)'}; steady step {_fmt(r.steady_step_s, 's')} "
           f"(overhead {_fmt(r.overhead)}); useful {_fmt(r.useful_s, 's')}; effective ratio {_fmt(r.effective_ratio)}; "
           f"checkpoint stalls ~{_fmt(r.ckpt_overhead_s, 's')}; attempts/generations {r.attempts}"
           + (f"; ERROR: {r.error}" if r.error else "") + (f"; NOTE: {r.normal_note}" if r.normal_note else ""))
@@ -1094,6 +1106,7 @@ def per_kind(r: RunResult) -> dict[str, dict]:
 
 def summary(r: RunResult) -> dict:
     return {"completed": r.completed, "wall_s": r.wall_s, "startup_s": r.startup_s and round(r.startup_s, 1),
+            "warm_s": r.warm_s,
             "steady_step_s": r.steady_step_s, "overhead": r.overhead, "normal_step_s": r.normal_step_s,
             "useful_s": r.useful_s, "effective_ratio": r.effective_ratio,
             "ckpt_stalls_s": r.ckpt_overhead_s, "attempts": r.attempts, "faults": len(r.faults),

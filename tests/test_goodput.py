@@ -118,6 +118,22 @@ def test_figures_lost_seconds_overhead_effective_ratio_and_targets(tmp_path):
     assert t["lost_hang_s"]["met"] is None                                # not measured: no flag either way
 
 
+def test_steady_step_starts_once_the_warm_spares_are_ready(tmp_path):
+    g = _bench()
+    args = g.parse_args(["--steps", "40", "--fault-every-steps", "30", "--faults", "1", "--kinds", "crash",
+                         "--pause", "off"])
+    run = g.TorchrunRun(args, tmp_path, args.schedule, None, plain_step=1.0)
+    run.t0 = 1000.0
+    # steps 1-10 take 2 s while the spares start (import torch, build the model), then 1 s
+    times = [1000.0 + 2 * s for s in range(1, 11)] + [1020.0 + s for s in range(1, 21)]
+    run.steps.rows = [(s, 0, t) for s, t in zip(range(1, 31), times)]
+    run._window_figures()
+    assert run.result.overhead > 0.15                 # without the warm mark, the start-up is in the window
+    run.warm_ts = 1020.0
+    run._window_figures()
+    assert run.result.steady_step_s == pytest.approx(1.0) and run.result.overhead == pytest.approx(0.0)
+
+
 def test_a_false_restart_during_the_pause_is_counted(tmp_path):
     g = _bench()
     args = g.parse_args(["--steps", "40", "--fault-every-steps", "10", "--faults", "0"])
