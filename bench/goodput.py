@@ -472,8 +472,14 @@ class Runner(abc.ABC):
         # steady: after the system's start-up work (a warm spare importing torch and building the model
         # shares these cores with the ranks for its first seconds, once), before the first fault
         warm = self.warm_ts if self.warm_ts is not None else -math.inf
-        gaps = [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
-                if g0 == g1 and s1 == s0 + 1 and t1 <= first and s0 >= gen_start[g0] + 3 and t0 >= warm]
+        def window(after: float) -> list[float]:
+            return [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
+                    if g0 == g1 and s1 == s0 + 1 and t1 <= first and s0 >= gen_start[g0] + 3 and t0 >= after]
+
+        gaps = window(warm)
+        if len(gaps) < 3 and warm > -math.inf:      # the spares were not warm before the first fault
+            gaps = window(-math.inf)
+            r.normal_note += ("; " if r.normal_note else "") + "steady step with the spares' start-up in it"
         if len(gaps) >= 3:
             r.steady_step_s = round(statistics.fmean(gaps), 4)
             if self.plain_step:
