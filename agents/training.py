@@ -59,7 +59,7 @@ MAX_EVENTS = 1000
 
 #: A rank heard from by nothing (report, heartbeat) for this long is given up (alive = 0).
 FORGET_S = 900.0
-#: A rank in this PID namespace silent for this long gets a py-spy stack sample (when installed).
+#: A rank in this PID namespace silent for this long, or stopped, gets a py-spy stack sample (when installed).
 STACK_AFTER_S = 5.0
 
 
@@ -216,7 +216,9 @@ class TrainingCollector:
                 tags["state"] = state
             if r.phase:
                 tags["phase"] = r.phase
-            if alive and r.proc is not None and silent > STACK_AFTER_S and not r.stack and not r.sampling:
+            stopped = state == psutil.STATUS_STOPPED       # SIGSTOP: at once (the TEE judges it within seconds)
+            if alive and r.proc is not None and (silent > STACK_AFTER_S or stopped) and not r.stack \
+                    and not r.sampling:
                 r.sampling = True
                 threading.Thread(target=self._sample_stack, args=(r,), daemon=True).start()
             if r.stack:

@@ -28,6 +28,10 @@ class TEEConfig:
     #: A rank heard from by nothing (no report, no heartbeat) for this long is stuck (x4 in a
     #: declared phase, where a long C call may hold the GIL).
     hang_stale_s: float = 5.0
+    #: A rank the kernel reports stopped (``stopped = 1``: SIGSTOP, job control; the agent shares its
+    #: PID namespace) while its peers are not is hung after this long, or its median step time if
+    #: longer, instead of the step limit: a stopped process cannot be in a pause of its own.
+    hang_stopped_s: float = 3.0
     #: Pause limit: a job standing still as a whole with no rank standing out is paused for up to
     #: ``max(hang_pause_floor_s, hang_pause_margin * the longest pause it survived)`` seconds ...
     hang_pause_floor_s: float = 180.0
@@ -125,7 +129,7 @@ class TEEConfig:
                                   "positive number of seconds each")
         object.__setattr__(self, "hang_phase_ceilings", pairs)
         for f in ("hang_timeout", "hang_step_factor", "heartbeat_timeout", "heartbeat_horizon", "hang_stale_s",
-                  "hang_pause_floor_s", "hang_pause_margin", "hang_busy_util", "hang_idle_util"):
+                  "hang_stopped_s", "hang_pause_floor_s", "hang_pause_margin", "hang_busy_util", "hang_idle_util"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive number of seconds")

@@ -29,7 +29,9 @@ stall > pause ceiling (nothing stands out)        the rank that stopped first (`
                                                   pause ceiling``), its node only
 ===============================================  ==========================================
 
-The step limit is ``max(hang_timeout, hang_step_factor x median step time)``. A hang is reported
+The step limit is ``max(hang_timeout, hang_step_factor x median step time)``; a rank the kernel
+reports stopped, while its peers are not all stuck, is judged after ``max(hang_stopped_s, its median
+step time)`` instead (a stopped process has no pause of its own). A hang is reported
 for a rank with the batch of its own node (one event per stall, id from job, generation, node,
 rank, the time its step last moved), with the stuck rank's process state and stack and, as
 evidence, where the waiting ranks are. Ranks are keyed by node too (two nodes may both call a
@@ -118,6 +120,11 @@ class HangDetector:
         median = r.median_step()
         base = self.config.hang_timeout
         return base if median is None else max(base, self.config.hang_step_factor * median)
+
+    def stopped_limit(self, r: RankView) -> float:
+        """How long a rank the kernel reports stopped may stand still (``hang_stopped_s``, or a step)."""
+        median = r.median_step()
+        return self.config.hang_stopped_s if median is None else max(self.config.hang_stopped_s, median)
 
     def pause_limit(self, job: JobView, phase: str) -> float:
         """How long the whole job may stand still with no rank standing out."""
@@ -247,7 +254,10 @@ class HangDetector:
         job = self.jobs[job_id]
         node, generation, rank = key
         limit = self.step_limit(r)
-        if r.stall <= limit or (node, generation, rank, r.since) in job.reported:
+        # a rank the kernel reports stopped has no pause of its own: only its peers wait, so it is judged
+        # after the shorter stopped limit (when its peers are not all stuck too)
+        early = r.stopped and r.stall > self.stopped_limit(r)
+        if (r.stall <= limit and not early) or (node, generation, rank, r.since) in job.reported:
             return None
         if self._seeded.get((node, job_id, generation, rank)) == r.step:     # an earlier worker reported it
             return None
@@ -255,6 +265,11 @@ class HangDetector:
         cause = None
         if self.stuck(r) and not (peers and all(self.stuck(v) for _, v in peers)):
             cause = "stuck"           # (every rank stuck at once is the whole job frozen: a pause, below)
+            if r.stall <= limit:
+                limit = self.stopped_limit(r)
+        elif r.stall <= limit:
+            return None               # stopped, and so is every peer (the job suspended): the step limit and
+                                      # the rules below decide
         elif any(r.since + limit < v.since <= r.last_seen and v.step > r.step for _, v in peers):
             cause = "behind"          # a peer stepped past it while this rank was seen standing still (a peer
                                       # read further ahead in time, or one back from an outage catching up to

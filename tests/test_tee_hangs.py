@@ -79,6 +79,28 @@ def test_a_stopped_rank_is_the_one_hang_event_with_its_state_and_the_waiting_ran
     assert all("all_reduce" in w["stack"] for w in f.evidence["waiting_ranks"])
 
 
+def test_a_rank_the_kernel_reports_stopped_is_hung_after_the_stopped_limit_not_the_step_limit(engine):
+    # node2's rank is SIGSTOPped at t=30: the agent sees state T (stopped = 1) from the next sample on
+    def feed(node, t):
+        if t < 30:
+            return {"step": t}
+        if node == "node2":
+            return {"step": 30, "util": 0.0, "hb": t - 30.0, "stopped": True}
+        return {"step": 30, "util": 100.0}
+
+    [f] = _run(engine, range(60), feed)
+    assert (f.node, f.evidence["cause"], f.evidence["stopped"]) == ("node2", "stuck", True)
+    assert 30 + 3 < f.detected_ts - T0 <= 30 + 3 + 2        # hang_stopped_s (3 s), not the 10 s step limit
+
+
+def test_a_job_whose_ranks_are_all_stopped_is_not_hung_at_the_stopped_limit(engine):
+    # the whole job suspended (every rank stopped): a pause until the pause limit, no rank singled out
+    def feed(node, t):
+        return {"step": min(t, 30), "util": 0.0 if t >= 30 else 95.0, "stopped": t > 30}
+
+    assert _run(engine, range(60), feed) == []
+
+
 def test_gpus_idle_on_one_node_while_its_peers_spin_name_that_node(engine):
     # no heartbeat evidence at all (an older agent): only the GPUs tell who is not in the collective
     def feed(node, t):
