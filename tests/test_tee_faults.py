@@ -240,7 +240,7 @@ def test_temporal_scorer_is_causal_and_its_bags_average_the_luck_of_one_sample()
     assert whole[160:].mean() > whole[:150].mean() + 3 * whole[:150].std()
     one = [TemporalScorer(ScorerConfig(knn_bags=1, seed=s)).fit(history) for s in range(4)]
     knn = scorer.members[0]
-    assert len(knn.nns) == 4
+    assert len(knn.refs) == 4
     view = scorer._view("knn_joint", scorer._scale(test))
     np.testing.assert_allclose(knn.score(view), np.mean([m.members[0].score(view) for m in one], 0))
     np.testing.assert_allclose(ewma(np.array([0.0, 3.0, 3.0]), 2), [0.0, 2.0, 8 / 3])
