@@ -1,7 +1,7 @@
 """The per-node temporal detector of the engine: :class:`~.scoring.TemporalScorer` on the live stream.
 
 The same scorer, configuration and threshold rule that ``bench/tee_external.py`` grades on SMD and
-ASD (``ScorerConfig()``: a bagged kNN over values and residuals, threshold by peaks over threshold
+ASD (``ScorerConfig()``: bagged kNN members over values and residuals, threshold by peaks over threshold
 on a held-out validation split of the node's own history, then drift SPOT over the stream), fed one
 row per batch of a node:
 

@@ -240,10 +240,24 @@ def test_temporal_scorer_is_causal_and_its_bags_average_the_luck_of_one_sample()
     assert whole[160:].mean() > whole[:150].mean() + 3 * whole[:150].std()
     one = [TemporalScorer(ScorerConfig(knn_bags=1, seed=s)).fit(history) for s in range(4)]
     knn = scorer.members[0]
-    assert len(knn.nns) == 4
+    assert len(knn.refs) == 4
     view = scorer._view("knn_joint", scorer._scale(test))
     np.testing.assert_allclose(knn.score(view), np.mean([m.members[0].score(view) for m in one], 0))
     np.testing.assert_allclose(ewma(np.array([0.0, 3.0, 3.0]), 2), [0.0, 2.0, 8 / 3])
+
+
+def test_the_scorers_brute_force_knn_finds_the_distances_of_a_tree_search():
+    """The kNN member searches its samples by brute force (cheap for the engine's few rows at a time):
+    the same mean distances as scikit-learn's search, the history's own rows left out when fitted."""
+    from sklearn.neighbors import NearestNeighbors
+    from transom.streams.scoring import _Knn
+    rng = np.random.default_rng(6)
+    history, rows = rng.normal(0, 1, (700, 5)), rng.normal(0, 1.5, (40, 5))
+    knn = _Knn(k=5, sample=300, bags=2, seed=1)
+    fitted = knn.fit(history)
+    trees = [NearestNeighbors(n_neighbors=6).fit(ref) for ref, _ in knn.refs]
+    np.testing.assert_allclose(knn.score(rows), np.mean([t.kneighbors(rows, 5)[0].mean(1) for t in trees], 0))
+    np.testing.assert_allclose(fitted, np.mean([t.kneighbors(history)[0][:, 1:].mean(1) for t in trees], 0))
 
 
 def test_a_straggler_that_begins_minutes_after_a_hang_of_its_node_is_its_own_fault(engine):
