@@ -43,7 +43,8 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartiti
 
 from transom import contracts
 from transom.contracts import ContractError, Source
-from transom.kafka import FETCH_WAIT_MS, QUIET_FETCH_WAIT_MS, DeadLetterWriter, client_config, make_producer, publish, read_topic
+from transom.kafka import (QUIET_FETCH_WAIT_MS, RECOVERY_FETCH_WAIT_MS, DeadLetterWriter, client_config, make_producer,
+                           publish, read_topic)
 from transom.log import get
 from transom.security import FaultVerifier, fault_verifier, valid_name
 
@@ -258,9 +259,9 @@ class Controller:
         return consumer
 
     def _events_consumer(self) -> Consumer:
-        # faults: on the detection-to-recovery path
+        # faults: on the path from detection to recovery
         consumer = Consumer(client_config(self.bootstrap, group_id="transom-controller", enable_auto_commit=False,
-                                          fetch_wait_max_ms=FETCH_WAIT_MS))
+                                          fetch_wait_max_ms=RECOVERY_FETCH_WAIT_MS))
         parts = []
         for topic in (contracts.FAULTS, contracts.CHECKPOINTS, contracts.LIFECYCLE):
             md = consumer.list_topics(topic, timeout=30)

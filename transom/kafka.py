@@ -27,7 +27,8 @@ from .topics import Difference, TopicMismatch, TopicSettings, compare
 
 __all__ = ["BrokerUnavailable", "PROBE_S", "client_config", "make_producer", "make_consumer", "wait_ready",
            "ensure_topics", "check_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "produce",
-           "SIGNED_TOPICS", "env_signer", "FETCH_WAIT_MS", "QUIET_FETCH_WAIT_MS"]
+           "SIGNED_TOPICS", "env_signer", "FETCH_WAIT_MS", "QUIET_FETCH_WAIT_MS",
+           "RECOVERY_FETCH_WAIT_MS"]
 
 log = get("kafka")
 
@@ -40,11 +41,15 @@ class BrokerUnavailable(RuntimeError):
 #: each consumer sends the broker a fetch this often while its partitions are idle.
 FETCH_WAIT_MS = 100
 #: fetch.wait.max.ms of a consumer that can hear of news a little later (the service registry, the
-#: controller's lease and metrics, a rank's control channel): an idle fetch is the broker's main cost
-#: beside a job (one per consumer and FETCH_WAIT_MS: ~100 requests/s for a stack of 5 nodes, half the
-#: broker's CPU); Tansu answers a held fetch early when data comes (measured here: 1000 ms -> a
+#: controller's lease and metrics): an idle fetch is the broker's main cost beside a job (one per
+#: consumer and FETCH_WAIT_MS: ~100 requests/s for a stack of 5 nodes, ~2/3 of them the registry
+#: readers, made 34/s by this: the broker's CPU halved); Tansu answers a held fetch early when data comes (measured here: 1000 ms -> a
 #: message seen ~0.1 s after it is written, 0.4 s at most), so this costs little latency.
 QUIET_FETCH_WAIT_MS = 1000
+#: fetch.wait.max.ms of a consumer on the path from a fault to its recovery, held for the whole job
+#: (the controller's faults; a rank's control channel, transom.elastic, asks every 500 ms). Measured
+#: with random arrivals: a message seen ~40 ms after it is written, 0.1 s at most (100 ms: ~15 ms).
+RECOVERY_FETCH_WAIT_MS = 250
 
 #: Topics whose events carry the producer's signature when a signing key is configured.
 SIGNED_TOPICS = frozenset({contracts.FAULTS})
