@@ -102,7 +102,8 @@ def main() -> int:
         os.environ.update(TRANSOM_AGENT_ADDR=agents["node0"], TRANSOM_JOB="overhead", TRANSOM_NODE="node0", RANK="0")
         from transom.elastic import ElasticGroup
 
-        channels += [ElasticGroup("overhead", f"node{i % args.nodes}", 0, stack.bootstrap) for i in range(args.channels)]
+        channels += [ElasticGroup("overhead", f"node{i % args.nodes}", 0, stack.bootstrap)
+                     for i in range(args.channels)]
         time.sleep(args.settle)
         groups = [pr.popen.pid for pr in stack.procs] + ([stack.broker.proc.pid] if stack.broker else [])
         prio = str(read(stack.procs[0].popen.pid))
@@ -133,7 +134,8 @@ def main() -> int:
             print(f"pair {i + 1}: step {on * 1e3:.2f} ms with the services running ({n_on} steps), "
                   f"{off * 1e3:.2f} ms stopped ({n_off}): overhead {pairs[-1] * 100:+.1f} %  "
                   f"(load {open('/proc/loadavg').read().split()[0]})", flush=True)
-        out = {"bench": "overhead", "nodes": args.nodes, "channels": args.channels, "services_priority": os.environ.get(KEY) or DEFAULT,
+        out = {"bench": "overhead", "nodes": args.nodes, "channels": args.channels,
+               "services_priority": os.environ.get(KEY) or DEFAULT,
                "services_at": prio, "window_s": args.window, "pairs": [round(x, 4) for x in pairs],
                "overhead_median": round(statistics.median(pairs), 4), "target": 0.05,
                "services_cpu_per_s": round(used / ran, 4)}

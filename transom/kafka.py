@@ -37,14 +37,14 @@ class BrokerUnavailable(RuntimeError):
     """No Kafka broker answered at the bootstrap address in time."""
 
 
-#: fetch.wait.max.ms of a consumer on a latency path (the controller's faults, a command reading a topic):
-#: each consumer sends the broker a fetch this often while its partitions are idle.
+#: fetch.wait.max.ms of a consumer on a latency path (a command reading a topic, the default of
+#: make_consumer): each consumer sends the broker a fetch this often while its partitions are idle.
 FETCH_WAIT_MS = 100
 #: fetch.wait.max.ms of a consumer that can hear of news a little later (the service registry, the
-#: controller's lease and metrics): an idle fetch is the broker's main cost beside a job (one per
-#: consumer and FETCH_WAIT_MS: ~100 requests/s for a stack of 5 nodes, ~2/3 of them the registry
-#: readers, made 34/s by this: the broker's CPU halved); Tansu answers a held fetch early when data comes (measured here: 1000 ms -> a
-#: message seen ~0.1 s after it is written, 0.4 s at most), so this costs little latency.
+#: controller's lease and metrics): an idle fetch is the broker's main cost beside a job (a 5-node
+#: stack sent ~100 requests/s, ~2/3 of them the registry readers' at 100 ms; 34/s with this, and
+#: the broker's CPU halved). Tansu answers a held fetch early when data comes, though not at once
+#: (measured: a message seen ~0.14 s after it is written, 0.4 s at most), so this costs little latency.
 QUIET_FETCH_WAIT_MS = 1000
 #: fetch.wait.max.ms of a consumer on the path from a fault to its recovery, held for the whole job
 #: (the controller's faults; a rank's control channel, transom.elastic, asks every 500 ms). Measured
