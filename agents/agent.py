@@ -288,6 +288,8 @@ class Agent:
         for rc in self._running:
             rc.close()
         left = self.publisher.stop(timeout) if self.publisher is not None else 0
+        if self._seq is not None:
+            self._seq.close()
         if self.nvml is not None:
             try:
                 self.nvml.nvmlShutdown()

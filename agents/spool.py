@@ -17,7 +17,9 @@ are dropped (and counted in ``dropped``) until it fits; fault-class records are 
 the spool can exceed its bound only by them. Not thread-safe: one owner (the publisher thread).
 
 :class:`SeqState` keeps the node's next batch ``seq`` in ``<dir>/seq`` so that numbering
-survives restarts; it is written (atomic rename, no fsync) each time a seq is taken.
+survives restarts; it is rewritten in place each time a seq is taken (one ``pwrite`` of a
+fixed-width number on a file kept open, no fsync: a process killed between two writes leaves the
+one or the other, never a torn number; a create-and-rename per batch cost ~0.5 ms of journal work).
 """
 
 from __future__ import annotations
@@ -266,12 +268,17 @@ class SeqState:
         except ValueError:
             log.warning("seq state %s is unreadable; continuing from the spool's highest seq", self.path)
         self.next = max(stored, floor)
+        self._fd: int | None = None
 
     def take(self) -> int:
         seq = self.next
         self.next += 1
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(str(self.next))
-        os.replace(tmp, self.path)
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        os.pwrite(self._fd, b"%20d\n" % self.next, 0)      # same width every time: never a shorter tail
         return seq
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

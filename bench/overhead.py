@@ -2,8 +2,10 @@
 
 A light companion of bench/goodput's steady-state overhead (issue 17): one run of ``LocalStack``
 (embedded broker, an agent and a TCE daemon per node, a TEE worker, the controller) beside a
-training loop in this process (``--ranks`` threads' worth of CPU-bound steps: matmuls of
-``--width``, one ``report()`` to node0's agent per step, as ``transom.examples.train_lm`` does).
+training loop in this process (CPU-bound steps: matmuls of ``--width``, one ``report()`` to node0's
+agent per step, as ``transom.examples.train_lm`` does), which also holds ``--channels`` ranks'
+control channels (``transom.elastic.ElasticGroup``: a producer and a consumer of the job's timeline
+each, as every rank of a 4-rank job holds; their threads run in the job's process, at its priority).
 The services are stopped (SIGSTOP to each one's process group) and resumed in alternating windows
 of ``--window`` seconds; the overhead is the median over ``--rounds`` pairs of (mean step with the
 services running / mean step with them stopped) - 1. Pairing adjacent windows cancels most of the
@@ -73,6 +75,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=6, help="pairs of windows (default 6)")
     p.add_argument("--window", type=float, default=5.0, help="seconds per window (default 5)")
     p.add_argument("--width", type=int, default=1024, help="matmul size of a step (default 1024: ~50-100 ms here)")
+    p.add_argument("--channels", type=int, default=4,
+                   help="ranks' control channels (transom.elastic) held in the job's process (default 4)")
     p.add_argument("--settle", type=float, default=10.0, help="seconds after the services start (default 10)")
     p.add_argument("--services-priority", default=None, metavar="PRIO",
                    help="TRANSOM_SERVICE_PRIORITY of the services (batch:N, nice:N, idle, normal; default: "
@@ -89,12 +93,17 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp(prefix="transom-bench-overhead-"))
     stack = LocalStack(root, nodes=args.nodes)
+    channels: list = []
     try:
         stack.start_broker()
         agents = stack.start_agents()
         stack.start_tee()
         stack.start_controller()
         os.environ.update(TRANSOM_AGENT_ADDR=agents["node0"], TRANSOM_JOB="overhead", TRANSOM_NODE="node0", RANK="0")
+        from transom.elastic import ElasticGroup
+
+        channels += [ElasticGroup("overhead", f"node{i % args.nodes}", 0, stack.bootstrap)
+                     for i in range(args.channels)]
         time.sleep(args.settle)
         groups = [pr.popen.pid for pr in stack.procs] + ([stack.broker.proc.pid] if stack.broker else [])
         prio = str(read(stack.procs[0].popen.pid))
@@ -125,7 +134,8 @@ def main() -> int:
             print(f"pair {i + 1}: step {on * 1e3:.2f} ms with the services running ({n_on} steps), "
                   f"{off * 1e3:.2f} ms stopped ({n_off}): overhead {pairs[-1] * 100:+.1f} %  "
                   f"(load {open('/proc/loadavg').read().split()[0]})", flush=True)
-        out = {"bench": "overhead", "nodes": args.nodes, "services_priority": os.environ.get(KEY) or DEFAULT,
+        out = {"bench": "overhead", "nodes": args.nodes, "channels": args.channels,
+               "services_priority": os.environ.get(KEY) or DEFAULT,
                "services_at": prio, "window_s": args.window, "pairs": [round(x, 4) for x in pairs],
                "overhead_median": round(statistics.median(pairs), 4), "target": 0.05,
                "services_cpu_per_s": round(used / ran, 4)}
@@ -146,6 +156,8 @@ def main() -> int:
             services(signal.SIGCONT)
         except NameError:
             pass
+        for ch in channels:
+            ch.close()
         stack.stop()
         import shutil
 

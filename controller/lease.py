@@ -25,7 +25,7 @@ from typing import Callable
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from transom import contracts
-from transom.kafka import client_config, make_producer, publish
+from transom.kafka import QUIET_FETCH_WAIT_MS, client_config, make_producer, publish
 from transom.log import get
 
 __all__ = ["Lease", "LeaseLost", "LEASE_KEY", "current_holder"]
@@ -47,7 +47,7 @@ class Lease:
         self.renew_s = renew_s
         self.producer = make_producer(bootstrap, linger_ms=0)
         self.consumer = Consumer(client_config(bootstrap, group_id="transom-controller-lease", enable_auto_commit=False,
-                                               enable_partition_eof=True, fetch_wait_max_ms=100))
+                                               enable_partition_eof=True, fetch_wait_max_ms=QUIET_FETCH_WAIT_MS))
         self.consumer.assign([TopicPartition(contracts.LIFECYCLE, 0, OFFSET_BEGINNING)])
         self.term = 0                    # newest term seen in the log
         self.term_holder = ""            # who won it

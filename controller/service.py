@@ -43,7 +43,8 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartiti
 
 from transom import contracts
 from transom.contracts import ContractError, Source
-from transom.kafka import DeadLetterWriter, client_config, make_producer, publish, read_topic
+from transom.kafka import (QUIET_FETCH_WAIT_MS, RECOVERY_FETCH_WAIT_MS, DeadLetterWriter, client_config, make_producer,
+                           publish, read_topic)
 from transom.log import get
 from transom.security import FaultVerifier, fault_verifier, valid_name
 
@@ -249,16 +250,18 @@ class Controller:
 
     # ------------------------------------------------------------------ inputs
     def _metrics_consumer(self) -> Consumer:
+        # progress and node health: news a fraction of a second late is fine, an idle fetch costs the broker
         consumer = Consumer(client_config(self.bootstrap, group_id="transom-controller", enable_auto_commit=False,
-                                          fetch_wait_max_ms=100))
+                                          fetch_wait_max_ms=QUIET_FETCH_WAIT_MS))
         md = consumer.list_topics(contracts.METRICS, timeout=30)
         consumer.assign([TopicPartition(contracts.METRICS, p, OFFSET_END)
                          for p in md.topics[contracts.METRICS].partitions])
         return consumer
 
     def _events_consumer(self) -> Consumer:
+        # faults: on the path from detection to recovery
         consumer = Consumer(client_config(self.bootstrap, group_id="transom-controller", enable_auto_commit=False,
-                                          fetch_wait_max_ms=100))
+                                          fetch_wait_max_ms=RECOVERY_FETCH_WAIT_MS))
         parts = []
         for topic in (contracts.FAULTS, contracts.CHECKPOINTS, contracts.LIFECYCLE):
             md = consumer.list_topics(topic, timeout=30)

@@ -58,7 +58,7 @@ from transom.security import fault_signer
 from .config import TEEConfig
 from .engine import TEEEngine
 from .resume import emitted_faults
-from .worker import BoundedWorker, faust_app, new_event_loop, settle_gc
+from .worker import BoundedWorker, faust_app, new_event_loop, settle_gc, take_events
 
 __all__ = ["APP_ID", "make_app", "partition_clocks", "run_worker"]
 
@@ -190,7 +190,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     async def tee(stream):
         # events in lists of up to TAKE (or what arrived within TAKE_WITHIN s): Faust's per-event cost
         # in the agent is paid once per list; each list is acknowledged after it is processed
-        async for events in stream.take_events(TAKE, within=TAKE_WITHIN):
+        async for events in take_events(stream, TAKE, TAKE_WITHIN):
             for event in events:
                 found, bad = handle(event)
                 if bad is not None:
@@ -202,7 +202,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
 
     @app.agent(peer_windows, name="tee-peers")
     async def tee_peers(stream):
-        async for events in stream.take_events(TAKE, within=TAKE_WITHIN):
+        async for events in take_events(stream, TAKE, TAKE_WITHIN):
             for event in events:
                 msg = event.message
                 try:

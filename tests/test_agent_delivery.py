@@ -70,6 +70,13 @@ def test_seq_state_survives_a_restart_and_never_goes_below_the_spool(tmp_path):
     assert [s.take() for _ in range(3)] == [0, 1, 2]
     assert SeqState(str(tmp_path)).next == 3
     assert SeqState(str(tmp_path), floor=10).next == 10
+    s.close()
+    old = tmp_path / "old"                # a state written by the rename-per-batch version: read, then kept up
+    old.mkdir()
+    (old / "seq").write_text("123")
+    s = SeqState(str(old))
+    assert [s.take() for _ in range(2)] == [123, 124] and SeqState(str(old)).next == 125
+    s.close()
 
 
 def test_fault_class_batches():

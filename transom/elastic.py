@@ -238,7 +238,7 @@ class ElasticGroup:
         ``_abandon``: :meth:`all_reduce_mean_` gives the collective up and the rank re-forms."""
         while not self._closed.is_set():
             try:
-                msg = self._consumer.poll(0.1)
+                msg = self._consumer.poll(0.5)     # a message returns at once; 0.5 s: how soon close() is seen
             except Exception:              # noqa: BLE001 - closed under us
                 return
             if msg is None or msg.error() or msg.key() != self.job.encode():

@@ -306,11 +306,11 @@ class RegistryReader:
         """Start reading from the topic's beginning; return once caught up (or after ``timeout``)."""
         from confluent_kafka import Consumer
 
-        from .kafka import client_config
+        from .kafka import QUIET_FETCH_WAIT_MS, client_config
 
         self._consumer = Consumer(client_config(
             self.bootstrap, group_id=f"transom-registry-{INSTANCE}", enable_auto_commit=False,
-            enable_partition_eof=True, fetch_wait_max_ms=100, auto_offset_reset="earliest"))
+            enable_partition_eof=True, fetch_wait_max_ms=QUIET_FETCH_WAIT_MS, auto_offset_reset="earliest"))
         self._thread.start()
         if not self._synced.wait(timeout):
             log.warning("registry: not caught up with %s on %s within %.0fs; reading on in the background",
@@ -342,7 +342,7 @@ class RegistryReader:
             self._synced.set()
             return
         while not self._stop.is_set():
-            msg = c.poll(0.1)
+            msg = c.poll(0.5)        # a message returns at once; the timeout is only how often _stop is seen
             if msg is None:
                 continue
             if msg.error():
