@@ -134,6 +134,18 @@ def test_steady_step_starts_once_the_warm_spares_are_ready(tmp_path):
     assert run.result.steady_step_s == pytest.approx(1.0) and run.result.overhead == pytest.approx(0.0)
 
 
+def test_overhead_pairs_grade_the_median_ratio_of_fault_free_pairs():
+    g = _bench()
+    pairs = [[0.25, 0.26], [0.30, 0.29], [0.22, 0.30], [None, 0.3]]     # drift between pairs, one pair failed
+    assert g.paired_overhead(pairs) == pytest.approx(0.04)             # median of +4 %, -3.3 %, +36 %
+    t = g.RunResult("transom", 40)
+    t.overhead = 0.20                                                   # against the one plain run: drift in it
+    out = g.targets({"transom": t}, 120.0, {"value": g.paired_overhead(pairs), "pairs": pairs})
+    assert out["overhead"]["value"] == pytest.approx(0.04) and out["overhead"]["met"] is True
+    assert out["overhead"]["in_the_fault_run"] == 0.20
+    assert g.targets({"transom": t}, 120.0)["overhead"]["met"] is False
+
+
 def test_a_false_restart_during_the_pause_is_counted(tmp_path):
     g = _bench()
     args = g.parse_args(["--steps", "40", "--fault-every-steps", "10", "--faults", "0"])
