@@ -180,11 +180,10 @@ def bed():
     """Factory of test beds (transom/testbed.py): ``bed(hosts=2, share=[...]) -> Bed``, up, closed
     after the test. Skips the test, with the one-line reason, where namespaces cannot be made. The
     first use in a session removes beds whose owner died (a killed earlier run)."""
+    from tests.util import require_bed
     from transom import testbed
 
-    ok, reason = testbed.available()
-    if not ok:
-        pytest.skip(f"test bed unavailable: {reason}")
+    require_bed()
     if not _stale_beds_cleaned:
         _stale_beds_cleaned.append(testbed.clean_stale())    # what killed runs left, once a session
     made = []

@@ -200,12 +200,10 @@ def test_hosts_mode_reaches_ranks_on_their_bed_host(tmp_path):
     import os
     from types import SimpleNamespace
 
-    from tests.util import wait_until
+    from tests.util import require_bed, wait_until
     from transom import testbed
 
-    ok, reason = testbed.available()
-    if not ok:
-        pytest.skip(f"test bed unavailable: {reason}")
+    require_bed()
     g = _bench()
     args = g.parse_args(["--runs", "transom", "--steps", "10"])
     args.hosts = True

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.util import wait_until
+from tests.util import require_bed, wait_until
 from transom import testbed
 from transom import testbed_machine as machine
 
@@ -250,9 +250,7 @@ OWNER = textwrap.dedent("""
 
 
 def _owner():
-    ok, reason = testbed.available()
-    if not ok:
-        pytest.skip(f"test bed unavailable: {reason}")
+    require_bed()
     proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
     try:
         index, *pids = map(int, proc.stdout.readline().split())

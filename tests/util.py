@@ -50,18 +50,24 @@ def until_alive(proc, fn: Callable[[], Any], timeout: float, what: str) -> Any:
     return wait_until(check, timeout, what)
 
 
-@contextlib.contextmanager
-def bed_stack(root: Path, nodes: int) -> Iterator[Any]:
-    """A LocalStack of ``nodes`` hosts on the test bed (the test skips when the bed cannot run here);
-    stopped at the end, and no namespace of its bed may be left behind."""
+def require_bed() -> None:
+    """Skip the calling test, with the one-line reason, where the test bed cannot run (no namespaces)."""
     import pytest
 
     from transom import testbed
-    from transom.stack import LocalStack
 
     ok, reason = testbed.available()
     if not ok:
         pytest.skip(f"test bed unavailable: {reason}")
+
+
+@contextlib.contextmanager
+def bed_stack(root: Path, nodes: int) -> Iterator[Any]:
+    """A LocalStack of ``nodes`` hosts on the test bed (the test skips when the bed cannot run here);
+    stopped at the end, and no namespace of its bed may be left behind."""
+    from transom.stack import LocalStack
+
+    require_bed()
     s = LocalStack(root, nodes=nodes, hosts=True)
     index = s.bed.index
     try:
