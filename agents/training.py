@@ -210,13 +210,13 @@ class TrainingCollector:
                       "heartbeat_age_s": round(silent, 3)}
             tags = {"job": rep.job, "generation": str(rep.generation), "pid": str(rep.pid)}
             state = _state(r.proc) if alive else ""
-            if state == psutil.STATUS_STOPPED:
+            stopped = state == psutil.STATUS_STOPPED       # SIGSTOP: its stack at once (the TEE judges it in seconds)
+            if stopped:
                 fields["stopped"] = 1
             if state and state != psutil.STATUS_SLEEPING and state != psutil.STATUS_RUNNING:
                 tags["state"] = state
             if r.phase:
                 tags["phase"] = r.phase
-            stopped = state == psutil.STATUS_STOPPED       # SIGSTOP: at once (the TEE judges it within seconds)
             if alive and r.proc is not None and (silent > STACK_AFTER_S or stopped) and not r.stack \
                     and not r.sampling:
                 r.sampling = True

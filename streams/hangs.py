@@ -256,7 +256,8 @@ class HangDetector:
         limit = self.step_limit(r)
         # a rank the kernel reports stopped has no pause of its own: only its peers wait, so it is judged
         # after the shorter stopped limit (when its peers are not all stuck too)
-        early = r.stopped and r.stall > self.stopped_limit(r)
+        short = self.stopped_limit(r) if r.stopped else None
+        early = short is not None and r.stall > short
         if (r.stall <= limit and not early) or (node, generation, rank, r.since) in job.reported:
             return None
         if self._seeded.get((node, job_id, generation, rank)) == r.step:     # an earlier worker reported it
@@ -266,7 +267,7 @@ class HangDetector:
         if self.stuck(r) and not (peers and all(self.stuck(v) for _, v in peers)):
             cause = "stuck"           # (every rank stuck at once is the whole job frozen: a pause, below)
             if r.stall <= limit:
-                limit = self.stopped_limit(r)
+                limit = short
         elif r.stall <= limit:
             return None               # stopped, and so is every peer (the job suspended): the step limit and
                                       # the rules below decide

@@ -167,7 +167,7 @@ class ElasticGroup:
         from confluent_kafka import Consumer, TopicPartition
 
         from transom import contracts
-        from transom.kafka import client_config, make_producer
+        from transom.kafka import CONTROL_FETCH_WAIT_MS, client_config, make_producer
 
         self.job, self.node, self.generation, self.bootstrap = job, node, generation, bootstrap
         self.spare = spare                       # joined as a spare: must sync before its first step
@@ -178,12 +178,9 @@ class ElasticGroup:
         self.reforms = 0
         self._contracts = contracts
         self._producer = make_producer(bootstrap, linger_ms=0)
-        # the controller's answers come after this point: read the timeline from its current end on.
-        # fetch.wait.max.ms 500: the broker answers a fetch as soon as a message arrives (long poll), so the
-        # wait only sets how often an idle rank asks; at 50 ms, ranks and spares asking 20 times a second
-        # each were the broker's main work beside a healthy job
+        # the controller's answers come after this point: read the timeline from its current end on
         self._consumer = Consumer(client_config(bootstrap, group_id=f"transom-elastic-{job}-{node}-{os.getpid()}",
-                                                enable_auto_commit=False, fetch_wait_max_ms=500))
+                                                enable_auto_commit=False, fetch_wait_max_ms=CONTROL_FETCH_WAIT_MS))
         md = self._consumer.list_topics(contracts.HISTORY, timeout=15)
         parts = []
         for p in md.topics[contracts.HISTORY].partitions:

@@ -28,7 +28,7 @@ from .topics import Difference, TopicMismatch, TopicSettings, compare
 __all__ = ["BrokerUnavailable", "PROBE_S", "client_config", "make_producer", "make_consumer", "wait_ready",
            "ensure_topics", "check_topics", "read_topic", "read_records", "Record", "DeadLetterWriter", "publish", "produce",
            "SIGNED_TOPICS", "env_signer", "FETCH_WAIT_MS", "QUIET_FETCH_WAIT_MS",
-           "RECOVERY_FETCH_WAIT_MS"]
+           "RECOVERY_FETCH_WAIT_MS", "CONTROL_FETCH_WAIT_MS"]
 
 log = get("kafka")
 
@@ -47,9 +47,13 @@ FETCH_WAIT_MS = 100
 #: (measured: a message seen ~0.14 s after it is written, 0.4 s at most), so this costs little latency.
 QUIET_FETCH_WAIT_MS = 1000
 #: fetch.wait.max.ms of a consumer on the path from a fault to its recovery, held for the whole job
-#: (the controller's faults; a rank's control channel, transom.elastic, asks every 500 ms). Measured
-#: with random arrivals: a message seen ~40 ms after it is written, 0.1 s at most (100 ms: ~15 ms).
+#: (the controller's faults). Measured with random arrivals: a message seen ~40 ms after it is
+#: written, 0.1 s at most (100 ms: ~15 ms).
 RECOVERY_FETCH_WAIT_MS = 250
+#: fetch.wait.max.ms of a rank's control channel (transom.elastic), one per rank and warm spare for the
+#: whole job: at 50 ms they were the broker's main work beside a healthy job; a ``reforming`` was
+#: still seen 8-15 ms after it was written in a test at this wait.
+CONTROL_FETCH_WAIT_MS = 500
 
 #: Topics whose events carry the producer's signature when a signing key is configured.
 SIGNED_TOPICS = frozenset({contracts.FAULTS})
