@@ -54,7 +54,9 @@ def test_controller_killed_in_each_recovery_step_finishes_the_recovery_once(brok
             os.environ["TRANSOM_TEST_CRASH_AT"] = crash_at
         try:
             p = stack.start_controller(JOB, train_command(45, 5), world_size=4, name=f"ctl-{i}",
-                                       extra=["--exit-when-done", "--run-dir", str(run_dir), "--precheck", "health"])
+                                       extra=["--exit-when-done", "--run-dir", str(run_dir), "--precheck", "health",
+                                              "--heal", "relaunch"])   # the relaunch path's steps (a warm spare
+                                                                       # ready in time would heal in the job)
         finally:
             os.environ.pop("TRANSOM_TEST_CRASH_AT", None)
             if env_old is not None:
