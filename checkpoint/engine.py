@@ -111,7 +111,7 @@ class CheckpointEngine:
         self.unpersisted: list[int] = []    # steps saved whose disk or shared write failed
         self._maps: dict[str, Segment] = {}
         self._staging = restore.Staging()   # load(into=)'s chunk buffers, touched once
-        #: a refused copy had laid verified bytes into load(into=)'s tensors before it was refused
+        #: a refused copy had laid some of its bytes into load(into=)'s tensors before it was refused
         #: (a later successful load overwrites them; a caller left without a checkpoint re-inits them)
         self.into_touched = False
         self._thread: threading.Thread | None = None
@@ -398,10 +398,10 @@ class CheckpointEngine:
         ``into``: a state shaped like the saved one (``{"model": model.state_dict(), "optimizer":
         opt.state_dict(), ...}``): its tensors that match a saved tensor (same place, dtype and shape,
         contiguous, CPU) are filled in place and are the returned state's tensors, so a rank whose
-        model is built loads without faulting in new memory (:mod:`.restore`); only verified bytes
-        reach them. A copy refused part way may have laid some of its verified bytes into them first
-        (:attr:`into_touched` says so): the next copy overwrites them; a caller left with no
-        checkpoint must re-initialise them.
+        model is built loads without faulting in new memory (:mod:`.restore`); it returns only once
+        every byte laid into them verified. A copy refused part way may have laid some of its bytes
+        into them first (:attr:`into_touched` says so): the next copy overwrites them; a caller left
+        with no checkpoint must re-initialise them.
         """
         if template is not None:
             if into is not None:

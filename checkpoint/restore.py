@@ -7,14 +7,19 @@ lays the shard's bytes straight into the tensors of ``state`` that match (same p
 nesting, same dtype and shape, contiguous, on the CPU); a saved tensor without a match gets a
 tensor of its own, and the non-tensor leaves come from the checkpoint, as with a plain ``load()``.
 
-Nothing unverified reaches the caller's tensors. From a peer's memory the daemon sends the XXH3
+No unverified byte is returned as a checkpoint. From a peer's memory the daemon sends the XXH3
 digests of the shard's 16 MiB chunks ahead of the bytes; the reader checks that they make up the
-manifest's digest, then receives each chunk into a small staging buffer that stays warm (three
-chunks, reused), checks the chunk's digest and only then copies it into place, on a second
-thread while the next chunk arrives (:func:`read_peer_into`). A corrupt or torn chunk stops the
-read before it is copied: the chunks before it are the checkpoint's own bytes, and the next copy
-overwrites every byte again. The other tiers (and a daemon that sends no chunk digests, and
-sha256 checkpoints) are verified whole, as before, then copied into place (:class:`Scatter`).
+manifest's digest. The chunks up to the end of the shard's header land in a small staging buffer
+that stays warm (three chunks, reused) and are verified before the header is read. From then on
+each chunk's bytes are received straight into the tensors they belong to (pieces of at least
+:data:`DIRECT_MIN` bytes: the raw socket's one copy, no second pass over the bytes) and the rest
+into a staging buffer; a second thread checks the chunk's digest while the next chunk arrives,
+then copies its staged pieces into place (:func:`read_peer_into`). A corrupt or torn chunk stops
+the read and the copy is refused: the tensors then hold some of its bytes (verified or not), the
+next copy overwrites every byte again, and a caller left with no checkpoint at all is told by
+``engine.into_touched`` to re-initialise them. The other tiers (and a daemon that sends no chunk
+digests, and sha256 checkpoints) are verified whole, as before, then copied into place
+(:class:`Scatter`).
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ from typing import Any
 import torch
 
 from . import shardfmt, store
-from .digest import StreamDigest, algorithm, chunk_digest, combine, spec
+from .digest import StreamDigest, _xxh3, algorithm, chunk_digest, combine, spec
 from .errors import CheckpointError, CorruptCheckpoint
 from .wire import Conn, recv_exact_into, recv_msg, send_msg
 
-__all__ = ["Scatter", "read_peer_into", "Staging"]
+__all__ = ["Scatter", "read_peer_into", "Staging", "DIRECT_MIN"]
+
+#: a tensor piece of at least this many bytes is received straight into the tensor; smaller ones
+#: (biases, norms, scalars) go through a staging buffer, so a shard of many small tensors is not
+#: received in as many small reads
+DIRECT_MIN = 1 << 20
 
 
 def _match(skel: Any, into: Any, found: dict[int, torch.Tensor]) -> None:
@@ -94,7 +104,7 @@ class Scatter:
         n = len(piece)
         if lo != self.pos:
             raise CheckpointError(f"{self.where}: bytes at {lo} fed after {self.pos}")
-        end, at = lo + n, 0
+        at = 0
         while self.skel is None and at < n:
             want = 8 if len(self.head) < 8 else shardfmt.header_size(self.head)
             k = min(want - len(self.head), n - at)
@@ -103,18 +113,49 @@ class Scatter:
             if len(self.head) >= 8 and len(self.head) == shardfmt.header_size(self.head):
                 self._plan()
         if self.skel is not None and at < n:
-            src = torch.frombuffer(piece, dtype=torch.uint8)
-            i = max(bisect.bisect_right(self._los, lo + at) - 1, 0)
-            with torch.no_grad():
-                while i < len(self._spans):
-                    s_lo, s_hi, dst = self._spans[i]
-                    if s_lo >= end:
-                        break
-                    a, b = max(s_lo, lo + at), min(s_hi, end)
-                    if a < b:
-                        dst[a - s_lo:b - s_lo].copy_(src[a - lo:b - lo])
-                    i += 1
+            self.place(lo + at, piece[at:])
+        self.pos = lo + n
+
+    def place(self, lo: int, piece: memoryview) -> None:
+        """Copy the verified bytes ``[lo, lo + len(piece))`` of the shard into their tensors (after
+        the header: :meth:`put` planned the layout)."""
+        end = lo + len(piece)
+        src = torch.frombuffer(piece, dtype=torch.uint8) if len(piece) else None
+        i = max(bisect.bisect_right(self._los, lo) - 1, 0)
+        with torch.no_grad():
+            while i < len(self._spans):
+                s_lo, s_hi, dst = self._spans[i]
+                if s_lo >= end:
+                    break
+                a, b = max(s_lo, lo), min(s_hi, end)
+                if a < b:
+                    dst[a - s_lo:b - s_lo].copy_(src[a - lo:b - lo])
+                i += 1
+
+    def runs(self, lo: int, n: int, direct_min: int) -> list[tuple[int, int, memoryview | None]]:
+        """Bytes ``[lo, lo + n)`` (after the header) cut in runs ``(a, b, view)``: ``view`` is the
+        memory of the tensor they belong to when that piece is at least ``direct_min`` bytes (the
+        bytes are received straight into it), None for the rest (small tensors, gaps: received into
+        a staging buffer and copied in once verified, :meth:`place`). Consecutive staged pieces make
+        one run. Marks the bytes as fed."""
+        if lo != self.pos or self.skel is None:
+            raise CheckpointError(f"{self.where}: bytes at {lo} fed after {self.pos}")
+        end, out, at = lo + n, [], lo
+        i = max(bisect.bisect_right(self._los, lo) - 1, 0)
+        while i < len(self._spans) and at < end:
+            s_lo, s_hi, dst = self._spans[i]
+            i += 1
+            a, b = max(s_lo, at), min(s_hi, end)
+            if b - a < direct_min:
+                continue                          # staged with what surrounds it
+            if a > at:
+                out.append((at, a, None))
+            out.append((a, b, memoryview(dst[a - s_lo:b - s_lo].numpy())))
+            at = b
+        if at < end:
+            out.append((at, end, None))
         self.pos = end
+        return out
 
     def finish(self) -> Any:
         if self.skel is None or self.pos != self.size:
@@ -181,28 +222,41 @@ def _whole(conn: Conn, shard: Any, scatter: Scatter, where: str, alg: str) -> No
 
 def _chunked(conn: Conn, size: int, csize: int, parts: list[bytes], scatter: Scatter, slots: list[memoryview],
              where: str, alg: str) -> None:
-    """Receive chunk k+1 while chunk k is verified and copied into place (its own thread)."""
+    """Receive chunk k+1 while chunk k is verified (its own thread). The chunks up to the end of
+    the shard's header are received into a staging buffer, verified and laid out here (the header
+    says where every tensor's bytes go); from then on a chunk's big tensor pieces are received
+    straight into their tensors and its small ones into a staging buffer, which the thread copies
+    into place once the chunk verifies."""
     free: queue.SimpleQueue = queue.SimpleQueue()
     for s in slots:
         free.put(s)
     work: queue.SimpleQueue = queue.SimpleQueue()
     error: list[BaseException] = []
+    h = _xxh3()
 
-    def place() -> None:
+    def refuse(k: int, lo: int, n: int) -> CorruptCheckpoint:
+        return CorruptCheckpoint(where, f"digest mismatch ({alg}): chunk {k} (bytes {lo}-{lo + n}) is not the "
+                                        f"one the manifest vouches for")
+
+    def verify() -> None:
         while (item := work.get()) is not None:
-            k, lo, slot, mv = item
+            k, lo, n, slot, runs = item
             try:
                 if not error:
-                    if chunk_digest(mv) != parts[k]:
-                        raise CorruptCheckpoint(where, f"digest mismatch ({alg}): chunk {k} (bytes {lo}-"
-                                                       f"{lo + len(mv)}) is not the one the manifest vouches for")
-                    scatter.put(lo, mv)
+                    d = h()
+                    for a, b, view in runs:
+                        d.update(view if view is not None else slot[a - lo:b - lo])
+                    if d.digest() != parts[k]:
+                        raise refuse(k, lo, n)
+                    for a, b, view in runs:
+                        if view is None:
+                            scatter.place(a, slot[a - lo:b - lo])
             except BaseException as exc:  # noqa: BLE001 - raised by the receiving thread
                 error.append(exc)
             finally:
                 free.put(slot)
 
-    t = threading.Thread(target=place, name="restore-place", daemon=True)
+    t = threading.Thread(target=verify, name="restore-verify", daemon=True)
     t.start()
     try:
         for k, lo in enumerate(range(0, size, csize)):
@@ -210,8 +264,18 @@ def _chunked(conn: Conn, size: int, csize: int, parts: list[bytes], scatter: Sca
             if error:
                 break
             n = min(csize, size - lo)
-            recv_exact_into(conn.sock, slot[:n])
-            work.put((k, lo, slot, slot[:n]))
+            if scatter.skel is None:              # the header's chunks: verified and laid out here
+                recv_exact_into(conn.sock, slot[:n])
+                if chunk_digest(slot[:n]) != parts[k]:
+                    free.put(slot)
+                    raise refuse(k, lo, n)
+                scatter.put(lo, slot[:n])
+                free.put(slot)
+                continue
+            runs = scatter.runs(lo, n, DIRECT_MIN)
+            for a, b, view in runs:
+                recv_exact_into(conn.sock, view if view is not None else slot[a - lo:b - lo])
+            work.put((k, lo, n, slot, runs))
     finally:
         work.put(None)
         t.join()                      # nothing is written into the tensors after this returns

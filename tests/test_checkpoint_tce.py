@@ -400,7 +400,7 @@ def test_load_into_existing_tensors_from_a_peer_is_bit_equal_and_fills_them_in_p
     assert got["model"]["b"].dtype == torch.bfloat16 and torch.equal(odd["model"]["b"], torch.zeros(7, 3))
 
 
-def test_a_corrupt_chunk_never_reaches_the_tensors_loaded_into_and_the_next_copy_is_used(tmp_path, cluster, caplog):
+def test_a_corrupt_chunk_refuses_the_copy_loaded_into_and_the_next_copy_is_used(tmp_path, cluster, caplog):
     import logging
 
     from transom.checkpoint import restore
@@ -436,6 +436,9 @@ def test_a_corrupt_chunk_never_reaches_the_tensors_loaded_into_and_the_next_copy
         assert any("chunk 1" in r.getMessage() and "node1" in r.getMessage() for r in caplog.records)
         assert placed[0] == (0, CHUNK) and placed[1] == (0, CHUNK)          # node1's chunk 0, then node0's
         assert torch.equal(live["model"]["w"], saved["model"]["w"]) and got["model"]["w"] is live["model"]["w"]
+        for k in ("b", "n"):              # small tensors: staged behind the big one, copied once verified
+            assert torch.equal(got["model"][k], saved["model"][k])
+        assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], saved["optimizer"]["state"][0]["exp_avg"])
         restore.recv_exact_into = real_recv
         # a copy whose memory is damaged after it was hashed: refused at that chunk, the next copy used
         flip_bit(Path(copies[("memory", "node1")]), at=CHUNK + 100)
@@ -443,6 +446,12 @@ def test_a_corrupt_chunk_never_reaches_the_tensors_loaded_into_and_the_next_copy
         placed.clear()
         step, got = relaunched.load(into=live)
         assert relaunched.last_restore["node"] == "node0" and placed[0] == (0, CHUNK)
+        # every copy refused past the header: load raises, and says the tensors were written into
+        flip_bit(Path(copies[("memory", "node0")]), at=2 * CHUNK + 100)
+        with pytest.raises(Exception, match="no copy verifies"):
+            relaunched.load(9, into=_model_state(6))
+        assert relaunched.into_touched
+        flip_bit(Path(copies[("memory", "node0")]), at=2 * CHUNK + 100)      # node0's copy whole again
         # every copy refused: the tensors loaded into are left as they were
         flip_bit(Path(copies[("memory", "node0")]), at=100)                  # both refused at their first chunk
         flip_bit(Path(copies[("memory", "node1")]), at=200)
