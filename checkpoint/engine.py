@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import os
+import queue
 import socket
 import threading
 import time
@@ -73,6 +74,21 @@ class SavePolicy(str, enum.Enum):
 
     WAIT = "wait"      # block until it is done, then save
     SKIP = "skip"      # drop the new save, log it, return False
+
+
+class _Job:
+    """One save's background work (the daemon's answer, the wait for the copies, the next segment),
+    run by the engine's worker thread; joined like a thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.done = threading.Event()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
 
 
 class CheckpointEngine:
@@ -114,7 +130,15 @@ class CheckpointEngine:
         #: a refused copy had laid some of its bytes into load(into=)'s tensors before it was refused
         #: (a later successful load overwrites them; a caller left without a checkpoint re-inits them)
         self.into_touched = False
-        self._thread: threading.Thread | None = None
+        self._thread: _Job | None = None      # the background work of the newest save
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        #: the next save's segment, acquired by the previous save's background thread (no round trip
+        #: to the daemon inside save()), and that thread's own connection to the daemon: save() sends
+        #: ``staged`` on it without waiting, the thread reads the answer
+        self._ahead: Segment | None = None
+        self._bg: Conn | None = None
+        self._settled = threading.Event()     # the in-flight save's outcome is known
         self._error: BaseException | None = None
         self._closed = False
         self._embedded = None
@@ -212,7 +236,9 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ save
     def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """A save is being replicated, persisted or committed (its background thread may go on for a
+        moment after that, acquiring the next save's segment)."""
+        return self._thread is not None and self._thread.is_alive() and not self._settled.is_set()
 
     def save(self, step: int, state: Any) -> bool:
         """Snapshot ``state`` into the daemon's memory (blocking); False if skipped by policy.
@@ -228,7 +254,8 @@ class CheckpointEngine:
                             "still in flight (policy skip)", self.rank, step)
                 return False
             log.info("rank %d: checkpoint of step %d waits for the previous save (policy wait)", self.rank, step)
-            self._thread.join()
+        if self._thread is not None:
+            self._thread.join()           # done, or about to be (the next segment's acquire)
         self._saving = True
         previous = declare_phase("checkpoint")     # the agent and the TEE see a save in progress, not a hang
         try:
@@ -242,14 +269,19 @@ class CheckpointEngine:
     def _save(self, step: int, state: Any) -> bool:
         t0 = time.perf_counter()
         plan = shardfmt.plan(state)                                      # stage 1: snapshot
-        seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
-                                             "size": plan.size, "ckpt_dir": str(self.directory),
-                                             "generation": self.generation})["path"])
+        seg, self._ahead = self._ahead, None
+        if seg is not None and seg.capacity < plan.size:                # the state grew: a bigger one
+            self._give_back(seg)
+            seg = None
+        if seg is None:
+            seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
+                                                 "size": plan.size, "ckpt_dir": str(self.directory),
+                                                 "generation": self.generation})["path"])
         msg = {"op": "staged", "path": str(seg.path), "job": self.job, "rank": self.rank, "step": step,
                "size": plan.size, "world_size": self.world_size, "generation": self.generation,
                "ckpt_dir": str(self.directory), "bootstrap": self.bootstrap, "keep": self.keep,
                "disk": self.disk, "shared": self.shared}
-        pid = None
+        pid, handed = None, False
         try:
             lock = snapshot.lock_segment(str(seg.path))
             try:
@@ -259,7 +291,8 @@ class CheckpointEngine:
                     pid, lock = None, -1
                 elif pid is None:
                     shardfmt.write_into(seg.view(plan.size), plan)
-                    self._conn.call(msg)
+                    self._hand_over(msg)
+                    handed = True
             finally:
                 if pid is None and lock >= 0:
                     os.close(lock)
@@ -271,10 +304,47 @@ class CheckpointEngine:
         self.last_snapshot_mode = SnapshotMode.COPY if pid is None else SnapshotMode.FORK
         report_event("checkpoint_save", step=step, ckpt_stall_s=self.last_snapshot_s, ckpt_bytes=plan.size)
         self.snapshot_child = pid
-        self._thread = threading.Thread(target=self._await, args=(step, pid, str(seg.path)),
-                                        name=f"ckpt-wait-{step}", daemon=True)
-        self._thread.start()
+        self._settled.clear()
+        self._thread = _Job(f"ckpt-wait-{step}")
+        self._jobs.put((self._thread, (step, pid, str(seg.path), plan.size, handed)))
+        if self._worker is None:          # one thread for every save's background work (a thread start
+            self._worker = threading.Thread(target=self._work, name=f"ckpt-rank-{self.rank}", daemon=True)
+            self._worker.start()          # inside save() costs ms on a busy host)
         return True
+
+    def _hand_over(self, msg: dict) -> None:
+        """Send ``staged`` on the background connection without waiting for the answer: the daemon
+        takes the shard from here on; the save's background thread reads whether it was accepted."""
+        try:
+            if self._bg is None:
+                self._bg = Conn(self.daemon_addr, timeout=10)
+            send_msg(self._bg.sock, msg)
+        except OSError as exc:
+            self._drop_bg()
+            raise DaemonError(f"TCE daemon at {self.daemon_addr}: staged failed: {exc}") from None
+
+    def _drop_bg(self) -> None:
+        if self._bg is not None:
+            self._bg.close()
+            self._bg = None
+
+    def _give_back(self, seg: Segment) -> None:
+        """Return an unused segment acquired ahead to the daemon's free list."""
+        try:
+            self._conn.call({"op": "abort", "path": str(seg.path)})
+        except (DaemonError, OSError) as exc:
+            log.debug("rank %d: returning %s: %s", self.rank, seg.path, exc)
+
+    def _acquire_ahead(self, conn: Conn, size: int) -> None:
+        """Acquire the next save's segment now (off the training thread), sized like this one."""
+        try:
+            got = conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": None, "size": size,
+                             "ckpt_dir": str(self.directory), "generation": self.generation})
+            if got.get("path"):           # None: no segment to spare yet (the save will ask)
+                self._ahead = self._segment(got["path"])
+        except (DaemonError, OSError, ValueError) as exc:
+            log.info("rank %d: the next save's segment was not acquired ahead (the save will ask for one): "
+                     "%s", self.rank, exc)
 
     def _fork(self, seg: Segment, plan: shardfmt.ShardPlan, msg: dict, lock: int) -> int | None:
         """Copy what a child cannot, fork one for the rest; its pid, or None to copy here instead."""
@@ -316,10 +386,30 @@ class CheckpointEngine:
             seg = self._maps[path] = Segment.open(path)
         return seg
 
-    def _await(self, step: int, pid: int | None = None, path: str | None = None) -> None:
-        conn = None
+    def _work(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, args = item
+            try:
+                self._await(*args)
+            finally:
+                job.done.set()
+
+    def _await(self, step: int, pid: int | None = None, path: str | None = None, size: int = 0,
+               handed: bool = False) -> None:
+        conn, own, ok = None, not handed, False
         try:
-            conn = Conn(self.daemon_addr, timeout=10)
+            if own:                       # a fork child (or the fork's fallback) sent staged itself
+                conn = Conn(self.daemon_addr, timeout=10)
+            else:
+                conn = self._bg
+                try:
+                    reply = recv_msg(conn.sock)
+                except OSError as exc:
+                    raise DaemonError(f"TCE daemon at {self.daemon_addr}: staged failed: {exc}") from None
+                if reply is None:
+                    raise DaemonError(f"TCE daemon at {self.daemon_addr} closed the connection during staged")
+                if reply.get("error"):
+                    raise DaemonError(f"TCE daemon at {self.daemon_addr}: staged: {reply['error']}")
             if pid is not None:
                 problem = snapshot.reap(pid)
                 self.snapshot_child = None
@@ -342,11 +432,17 @@ class CheckpointEngine:
                             "are valid): %s", self.rank, step, "; ".join(got["unpersisted"]))
             if got.get("committed"):
                 self.committed.append(step)
+            ok = True
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), never kills training
             self._error = exc
             log.error("rank %d: checkpoint of step %d failed: %s", self.rank, step, exc)
+            if not own:
+                self._drop_bg()           # its state is unknown: the next save opens another
         finally:
-            if conn is not None:
+            self._settled.set()
+            if ok and not self._closed and size and self.snapshot is SnapshotMode.COPY:
+                self._acquire_ahead(conn, size)
+            if own and conn is not None:
                 conn.close()
 
     def wait(self) -> None:
@@ -370,6 +466,12 @@ class CheckpointEngine:
             self.wait()
         finally:
             self._closed = True
+            if self._ahead is not None:
+                self._give_back(self._ahead)
+                self._ahead = None
+            self._drop_bg()
+            if self._worker is not None:
+                self._jobs.put(None)
             self._conn.close()
             for seg in self._maps.values():
                 seg.close()

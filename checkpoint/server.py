@@ -375,19 +375,32 @@ class CheckpointServer:
     def _op_acquire(self, _sock, msg) -> dict:
         if self.stopping:
             return {"error": f"the TCE daemon of {self.node} is stopping: no new save is taken"}
-        self._check_generation(msg["job"], msg.get("generation"), f"the save of step {msg['step']} of rank {msg['rank']}")
+        # step None: a rank acquiring its next save's segment ahead, right after a save (the step
+        # comes with ``staged``), so that save() itself never waits for this daemon
+        what = f"step {msg['step']}" if msg.get("step") is not None else "the next save"
+        self._check_generation(msg["job"], msg.get("generation"), f"the save of {what} of rank {msg['rank']}")
         with self.lock:
             self._release_old("own", msg["job"], msg["rank"], msg.get("ckpt_dir"))
             for s in self.slots.values():
                 if s.state == "staging" and s.kind == "own" and (s.job, s.rank) == (msg["job"], msg["rank"]):
                     if _being_written(s.seg.path):
-                        log.warning("%s: step %d of rank %d of job %s is still being written by a live "
+                        log.warning("%s: step %s of rank %d of job %s is still being written by a live "
                                     "process (the snapshot child of a rank that died?): left to finish",
                                     self.node, s.step, s.rank, s.job)
                         continue
-                    log.warning("%s: rank %d of job %s left step %d half written (it died mid-save): "
-                                "segment reused", self.node, s.rank, s.job, s.step)
+                    if s.step is None:
+                        log.info("%s: a segment rank %d of job %s acquired ahead and never used (the rank "
+                                 "restarted): reused", self.node, s.rank, s.job)
+                    else:
+                        log.warning("%s: rank %d of job %s left step %s half written (it died mid-save): "
+                                    "segment reused", self.node, s.rank, s.job, s.step)
                     s.state = "free"     # one rank per (job, rank): the writer of this one is gone
+            if msg.get("step") is None and not any(
+                    s.state == "free" and s.kind == "own" and (s.job, s.rank) == (msg["job"], msg["rank"])
+                    and s.seg.capacity >= msg["size"] for s in self.slots.values()):
+                # ahead: only a segment this rank already has and no longer needs (the one of a step
+                # older than the newest committed); never more memory than a save at its time takes
+                return {"path": None}
             slot = self._take("own", msg["job"], msg["rank"], msg["size"], self.node)
             slot.state, slot.step, slot.size = "staging", msg["step"], msg["size"]
             return {"path": str(slot.seg.path), "capacity": slot.seg.capacity}
@@ -400,7 +413,9 @@ class CheckpointServer:
     def _op_forget(self, _sock, msg) -> dict:
         """Drop every memory copy of a job on this node (the job is over; frees /dev/shm now)."""
         with self.lock:
-            gone = [s for s in self.slots.values() if s.job == msg["job"] and s.state in ("free", "held")]
+            gone = [s for s in self.slots.values() if s.job == msg["job"] and (
+                s.state in ("free", "held") or (s.state == "staging" and s.step is None
+                                                and not _being_written(s.seg.path)))]
             for s in gone:
                 self._drop(s)
         return {"dropped": len(gone)}
@@ -423,7 +438,11 @@ class CheckpointServer:
             slot = self.slots.get(msg["path"])
             if slot is None or slot.state != "staging":
                 return {"error": f"{msg['path']} is not a segment being staged on {self.node}"}
-            slot.state = "queued"
+            if msg["size"] > slot.seg.capacity:
+                slot.state = "free"
+                return {"error": f"step {msg['step']}: {msg['size']} bytes staged in a segment of "
+                                 f"{slot.seg.capacity}"}
+            slot.state, slot.step, slot.size = "queued", msg["step"], msg["size"]
             key = (msg["job"], msg["rank"], msg["step"])
             self.results[key] = _Result()
         self.queue.put((slot, msg))

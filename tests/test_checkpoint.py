@@ -285,6 +285,28 @@ def test_segments_are_reused_across_saves(tmp_path, cluster):
     assert torch.equal(eng.load()[1]["w"], torch.full((1000,), 5.0))
 
 
+def test_save_does_not_wait_for_a_busy_daemon(tmp_path, cluster):
+    """A save copies into the segment the previous save's background work acquired and hands the
+    shard over without waiting for the daemon's answer: a daemon that gets no CPU (stopped here)
+    does not hold the training step; it takes the shard when it runs again."""
+    eng = one(cluster, tmp_path)
+    w = torch.arange(1 << 16, dtype=torch.float32)
+    for step in (1, 2):                # the second save frees the first's segment: acquired ahead
+        eng.save(step, {"w": w})
+        eng.wait()
+    cluster.signal("node0", signal.SIGSTOP)
+    try:
+        returned = threading.Event()
+        threading.Thread(target=lambda: (eng.save(3, {"w": w + 3}), returned.set()), daemon=True).start()
+        assert returned.wait(20), "save() waited for a daemon that was not running"
+        assert eng.in_flight()
+    finally:
+        cluster.signal("node0", signal.SIGCONT)
+    eng.wait()
+    assert eng.committed[-1] == 3
+    assert torch.equal(eng.load(3)[1]["w"], w + 3)
+
+
 # --------------------------------------------------------------------------- failures
 
 def test_corrupted_memory_replicas_fall_back_to_disk(tmp_path, cluster, caplog):
