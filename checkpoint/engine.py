@@ -76,6 +76,11 @@ class SavePolicy(str, enum.Enum):
     SKIP = "skip"      # drop the new save, log it, return False
 
 
+#: seconds a save's background work keeps asking for the next save's segment (it is free once the
+#: step just saved is committed, which waits for the job's slowest rank)
+AHEAD_WAIT_S = 10.0
+
+
 class _Job:
     """One save's background work (the daemon's answer, the wait for the copies, the next segment),
     run by the engine's worker thread; joined like a thread."""
@@ -139,6 +144,8 @@ class CheckpointEngine:
         self._ahead: Segment | None = None
         self._bg: Conn | None = None
         self._settled = threading.Event()     # the in-flight save's outcome is known
+        self._hurry = threading.Event()       # the training thread waits: stop acquiring ahead
+        self.saves_ahead = 0                  # saves that asked the daemon nothing (segment acquired ahead)
         self._error: BaseException | None = None
         self._closed = False
         self._embedded = None
@@ -178,9 +185,11 @@ class CheckpointEngine:
 
         signum, t0 = self._stop_signal or signal.SIGTERM, time.perf_counter()
         thread = self._thread
+        self._hurry.set()                 # no next segment: this process is going
         if thread is not None and thread.is_alive():
-            log.warning("rank %d: stopped (signal %d): waiting up to %.0f s for the in-flight save", self.rank,
-                        signum, self.stop_grace)
+            if not self._settled.is_set():
+                log.warning("rank %d: stopped (signal %d): waiting up to %.0f s for the in-flight save",
+                            self.rank, signum, self.stop_grace)
             thread.join(self.stop_grace)
         if thread is None:
             log.info("rank %d: stopped (signal %d): no save in flight", self.rank, signum)
@@ -235,6 +244,11 @@ class CheckpointEngine:
         return cls(directory, **args)
 
     # ------------------------------------------------------------------ save
+    @property
+    def next_segment_ready(self) -> bool:
+        """The next save's segment is acquired already (that save will not ask the daemon)."""
+        return self._ahead is not None
+
     def in_flight(self) -> bool:
         """A save is being replicated, persisted or committed (its background thread may go on for a
         moment after that, acquiring the next save's segment)."""
@@ -255,7 +269,9 @@ class CheckpointEngine:
                 return False
             log.info("rank %d: checkpoint of step %d waits for the previous save (policy wait)", self.rank, step)
         if self._thread is not None:
-            self._thread.join()           # done, or about to be (the next segment's acquire)
+            self._hurry.set()             # done, or about to be (the next segment's acquire)
+            self._thread.join()
+            self._hurry.clear()
         self._saving = True
         previous = declare_phase("checkpoint")     # the agent and the TEE see a save in progress, not a hang
         try:
@@ -273,6 +289,8 @@ class CheckpointEngine:
         if seg is not None and seg.capacity < plan.size:                # the state grew: a bigger one
             self._give_back(seg)
             seg = None
+        if seg is not None:
+            self.saves_ahead += 1
         if seg is None:
             seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
                                                  "size": plan.size, "ckpt_dir": str(self.directory),
@@ -336,12 +354,20 @@ class CheckpointEngine:
             log.debug("rank %d: returning %s: %s", self.rank, seg.path, exc)
 
     def _acquire_ahead(self, conn: Conn, size: int) -> None:
-        """Acquire the next save's segment now (off the training thread), sized like this one."""
+        """Acquire the next save's segment now (off the training thread), sized like this one. The
+        daemon has one to spare once the step just saved is committed (every rank's shard persisted):
+        asked once, then again every 0.1 s for up to :data:`AHEAD_WAIT_S` or until the training thread
+        wants the engine (``save()``, ``wait()``, a stop), which then asks itself."""
+        deadline = time.monotonic() + AHEAD_WAIT_S
         try:
-            got = conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": None, "size": size,
-                             "ckpt_dir": str(self.directory), "generation": self.generation})
-            if got.get("path"):           # None: no segment to spare yet (the save will ask)
-                self._ahead = self._segment(got["path"])
+            while True:                   # once at least: the segment is usually free by now
+                got = conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": None, "size": size,
+                                 "ckpt_dir": str(self.directory), "generation": self.generation})
+                if got.get("path"):       # None: no segment to spare yet
+                    self._ahead = self._segment(got["path"])
+                    return
+                if self._hurry.wait(0.1) or time.monotonic() > deadline:
+                    return
         except (DaemonError, OSError, ValueError) as exc:
             log.info("rank %d: the next save's segment was not acquired ahead (the save will ask for one): "
                      "%s", self.rank, exc)
@@ -449,7 +475,9 @@ class CheckpointEngine:
         """Block until the in-flight save is replicated, persisted (and committed, announced if this
         rank's daemon won); raise :class:`CheckpointError` if a save since the last wait() failed."""
         if self._thread is not None:
+            self._hurry.set()
             self._thread.join()
+            self._hurry.clear()
         err, self._error = self._error, None
         if err is not None:
             raise CheckpointError(f"rank {self.rank}: a checkpoint save failed: {err}") from err

@@ -303,8 +303,24 @@ def test_save_does_not_wait_for_a_busy_daemon(tmp_path, cluster):
     finally:
         cluster.signal("node0", signal.SIGCONT)
     eng.wait()
-    assert eng.committed[-1] == 3
+    assert eng.committed[-1] == 3 and eng.saves_ahead == 1
     assert torch.equal(eng.load(3)[1]["w"], w + 3)
+
+
+def test_every_rank_acquires_its_next_segment_once_the_step_commits(tmp_path, engines):
+    """In a job of several ranks a rank's save is done before the step commits (the slowest rank
+    decides); the segment to reuse is free only then: each rank's background work waits for it."""
+    engs = engines(tmp_path, 3)
+    for step in range(1, 6):
+        for e in engs:                                 # no wait(): a training loop goes on stepping
+            e.save(step, {"w": torch.full((1 << 14,), float(step + e.rank))})
+        if step >= 2:
+            wait_until(lambda: all(e.next_segment_ready for e in engs) or None, 20,
+                       f"every rank's segment for the save after step {step}")
+    for e in engs:
+        e.wait()
+    assert [e.saves_ahead for e in engs] == [3, 3, 3]
+    assert all(torch.equal(e.load(5)[1]["w"], torch.full((1 << 14,), 5.0 + e.rank)) for e in engs)
 
 
 # --------------------------------------------------------------------------- failures
