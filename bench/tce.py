@@ -322,7 +322,7 @@ def bench_size(nbytes: int, args: argparse.Namespace, daemons: Daemons, root: Pa
         got = {k: min(x[k] for x in runs) for k in ("lost_s", "stall_s", "ready_s")}   # best of each
         least = min(runs, key=lambda x: x["lost_s"])          # where the least lost went (info)
         got |= {k: least[k] for k in ("extra_cpu_s", "extra_runq_wait_s", "daemons_cpu_s")}
-        got |= {"steps": runs[0]["steps"], "runs": [{k: round(v, 4) for k, v in x.items()} for x in runs]}
+        got |= {"steps": runs[0]["steps"], "runs": [{k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()} for x in runs]}
         assert eng.last_snapshot_mode.value == mode, eng.last_snapshot_mode
         res = eng.last_result or {}
         got["stages"] = {k: round(v, 4) for k, v in res.items() if k.endswith("_s")}
@@ -504,7 +504,7 @@ def role_saver(args: argparse.Namespace) -> int:
         got = {k: min(x[k] for x in runs) for k in ("lost_s", "stall_s", "ready_s")}
         least = min(runs, key=lambda x: x["lost_s"])
         got |= {k: least[k] for k in ("extra_cpu_s", "extra_runq_wait_s")}
-        got |= {"steps": runs[0]["steps"], "runs": [{k: round(v, 4) for k, v in x.items()} for x in runs]}
+        got |= {"steps": runs[0]["steps"], "runs": [{k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()} for x in runs]}
         res = eng.last_result or {}
         got["stages"] = {k: round(v, 4) for k, v in res.items() if k.endswith("_s")}
         got["copies"] = [(c["tier"], c["node"]) for c in res.get("copies", [])]
