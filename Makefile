@@ -53,6 +53,7 @@ test-fast: deps
 	$(PY) -m pytest -q -m "not e2e" -p no:cacheprovider
 
 bench: deps
+	$(PY) -m pip install -q -e '.[bench]'     # TorchFT, the peer bench/goodput.py compares with
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:

@@ -1259,6 +1259,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [r for r in args.runs if r not in RUNS]
     if bad or not args.runs:
         p.error(f"--runs: {bad or 'nothing'} given; expected some of {', '.join(RUNS)}")
+    if "torchft" in args.runs and not (Path(sys.executable).with_name("torchft_lighthouse").exists()
+                                       or shutil.which("torchft_lighthouse")):
+        p.error("--runs torchft: TorchFT is not installed here (no torchft_lighthouse): install the bench "
+                "extra (pip install -e '.[bench]', which `make bench` does), or leave torchft out of --runs")
     if args.steps < 2 or args.ckpt_every < 1 or args.world < 2 or not 0 < args.straggler_factor <= 1:
         p.error("--steps >= 2, --ckpt-every >= 1, --world >= 2 and 0 < --straggler-factor <= 1 expected")
     if args.width % args.heads:
