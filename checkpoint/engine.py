@@ -356,9 +356,10 @@ class CheckpointEngine:
     def _acquire_ahead(self, conn: Conn, size: int) -> None:
         """Acquire the next save's segment now (off the training thread), sized like this one. The
         daemon has one to spare once the step just saved is committed (every rank's shard persisted):
-        asked once, then again every 0.1 s for up to :data:`AHEAD_WAIT_S` or until the training thread
-        wants the engine (``save()``, ``wait()``, a stop), which then asks itself."""
-        deadline = time.monotonic() + AHEAD_WAIT_S
+        asked once, then again after 0.1, 0.2, 0.4 ... (at most 2) s for up to :data:`AHEAD_WAIT_S` or
+        until the training thread wants the engine (``save()``, ``wait()``, a stop), which then asks
+        itself."""
+        deadline, pause = time.monotonic() + AHEAD_WAIT_S, 0.1
         try:
             while True:                   # once at least: the segment is usually free by now
                 got = conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": None, "size": size,
@@ -366,8 +367,11 @@ class CheckpointEngine:
                 if got.get("path"):       # None: no segment to spare yet
                     self._ahead = self._segment(got["path"])
                     return
-                if self._hurry.wait(0.1) or time.monotonic() > deadline:
+                # backing off: each ask lists the job's checkpoint directory (a shared file system's
+                # metadata server serves every rank of the job)
+                if self._hurry.wait(pause) or time.monotonic() > deadline:
                     return
+                pause = min(pause * 2, 2.0)
         except (DaemonError, OSError, ValueError) as exc:
             log.info("rank %d: the next save's segment was not acquired ahead (the save will ask for one): "
                      "%s", self.rank, exc)
