@@ -26,7 +26,7 @@ import time
 import psutil
 
 from transom import contracts
-from transom.broker import EmbeddedBroker, free_port
+from transom.broker import EmbeddedBroker, free_udp_port
 from transom.kafka import read_topic
 
 CPU_TARGET = 0.01      # of one core
@@ -60,7 +60,7 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     with EmbeddedBroker() as broker:
         try:
-            port = free_port()
+            port = free_udp_port()            # the agent's intake is UDP
             agent = subprocess.Popen(
                 [sys.executable, "-m", "transom.cli", "agent", "--node", "bench", "--gpu-source", "simulated",
                  "--gpus", str(args.gpus), "--interval", "1", "--intake-port", str(port), "--bootstrap", broker.bootstrap],

@@ -1259,10 +1259,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [r for r in args.runs if r not in RUNS]
     if bad or not args.runs:
         p.error(f"--runs: {bad or 'nothing'} given; expected some of {', '.join(RUNS)}")
-    if "torchft" in args.runs and not (Path(sys.executable).with_name("torchft_lighthouse").exists()
-                                       or shutil.which("torchft_lighthouse")):
-        p.error("--runs torchft: TorchFT is not installed here (no torchft_lighthouse): install the bench "
-                "extra (pip install -e '.[bench]', which `make bench` does), or leave torchft out of --runs")
     if args.steps < 2 or args.ckpt_every < 1 or args.world < 2 or not 0 < args.straggler_factor <= 1:
         p.error("--steps >= 2, --ckpt-every >= 1, --world >= 2 and 0 < --straggler-factor <= 1 expected")
     if args.width % args.heads:
@@ -1331,6 +1327,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"faults": [asdict(f) for f in args.schedule],
                           "eval_pause": asdict(args.eval_pause) if args.eval_pause else None}))
         return 0
+    if "torchft" in args.runs and not (Path(sys.executable).with_name("torchft_lighthouse").exists()
+                                       or shutil.which("torchft_lighthouse")):
+        print("goodput: --runs torchft: TorchFT is not installed here (no torchft_lighthouse): install the "
+              "bench extra (pip install -e '.[bench]', which `make bench` does), or leave torchft out of "
+              "--runs", file=sys.stderr)
+        return 2
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="goodput-"))
     params = 12 * args.width * args.width * args.layers + (256 + args.seq_len + 256) * args.width
     print(f"goodput: {args.world} ranks, {args.steps} steps, width {args.width} x {args.layers} layers "

@@ -26,7 +26,7 @@ from transom import contracts
 from transom.agents import cli as agent_cli
 from transom.agents.agent import Agent
 from transom.agents.intake import IntakeError, parse_datagram, report, send_inject, stats, TrainReport
-from transom.broker import free_port
+from transom.broker import free_port, free_udp_port
 from transom.contracts import DCGM, Source
 from transom.kafka import client_config
 
@@ -328,7 +328,7 @@ for line in sys.stdin:
 
 @pytest.mark.integration
 def test_training_intake_from_a_process_survives_the_agent_stopping_and_coming_back(broker):
-    node, port = _node("intake"), free_port()
+    node, port = _node("intake"), free_udp_port()
     env = {**os.environ, "RANK": "0", "TRANSOM_JOB": "job-intake", "TRANSOM_NODE": node,
            "TRANSOM_AGENT_ADDR": f"127.0.0.1:{port}", "PYTHONUNBUFFERED": "1"}
     loop = subprocess.Popen([sys.executable, "-c", LOOP], env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -19,7 +19,7 @@ import yaml
 from transom import contracts as c
 from transom import dashboards
 from transom.agents.intake import send_inject
-from transom.broker import EmbeddedBroker, free_port
+from transom.broker import EmbeddedBroker, free_udp_port
 from transom.streams.sink import SCHEMA
 from test_sink import publish_all, run_events
 
@@ -154,7 +154,7 @@ def pipeline(influxdb, tmp_path_factory):
     try:
         addrs = {}
         for n in nodes:
-            port = free_port()
+            port = free_udp_port()
             addrs[n] = f"127.0.0.1:{port}"
             procs.append(_spawn(["agent", "--node", n, "--gpu-source", "simulated", "--gpus", "2", "--intake-port",
                                  str(port), "--interval", "0.5", "--state-dir", str(tmp / n), "--bootstrap",

@@ -16,13 +16,21 @@ from typing import Iterator
 from . import kafka
 from .log import get
 
-__all__ = ["EmbeddedBroker", "free_port", "bootstrap_or_embedded", "NO_BOOTSTRAP"]
+__all__ = ["EmbeddedBroker", "free_port", "free_udp_port", "bootstrap_or_embedded", "NO_BOOTSTRAP"]
 
 log = get("broker")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def free_udp_port(host: str = "127.0.0.1") -> int:
+    """A port free for UDP now (an agent's intake). :func:`free_port` probes TCP, which does not see
+    the UDP ports other processes hold, such as the ephemeral ports of ranks' report sockets."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

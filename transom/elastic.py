@@ -236,8 +236,13 @@ class ElasticGroup:
         while not self._closed.is_set():
             try:
                 msg = self._consumer.poll(0.5)     # a message returns at once; 0.5 s: how soon close() is seen
-            except Exception:              # noqa: BLE001 - closed under us
-                return
+            except Exception as exc:       # noqa: BLE001 - closed under us, or the client failed for a moment
+                if self._closed.is_set():
+                    return
+                # a reader that stopped here would leave this rank deaf to the controller's next group
+                _log(f"rank {self.rank}: control channel: {type(exc).__name__}: {exc}; reading on")
+                time.sleep(0.5)
+                continue
             if msg is None or msg.error() or msg.key() != self.job.encode():
                 continue
             try:

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, TopicPartition
 
 from . import contracts
-from .broker import EmbeddedBroker, free_port
+from .broker import EmbeddedBroker, free_udp_port
 from .kafka import client_config
 from .log import get
 
@@ -158,7 +158,7 @@ class LocalStack:
         if self.bed is not None:
             return self._start_node_hosts()
         for i in range(self.nodes):
-            node, port = f"node{i}", free_port()
+            node, port = f"node{i}", free_udp_port()       # the agent's intake is UDP
             self._spawn(f"agent-{node}", ["agent", "--node", node, "--gpu-source", "simulated",
                                           "--gpus", str(self.gpus_per_node), "--intake-port", str(port),
                                           "--interval", str(self.interval), "--bootstrap", self.bootstrap])
