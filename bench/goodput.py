@@ -651,9 +651,8 @@ class TorchftRun(Runner):
         from transom.broker import free_port
         port = free_port()
         self.lh_addr = f"http://127.0.0.1:{port}"
-        exe = Path(sys.executable).with_name("torchft_lighthouse")
         self.lighthouse = subprocess.Popen(
-            [str(exe) if exe.exists() else "torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}",
+            [lighthouse() or "torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}",
              "--heartbeat_timeout_ms", str(self.args.torchft_heartbeat_ms)],
             stdout=open(self.work / "lighthouse.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
@@ -1135,7 +1134,7 @@ def effective(r: RunResult, plain_step: float | None, pause: EvalPause | None) -
 TARGET_LOSS = {"crash": 3.0, "xid79": 3.0, "hang": 15.0}
 
 
-def paired_overhead(pairs: list[tuple[float | None, float | None]]) -> float | None:
+def paired_overhead(pairs: list) -> float | None:
     """Median over fault-free (plain step, Transom steady step) pairs of Transom / plain - 1."""
     ratios = [t / p - 1.0 for p, t in pairs if p and t]
     return round(statistics.median(ratios), 3) if ratios else None
@@ -1300,6 +1299,12 @@ def plan(args: argparse.Namespace, plain_step: float | None) -> None:
         if args.pause_range else None
 
 
+def lighthouse() -> str | None:
+    """TorchFT's lighthouse program: beside this interpreter (its venv), else on PATH; None if neither."""
+    exe = Path(sys.executable).with_name("torchft_lighthouse")
+    return str(exe) if exe.exists() else shutil.which("torchft_lighthouse")
+
+
 def overhead_pairs(args: argparse.Namespace, work: Path) -> dict:
     """``--overhead-pairs`` alternating fault-free runs, plain then Transom (one spare, no pause): the
     steady step of each, and the median of Transom's over the plain one's, less one."""
@@ -1313,7 +1318,7 @@ def overhead_pairs(args: argparse.Namespace, work: Path) -> dict:
         pairs.append([plain.steady_step_s, t.steady_step_s])
         print(f"  plain step {_fmt(plain.steady_step_s, 's')}, Transom steady step {_fmt(t.steady_step_s, 's')} "
               f"(spares warm at {_fmt(t.warm_s, 's')}): overhead {_fmt(t.overhead)}", flush=True)
-    value = paired_overhead([(p, t) for p, t in pairs])
+    value = paired_overhead(pairs)
     print(f"overhead, median of {len(pairs)} pairs: {_fmt(value)}", flush=True)
     return {"value": value, "pairs": pairs}
 
@@ -1327,8 +1332,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"faults": [asdict(f) for f in args.schedule],
                           "eval_pause": asdict(args.eval_pause) if args.eval_pause else None}))
         return 0
-    if "torchft" in args.runs and not (Path(sys.executable).with_name("torchft_lighthouse").exists()
-                                       or shutil.which("torchft_lighthouse")):
+    if "torchft" in args.runs and lighthouse() is None:
         print("goodput: --runs torchft: TorchFT is not installed here (no torchft_lighthouse): install the "
               "bench extra (pip install -e '.[bench]', which `make bench` does), or leave torchft out of "
               "--runs", file=sys.stderr)

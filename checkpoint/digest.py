@@ -82,9 +82,12 @@ def combine(alg: str, parts: list[bytes]) -> str:
     return f"{alg}:{_xxh3()(b''.join(parts)).hexdigest()}"
 
 
-def chunk_digest(piece: bytes | bytearray | memoryview) -> bytes:
-    """The XXH3-128 of one chunk."""
-    return _xxh3()(piece).digest()
+def chunk_digest(*pieces: bytes | bytearray | memoryview) -> bytes:
+    """The XXH3-128 of one chunk, given whole or as the pieces it is made of, in order."""
+    h = _xxh3()()
+    for piece in pieces:
+        h.update(piece)
+    return h.digest()
 
 
 def digest_of(buf: bytes | bytearray | memoryview, alg: str = DEFAULT) -> str:

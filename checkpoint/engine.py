@@ -87,6 +87,7 @@ class _Job:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.settled = threading.Event()      # the save's outcome is known (then the next segment's ask)
         self.done = threading.Event()
 
     def join(self, timeout: float | None = None) -> None:
@@ -143,7 +144,6 @@ class CheckpointEngine:
         #: ``staged`` on it without waiting, the thread reads the answer
         self._ahead: Segment | None = None
         self._bg: Conn | None = None
-        self._settled = threading.Event()     # the in-flight save's outcome is known
         self._hurry = threading.Event()       # the training thread waits: stop acquiring ahead
         self.saves_ahead = 0                  # saves that asked the daemon nothing (segment acquired ahead)
         self._error: BaseException | None = None
@@ -185,12 +185,11 @@ class CheckpointEngine:
 
         signum, t0 = self._stop_signal or signal.SIGTERM, time.perf_counter()
         thread = self._thread
-        self._hurry.set()                 # no next segment: this process is going
         if thread is not None and thread.is_alive():
-            if not self._settled.is_set():
+            if not thread.settled.is_set():
                 log.warning("rank %d: stopped (signal %d): waiting up to %.0f s for the in-flight save",
                             self.rank, signum, self.stop_grace)
-            thread.join(self.stop_grace)
+            self._join(self.stop_grace)   # no next segment: this process is going
         if thread is None:
             log.info("rank %d: stopped (signal %d): no save in flight", self.rank, signum)
         elif thread.is_alive():
@@ -252,7 +251,14 @@ class CheckpointEngine:
     def in_flight(self) -> bool:
         """A save is being replicated, persisted or committed (its background thread may go on for a
         moment after that, acquiring the next save's segment)."""
-        return self._thread is not None and self._thread.is_alive() and not self._settled.is_set()
+        return self._thread is not None and not self._thread.settled.is_set()
+
+    def _join(self, timeout: float | None = None) -> None:
+        """Wait for the newest save's background work, cutting short its ask for the next segment."""
+        if self._thread is not None:
+            self._hurry.set()
+            self._thread.join(timeout)
+            self._hurry.clear()
 
     def save(self, step: int, state: Any) -> bool:
         """Snapshot ``state`` into the daemon's memory (blocking); False if skipped by policy.
@@ -268,10 +274,7 @@ class CheckpointEngine:
                             "still in flight (policy skip)", self.rank, step)
                 return False
             log.info("rank %d: checkpoint of step %d waits for the previous save (policy wait)", self.rank, step)
-        if self._thread is not None:
-            self._hurry.set()             # done, or about to be (the next segment's acquire)
-            self._thread.join()
-            self._hurry.clear()
+        self._join()                      # done, or about to be (the next segment's acquire)
         self._saving = True
         previous = declare_phase("checkpoint")     # the agent and the TEE see a save in progress, not a hang
         try:
@@ -291,7 +294,7 @@ class CheckpointEngine:
             seg = None
         if seg is not None:
             self.saves_ahead += 1
-        if seg is None:
+        else:
             seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
                                                  "size": plan.size, "ckpt_dir": str(self.directory),
                                                  "generation": self.generation})["path"])
@@ -322,7 +325,6 @@ class CheckpointEngine:
         self.last_snapshot_mode = SnapshotMode.COPY if pid is None else SnapshotMode.FORK
         report_event("checkpoint_save", step=step, ckpt_stall_s=self.last_snapshot_s, ckpt_bytes=plan.size)
         self.snapshot_child = pid
-        self._settled.clear()
         self._thread = _Job(f"ckpt-wait-{step}")
         self._jobs.put((self._thread, (step, pid, str(seg.path), plan.size, handed)))
         if self._worker is None:          # one thread for every save's background work (a thread start
@@ -336,10 +338,10 @@ class CheckpointEngine:
         try:
             if self._bg is None:
                 self._bg = Conn(self.daemon_addr, timeout=10)
-            send_msg(self._bg.sock, msg)
-        except OSError as exc:
+            self._bg.send(msg)
+        except DaemonError:
             self._drop_bg()
-            raise DaemonError(f"TCE daemon at {self.daemon_addr}: staged failed: {exc}") from None
+            raise
 
     def _drop_bg(self) -> None:
         if self._bg is not None:
@@ -420,11 +422,12 @@ class CheckpointEngine:
         while (item := self._jobs.get()) is not None:
             job, args = item
             try:
-                self._await(*args)
+                self._await(job, *args)
             finally:
+                job.settled.set()
                 job.done.set()
 
-    def _await(self, step: int, pid: int | None = None, path: str | None = None, size: int = 0,
+    def _await(self, job: _Job, step: int, pid: int | None = None, path: str | None = None, size: int = 0,
                handed: bool = False) -> None:
         conn, own, ok = None, not handed, False
         try:
@@ -432,14 +435,7 @@ class CheckpointEngine:
                 conn = Conn(self.daemon_addr, timeout=10)
             else:
                 conn = self._bg
-                try:
-                    reply = recv_msg(conn.sock)
-                except OSError as exc:
-                    raise DaemonError(f"TCE daemon at {self.daemon_addr}: staged failed: {exc}") from None
-                if reply is None:
-                    raise DaemonError(f"TCE daemon at {self.daemon_addr} closed the connection during staged")
-                if reply.get("error"):
-                    raise DaemonError(f"TCE daemon at {self.daemon_addr}: staged: {reply['error']}")
+                conn.answer("staged")
             if pid is not None:
                 problem = snapshot.reap(pid)
                 self.snapshot_child = None
@@ -469,7 +465,7 @@ class CheckpointEngine:
             if not own:
                 self._drop_bg()           # its state is unknown: the next save opens another
         finally:
-            self._settled.set()
+            job.settled.set()
             if ok and not self._closed and size and self.snapshot is SnapshotMode.COPY:
                 self._acquire_ahead(conn, size)
             if own and conn is not None:
@@ -478,10 +474,7 @@ class CheckpointEngine:
     def wait(self) -> None:
         """Block until the in-flight save is replicated, persisted (and committed, announced if this
         rank's daemon won); raise :class:`CheckpointError` if a save since the last wait() failed."""
-        if self._thread is not None:
-            self._hurry.set()
-            self._thread.join()
-            self._hurry.clear()
+        self._join()
         err, self._error = self._error, None
         if err is not None:
             raise CheckpointError(f"rank {self.rank}: a checkpoint save failed: {err}") from err

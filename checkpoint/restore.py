@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from . import shardfmt, store
-from .digest import StreamDigest, _xxh3, algorithm, chunk_digest, combine, spec
+from .digest import StreamDigest, algorithm, chunk_digest, combine, spec
 from .errors import CheckpointError, CorruptCheckpoint
 from .wire import Conn, recv_exact_into, recv_msg, send_msg
 
@@ -179,7 +179,7 @@ class Staging:
 def read_peer_into(addr: str, job: str, rank: int, step: int, shard: Any, node: str, scatter: Scatter,
                    staging: Staging, stall_s: float) -> bool:
     """Lay rank ``rank``'s shard from the peer daemon at ``addr`` into ``scatter``, each chunk
-    verified before it is copied; False when the peer has no such copy."""
+    verified while the next arrives; False when the peer has no such copy."""
     where = f"memory of {node} ({addr})"
     conn = Conn(addr, timeout=5)
     try:
@@ -232,7 +232,6 @@ def _chunked(conn: Conn, size: int, csize: int, parts: list[bytes], scatter: Sca
         free.put(s)
     work: queue.SimpleQueue = queue.SimpleQueue()
     error: list[BaseException] = []
-    h = _xxh3()
 
     def refuse(k: int, lo: int, n: int) -> CorruptCheckpoint:
         return CorruptCheckpoint(where, f"digest mismatch ({alg}): chunk {k} (bytes {lo}-{lo + n}) is not the "
@@ -243,10 +242,8 @@ def _chunked(conn: Conn, size: int, csize: int, parts: list[bytes], scatter: Sca
             k, lo, n, slot, runs = item
             try:
                 if not error:
-                    d = h()
-                    for a, b, view in runs:
-                        d.update(view if view is not None else slot[a - lo:b - lo])
-                    if d.digest() != parts[k]:
+                    if chunk_digest(*(view if view is not None else slot[a - lo:b - lo]
+                                      for a, b, view in runs)) != parts[k]:
                         raise refuse(k, lo, n)
                     for a, b, view in runs:
                         if view is None:

@@ -238,13 +238,16 @@ class CheckpointServer:
         self.slots[str(seg.path)] = slot
         return slot
 
-    def _take(self, kind: str, job: str, rank: int, size: int, origin: str) -> Slot:
-        """A free slot of this (kind, job, rank) big enough, grown or new otherwise (lock held)."""
+    def _take(self, kind: str, job: str, rank: int, size: int, origin: str, grow: bool = True) -> Slot | None:
+        """A free slot of this (kind, job, rank) big enough, grown or new otherwise (lock held); with
+        ``grow`` false, None instead of more memory."""
         free = [s for s in self.slots.values() if s.state == "free" and s.kind == kind and s.job == job
                 and s.rank == rank]
         fit = [s for s in free if s.seg.capacity >= size]
         if fit:
             return min(fit, key=lambda s: s.seg.capacity)
+        if not grow:
+            return None
         for s in free:                        # too small: give its memory back first
             self._drop(s)
         return self._new_slot(kind, job, rank, size, origin)
@@ -395,13 +398,12 @@ class CheckpointServer:
                         log.warning("%s: rank %d of job %s left step %s half written (it died mid-save): "
                                     "segment reused", self.node, s.rank, s.job, s.step)
                     s.state = "free"     # one rank per (job, rank): the writer of this one is gone
-            if msg.get("step") is None and not any(
-                    s.state == "free" and s.kind == "own" and (s.job, s.rank) == (msg["job"], msg["rank"])
-                    and s.seg.capacity >= msg["size"] for s in self.slots.values()):
-                # ahead: only a segment this rank already has and no longer needs (the one of a step
-                # older than the newest committed); never more memory than a save at its time takes
+            # ahead: only a segment this rank already has and no longer needs (the one of a step older
+            # than the newest committed); never more memory than a save at its time takes
+            slot = self._take("own", msg["job"], msg["rank"], msg["size"], self.node,
+                              grow=msg.get("step") is not None)
+            if slot is None:
                 return {"path": None}
-            slot = self._take("own", msg["job"], msg["rank"], msg["size"], self.node)
             slot.state, slot.step, slot.size = "staging", msg["step"], msg["size"]
             return {"path": str(slot.seg.path), "capacity": slot.seg.capacity}
 

@@ -187,15 +187,26 @@ class Conn:
 
     def call(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            try:
-                send_msg(self.sock, msg)
-                reply = recv_msg(self.sock)
-            except OSError as exc:
-                raise DaemonError(f"TCE daemon at {self.addr}: {msg.get('op')} failed: {exc}") from None
+            self.send(msg)
+            return self.answer(msg.get("op"))
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send a request without waiting for its answer (read it later with :meth:`answer`)."""
+        try:
+            send_msg(self.sock, msg)
+        except OSError as exc:
+            raise DaemonError(f"TCE daemon at {self.addr}: {msg.get('op')} failed: {exc}") from None
+
+    def answer(self, op: str | None) -> dict[str, Any]:
+        """The daemon's answer to the request ``op`` sent last; DaemonError when it refused or went away."""
+        try:
+            reply = recv_msg(self.sock)
+        except OSError as exc:
+            raise DaemonError(f"TCE daemon at {self.addr}: {op} failed: {exc}") from None
         if reply is None:
-            raise DaemonError(f"TCE daemon at {self.addr} closed the connection during {msg.get('op')}")
+            raise DaemonError(f"TCE daemon at {self.addr} closed the connection during {op}")
         if reply.get("error"):
-            raise DaemonError(f"TCE daemon at {self.addr}: {msg.get('op')}: {reply['error']}")
+            raise DaemonError(f"TCE daemon at {self.addr}: {op}: {reply['error']}")
         return reply
 
     def close(self) -> None:
