@@ -91,6 +91,7 @@ _CLOCK = 1                           # FEATURES.index("clock_drop")
 _WAIT_UTIL = 0.1                     # a utilisation drop of this share (of its own baseline) is waiting
 _WAIT_PEERS = 0.15                   # peers whose utilisation fell this much wait for the one that did not
 _WAIT_LEARN = 90                     # windows of waiting (15 min at 10 s) before they become the baseline
+_EXPECT_WINDOWS = 2                  # a window waits for the job's nodes that closed one of the last 2
 
 
 def _median(values) -> float:
@@ -208,6 +209,8 @@ class PeerDetector:
         #: Node side of a split detector: closed windows go here as summaries instead of being decided.
         self.outbox: list[PeerWindow] | None = None
         self.remote: dict[str, NodeState] = {}      # job side: node -> its soft state (baselines, runs)
+        #: job -> node -> the index of the last window the node closed (which nodes a window waits for)
+        self.closed: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ feed
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
@@ -299,12 +302,21 @@ class PeerDetector:
         steps = ns.window.steps
         if not (steps and min(steps) == max(steps)):   # a window without a step (a pause, a hang) is not judged,
             x, worst, medians = self._raw_features(ns)  # nor learned from: a slowdown needs a running job
-            self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state)
-        # peers: decide when the job's other nodes closed the same window, or alone (one-node jobs, or
-        # peers owned by another worker) once a later window of this node closes
+            self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state, ns.window)
+        # peers: decide a window once every node of the job that closed one of its last windows has closed
+        # it too; a node that stopped reporting holds it until a later window of the job closes (then it
+        # is decided with the nodes that came, or alone: one-node jobs, peers owned by another worker)
+        index = ns.window.index
+        closed = self.closed.setdefault(job, {})
+        closed[state.node] = index
         out: list[FaultEvent] = []
-        for k in [k for k in self.pending if k[0] == job and k[1] < ns.window.index]:
+        for k in [k for k in self.pending if k[0] == job and k[1] < index]:
             out += self._decide(k, self.pending.pop(k), now)
+        recent = [i for i in closed.values() if i >= index - _EXPECT_WINDOWS]
+        if (job, index) in self.pending and min(recent) >= index:
+            out += self._decide((job, index), self.pending.pop((job, index)), now)
+        if len(closed) > len(recent):       # nodes gone from the job (evicted, moved): forget them
+            self.closed[job] = {n: i for n, i in closed.items() if i >= index - _EXPECT_WINDOWS}
         return out
 
     def take(self, w: PeerWindow, now: float) -> list[FaultEvent]:
@@ -331,6 +343,8 @@ class PeerDetector:
             del self.remote[node]
         for k in [k for k in self.pending if k[0] in jobs]:
             del self.pending[k]
+        for job in jobs:
+            self.closed.pop(job, None)
 
     def flush(self, now: float) -> list[FaultEvent]:
         """Decide every window still waiting for peers (end of a replay)."""
@@ -362,7 +376,7 @@ class PeerDetector:
         # cold start: no model yet, but a job of 3+ nodes gives a median to stand out from
         cold = not ready and cfg.soft_cold_z > 0 and len(peers) >= 3
         culprit, culprit_gap = self._keeps_working(peers)
-        for j, (row, (node, (x, worst, medians, ns, state))) in enumerate(zip(rel, peers.items())):
+        for j, (row, (node, (x, worst, medians, ns, state, win))) in enumerate(zip(rel, peers.items())):
             z = Z[j]
             fam_hit = None
             for fam, cols in FAMILIES.items():
@@ -407,8 +421,8 @@ class PeerDetector:
             scores[node] = fam_hit
             if fam_hit is not None:
                 flagged.add(node)
-            out += self._advance(state, ns, row, z, worst, fam_hit, key, len(peers), now)
-        for row, (node, (x, worst, medians, ns, state)) in zip(rel, peers.items()):
+            out += self._advance(state, ns, win, row, z, worst, fam_hit, len(peers), now)
+        for row, (node, (x, worst, medians, ns, state, _)) in zip(rel, peers.items()):
             if node in flagged or ns.open_fault is not None:
                 continue
             for fam, cols in FAMILIES.items():
@@ -493,9 +507,9 @@ class PeerDetector:
             return FaultClass.POWER_CAP
         return FaultClass.STRAGGLER
 
-    def _advance(self, state: NodeState, ns: _NodeSoft, row, z, worst, hit, key, n_peers, now) -> list[FaultEvent]:
+    def _advance(self, state: NodeState, ns: _NodeSoft, win: _Window, row, z, worst, hit, n_peers, now) -> list[FaultEvent]:
+        """One decided window of a node (``win``, the window judged: the node may have opened its next one)."""
         cfg = self.config
-        win = ns.window
         if hit is None:
             ns.run = 0
             if ns.open_fault is not None:
