@@ -24,7 +24,19 @@ from typing import Iterable
 
 from transom.contracts import PeerWindow
 
-__all__ = ["JobWindows"]
+__all__ = ["JobWindows", "window_complete", "drop_gone"]
+
+
+def window_complete(newest: dict[str, int], k: int, wait: int) -> bool:
+    """Whether every node that reported one of the ``wait`` windows before ``k`` has reported ``k`` or a
+    later one (``newest``: node -> the newest window index it reported)."""
+    return all(i >= k for i in newest.values() if i >= k - wait)
+
+
+def drop_gone(newest: dict[str, int], k: int, wait: int) -> None:
+    """Forget the nodes whose newest window is more than ``wait`` windows before ``k``: gone from the job."""
+    for n in [n for n, i in newest.items() if i < k - wait]:
+        del newest[n]
 
 
 @dataclass
@@ -60,15 +72,13 @@ class JobWindows:
         while j.waiting:
             k = min(j.waiting)
             ahead = max(j.newest.values()) >= k + self.wait
-            expected = [n for n, i in j.newest.items() if i >= k - self.wait]
-            complete = j.released >= 0 and all(j.newest[n] >= k for n in expected)
+            complete = j.released >= 0 and window_complete(j.newest, k, self.wait)
             if not (complete or ahead):
                 break
             got = j.waiting.pop(k)
             j.released = k
             out += [got[n] for n in sorted(got)]
-            for n in [n for n, i in j.newest.items() if i < k - self.wait]:
-                del j.newest[n]          # gone from the job: not waited for again
+            drop_gone(j.newest, k, self.wait)      # gone from the job: not waited for again
         return out
 
     def flush(self) -> list[PeerWindow]:

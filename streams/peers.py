@@ -74,6 +74,7 @@ from transom.contracts import DCGM, Action, FaultEvent, MetricBatch, PeerWindow,
 
 from .classes import KIND_OF, FaultClass
 from .config import TEEConfig
+from .jobwindows import drop_gone, window_complete
 from .rules import NodeState, fault
 
 __all__ = ["FEATURES", "FAMILIES", "PeerDetector", "make_model"]
@@ -312,11 +313,9 @@ class PeerDetector:
         out: list[FaultEvent] = []
         for k in [k for k in self.pending if k[0] == job and k[1] < index]:
             out += self._decide(k, self.pending.pop(k), now)
-        recent = [i for i in closed.values() if i >= index - _EXPECT_WINDOWS]
-        if (job, index) in self.pending and min(recent) >= index:
+        if (job, index) in self.pending and window_complete(closed, index, _EXPECT_WINDOWS):
             out += self._decide((job, index), self.pending.pop((job, index)), now)
-        if len(closed) > len(recent):       # nodes gone from the job (evicted, moved): forget them
-            self.closed[job] = {n: i for n, i in closed.items() if i >= index - _EXPECT_WINDOWS}
+        drop_gone(closed, index, _EXPECT_WINDOWS)      # nodes gone from the job (evicted, moved)
         return out
 
     def take(self, w: PeerWindow, now: float) -> list[FaultEvent]:
