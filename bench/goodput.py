@@ -48,7 +48,7 @@ from typing import Iterable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-__all__ = ["KINDS", "EvalPause", "ScheduledFault", "make_eval_pause", "make_schedule", "main"]
+__all__ = ["KINDS", "EvalPause", "ScheduledFault", "make_eval_pause", "make_schedule", "renice_threads", "main"]
 
 KINDS = ("crash", "xid79", "hang", "straggler")
 RESTARTING = ("crash", "xid79", "hang")
@@ -70,6 +70,27 @@ class EvalPause:
 
     after_step: int
     seconds: float
+
+
+def renice_threads(procs, ranks: set[int], services_nice: int) -> None:
+    """Every thread of ``procs`` (psutil processes) at nice 0 when its process is one of ``ranks``, else at
+    ``services_nice``. Each thread: Linux keeps a nice value per thread, and setpriority on a PID changes
+    only its main thread, so threads a process started before its renice keep the old value (a warm spare
+    at the services' nice that takes a rank has made its gloo threads by the time the bench sees it as a
+    rank: that rank's all-reduce would lag the job's)."""
+    import psutil
+    for proc in procs:
+        want = 0 if proc.pid in ranks else services_nice
+        try:
+            tids = [t.id for t in proc.threads()]
+        except psutil.Error:
+            continue
+        for tid in tids:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) != want:
+                    os.setpriority(os.PRIO_PROCESS, tid, want)
+            except OSError:
+                pass          # gone, or lowering nice without the privilege
 
 
 def make_schedule(seed: int, every_steps: float, count: int, world: int, kinds: Iterable[str] = KINDS,
@@ -815,13 +836,7 @@ class TransomRun(Runner):
             procs = psutil.Process().children(recursive=True)
         except psutil.Error:
             return
-        for proc in procs:
-            want = 0 if proc.pid in ranks else self.args.services_nice
-            try:
-                if proc.nice() != want:
-                    proc.nice(want)
-            except psutil.Error:
-                pass
+        renice_threads(procs, ranks, self.args.services_nice)
 
     def tick(self, now: float) -> None:
         from transom import contracts as c

@@ -7,6 +7,7 @@ The bench itself (four runs of several minutes) is not run by the suite.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -155,6 +156,41 @@ def test_a_false_restart_during_the_pause_is_counted(tmp_path):
     run.detected(1050.0, "watchdog")
     run.detected(1200.0, "watchdog")                      # long after the pause: not this pause's
     assert run.result.pause.false_restarts == 1 and "watchdog" in run.result.pause.false_events[0]
+
+
+def _thread_nices(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out.append(int(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority") or os.geteuid() != 0,
+                    reason="lowering a nice value back to 0 needs root")
+def test_renice_reaches_every_thread_of_a_process_also_those_started_before():
+    """A spare started at the services' nice has threads (its gloo ones) by the time it takes a rank:
+    the bench puts every thread of a rank at 0, and every thread of a service at the services' nice."""
+    import psutil
+    gp = _bench()
+    code = ("import os, threading, time\n"
+            "os.setpriority(os.PRIO_PROCESS, 0, 10)\n"
+            "ts = [threading.Thread(target=time.sleep, args=(60,), daemon=True) for _ in range(3)]\n"
+            "[t.start() for t in ts]\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        rank, service = procs
+        assert _thread_nices(rank.pid) == [10] * 4              # the threads inherited the spare's nice
+        gp.renice_threads([psutil.Process(p.pid) for p in procs], {rank.pid}, 7)
+        assert _thread_nices(rank.pid) == [0] * 4               # every thread of the rank, not only its main one
+        assert _thread_nices(service.pid) == [7] * 4
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_pause_hook_holds_every_rank_until_the_given_time(tmp_path, monkeypatch):
