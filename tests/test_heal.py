@@ -131,6 +131,14 @@ def test_crash_and_hang_are_healed_in_the_job_survivors_keep_their_processes(bro
         assert sorted(hashes) == [0, 1, 2, 3] and len(set(hashes.values())) == 1, (epoch, hashes)
     spare_log = (gen / "spare-node4-0" / "rank-0.log").read_text()
     assert "took rank 1" in spare_log and "data position of step 6 from checkpoint step 5 + 1 batches" in spare_log
+    # (c) a group left with a collective pending on the dead peer is released once that collective ends:
+    # its gloo threads and sockets do not pile up, one group per heal
+    for log in logs:
+        text = log.read_text()
+        kept = {int(e) for e in re.findall(r"the group of epoch (\d+) keeps a pending collective", text)}
+        released = {int(e) for m in re.findall(r"released the group\(s\) of epoch ([\d, ]+) ", text)
+                    for e in m.split(", ")}
+        assert kept <= released, (log.name, kept, released)
 
 
 def test_a_survivor_lost_during_the_reform_falls_back_to_a_relaunch(broker, stack):

@@ -193,7 +193,10 @@ class ElasticGroup:
         self._in_init = False              # in the rendezvous of a re-formed group
         self._abandon = threading.Event()  # set by the reader: a new group was named during a step
         self._stuck = False                # a collective of the current group was abandoned while pending
-        self._graveyard: list[Any] = []    # groups left with a pending collective: never destroyed (it would wait)
+        # groups left with a pending collective: (epoch, group, that work). Destroying one would wait for the work;
+        # each is dropped (its gloo threads and sockets go with it) once its work has ended (:meth:`_bury`)
+        self._graveyard: list[tuple[int, Any, Any]] = []
+        self._pending: Any = None          # the collective abandoned while pending
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="transom-elastic", daemon=True)
         self._reader.start()
@@ -370,8 +373,11 @@ class ElasticGroup:
         if self._stuck:
             # a collective of it still waits on a peer that is gone: tearing it down would wait too. Keep it
             # (its worker gives up at the group's timeout) and forget it as the default group
-            self._graveyard.append(dist.group.WORLD)
+            self._graveyard.append((self.epoch, dist.group.WORLD, self._pending))
+            self._pending = None
             _forget_default_group()
+            _log(f"rank {self.rank}: the group of epoch {self.epoch} keeps a pending collective; it is released "
+                 "when that ends (a peer's connection closes, or the group's timeout)")
         else:
             try:
                 # abort, not destroy: destroy waits for the group's pending work, which a dead peer never finishes
@@ -397,6 +403,8 @@ class ElasticGroup:
         place of DDP's reducer (which waits in C++, where nothing can interrupt it)."""
         if not tensors:
             return
+        if self._graveyard:
+            self._bury()
         flat = torch.cat([t.reshape(-1) for t in tensors])
         # no short timeout here: a peer may legitimately be late (a save's stall, an evaluation pause that one
         # rank entered a step earlier); a peer that is gone is given up when the controller names a new group
@@ -408,7 +416,7 @@ class ElasticGroup:
         work.get_future().add_done_callback(lambda _fut: done.set())
         while not done.wait(0.05):
             if self._abandon.is_set() or time.monotonic() > deadline:
-                self._stuck = True
+                self._stuck, self._pending = True, work
                 why = "a new group was named" if self._abandon.is_set() else \
                     f"no answer within {self.pg_timeout_s:.0f}s"
                 raise CollectiveAbandoned(f"all-reduce of rank {self.rank} given up: {why}")
@@ -419,6 +427,19 @@ class ElasticGroup:
             n = t.numel()
             t.copy_(flat[offset:offset + n].view_as(t))
             offset += n
+
+    def _bury(self) -> None:
+        """Drop each group of the graveyard whose pending collective has ended (failed when the dead peer's
+        connection closed, or at the group's timeout): the last reference gone, its threads and sockets go."""
+        # an entry without its work (unknown) is kept, as every one was before
+        keep = [(e, g, w) for e, g, w in self._graveyard if w is None or not w.is_completed()]
+        if len(keep) == len(self._graveyard):
+            return
+        gone = sorted({e for e, _, _ in self._graveyard} - {e for e, _, _ in keep})
+        self._graveyard = keep
+        gc.collect()
+        _log(f"rank {self.rank}: released the group(s) of epoch {', '.join(map(str, gone))} "
+             "(the pending collective ended)")
 
     def _timeout(self, seconds: float) -> None:
         """Collectives of the group time out after ``seconds``: short inside a step (a peer stuck in a broken
