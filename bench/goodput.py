@@ -72,13 +72,15 @@ class EvalPause:
     seconds: float
 
 
-def renice_threads(procs, ranks: set[int], services_nice: int) -> None:
+def renice_threads(procs, ranks: set[int], services_nice: int) -> int:
     """Every thread of ``procs`` (psutil processes) at nice 0 when its process is one of ``ranks``, else at
     ``services_nice``. Each thread: Linux keeps a nice value per thread, and setpriority on a PID changes
     only its main thread, so threads a process started before its renice keep the old value (a warm spare
     at the services' nice that takes a rank has made its gloo threads by the time the bench sees it as a
-    rank: that rank's all-reduce would lag the job's)."""
+    rank: that rank's all-reduce would lag the job's). Returns how many threads refused the change (lowering
+    a nice value needs the privilege); a thread that ended meanwhile is skipped."""
     import psutil
+    refused = 0
     for proc in procs:
         want = 0 if proc.pid in ranks else services_nice
         try:
@@ -89,8 +91,11 @@ def renice_threads(procs, ranks: set[int], services_nice: int) -> None:
             try:
                 if os.getpriority(os.PRIO_PROCESS, tid) != want:
                     os.setpriority(os.PRIO_PROCESS, tid, want)
-            except OSError:
-                pass          # gone, or lowering nice without the privilege
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                refused += 1
+    return refused
 
 
 def make_schedule(seed: int, every_steps: float, count: int, world: int, kinds: Iterable[str] = KINDS,
@@ -768,6 +773,7 @@ class TransomRun(Runner):
         self.end: str | None = None
         self.nodes_of: dict[int, list[str]] = {}
         self._reniced = 0.0
+        self._renice_refused = False
         # --hosts: the ranks run on the bed's node hosts, each with its own /tmp: the steps file and
         # the slowdown hook's directory live in the stack's run dir, which the bed shares into every host
         self._injects: list = []                       # `transom inject` processes on bed hosts
@@ -836,7 +842,10 @@ class TransomRun(Runner):
             procs = psutil.Process().children(recursive=True)
         except psutil.Error:
             return
-        renice_threads(procs, ranks, self.args.services_nice)
+        if renice_threads(procs, ranks, self.args.services_nice) and not self._renice_refused:
+            self._renice_refused = True
+            print("  (cannot put every thread of the ranks back at nice 0 without the privilege: the ranks "
+                  "share the services' priority; run as root or with CAP_SYS_NICE)", flush=True)
 
     def tick(self, now: float) -> None:
         from transom import contracts as c

@@ -159,10 +159,8 @@ def test_a_false_restart_during_the_pause_is_counted(tmp_path):
 
 
 def _thread_nices(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out.append(int(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]))
-    return out
+    from transom.priority import read
+    return [read(int(task.name)).nice for task in Path(f"/proc/{pid}/task").iterdir()]   # /proc/TID is the thread
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority") or os.geteuid() != 0,

@@ -192,11 +192,10 @@ class ElasticGroup:
         self._in_step = False
         self._in_init = False              # in the rendezvous of a re-formed group
         self._abandon = threading.Event()  # set by the reader: a new group was named during a step
-        self._stuck = False                # a collective of the current group was abandoned while pending
         # groups left with a pending collective: (epoch, group, that work). Destroying one would wait for the work;
         # each is dropped (its gloo threads and sockets go with it) once its work has ended (:meth:`_bury`)
         self._graveyard: list[tuple[int, Any, Any]] = []
-        self._pending: Any = None          # the collective abandoned while pending
+        self._pending: Any = None          # a collective of the current group abandoned while pending
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="transom-elastic", daemon=True)
         self._reader.start()
@@ -302,7 +301,7 @@ class ElasticGroup:
                                     timeout=timeout)
         self._pg = dist.group.WORLD
         self._abandon.clear()
-        self._stuck = False
+        self._pending = None
 
     def _take(self, d: dict[str, Any]) -> None:
         self.epoch = int(d["epoch"])
@@ -370,7 +369,7 @@ class ElasticGroup:
             pass
         replica.drop()
         gc.collect()
-        if self._stuck:
+        if self._pending is not None:
             # a collective of it still waits on a peer that is gone: tearing it down would wait too. Keep it
             # (its worker gives up at the group's timeout) and forget it as the default group
             self._graveyard.append((self.epoch, dist.group.WORLD, self._pending))
@@ -416,7 +415,7 @@ class ElasticGroup:
         work.get_future().add_done_callback(lambda _fut: done.set())
         while not done.wait(0.05):
             if self._abandon.is_set() or time.monotonic() > deadline:
-                self._stuck, self._pending = True, work
+                self._pending = work
                 why = "a new group was named" if self._abandon.is_set() else \
                     f"no answer within {self.pg_timeout_s:.0f}s"
                 raise CollectiveAbandoned(f"all-reduce of rank {self.rank} given up: {why}")
@@ -431,8 +430,7 @@ class ElasticGroup:
     def _bury(self) -> None:
         """Drop each group of the graveyard whose pending collective has ended (failed when the dead peer's
         connection closed, or at the group's timeout): the last reference gone, its threads and sockets go."""
-        # an entry without its work (unknown) is kept, as every one was before
-        keep = [(e, g, w) for e, g, w in self._graveyard if w is None or not w.is_completed()]
+        keep = [(e, g, w) for e, g, w in self._graveyard if not w.is_completed()]
         if len(keep) == len(self._graveyard):
             return
         gone = sorted({e for e, _, _ in self._graveyard} - {e for e, _, _ in keep})
