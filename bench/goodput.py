@@ -147,7 +147,8 @@ def make_eval_pause(seed: int, steps: int, schedule: list[ScheduledFault], low_s
 # --------------------------------------------------------------------------- shared measurement parts
 
 class StepsFile:
-    """Reads the ``step generation epoch_seconds`` lines rank 0 appends (partial last lines wait)."""
+    """Reads the ``step generation epoch_seconds [s]`` lines rank 0 appends (partial last lines wait); ``s``
+    marks a step that was saved (``saves``)."""
 
     def __init__(self, path: Path, first_only: bool = False) -> None:
         self.path = path
@@ -155,6 +156,7 @@ class StepsFile:
         self._pos = 0
         self._rest = b""
         self.rows: list[tuple[int, int, float]] = []
+        self.saves: set[int] = set()
         # TorchFT: every replica group writes ``step group ts``; a step counts once, when the first
         # group commits it, as generation 0 (no job-wide restart); ``group_last`` per group
         self.first_only = first_only
@@ -171,8 +173,10 @@ class StepsFile:
         new = []
         for ln in lines:
             parts = ln.split()
-            if len(parts) == 3:
+            if len(parts) in (3, 4):
                 row = (int(parts[0]), int(parts[1]), float(parts[2]))
+                if parts[3:] == [b"s"]:
+                    self.saves.add(row[0])
                 if self.first_only:
                     self.group_last[row[1]] = row[2]
                     top = new[-1][0] if new else (self.rows[-1][0] if self.rows else 0)
@@ -455,7 +459,7 @@ class Runner(abc.ABC):
                 r.effective_ratio = round(r.useful_s / r.wall_s, 3)
             if ckpt:
                 per_save = statistics.median(ckpt) - r.normal_step_s
-                r.ckpt_overhead_s = round(max(per_save, 0.0) * (a.steps // a.ckpt_every), 1)
+                r.ckpt_overhead_s = round(max(per_save, 0.0) * len(self.steps.saves), 1)
         for rec in r.faults:
             if rec.delivered_s is None:
                 continue
@@ -547,7 +551,7 @@ class TorchrunRun(Runner):
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.world),
                 "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                 str(ROOT / "bench" / "tol_torchrun_job.py"), "--attempt", str(self.gen),
-                "--ckpt-every", str(a.ckpt_every), "--ckpt-dir", str(self.work / "ckpt"),
+                *ckpt_args(a), "--ckpt-dir", str(self.work / "ckpt"),
                 "--steps-file", str(self.steps.path), "--steps", str(a.steps), *model_args(a, self.work)]
 
     def launch(self) -> None:
@@ -621,7 +625,7 @@ class TorchrunRun(Runner):
             self.proc.wait(30)
 
     def is_save_interval(self, s0: int, s1: int) -> bool:
-        return s0 % self.args.ckpt_every == 0        # the step line is written before the save
+        return s0 in self.steps.saves        # the step line is written before the save
 
 
 class PlainRun(TorchrunRun):
@@ -801,7 +805,7 @@ class TransomRun(Runner):
         self.monitor = Monitor(self.stack.bootstrap, (c.LIFECYCLE, c.FAULTS), from_beginning=False)
         time.sleep(a.settle)           # agents' first heartbeats, the TEE's group join: infrastructure, not the job
         cmd = train_command(a.steps, a.ckpt_every, "--steps-file", str(self.steps.path), "--log-every", "10",
-                            *model_args(a, self.work, self.slow_dir))
+                            *ckpt_args(a)[2:], *model_args(a, self.work, self.slow_dir))
         self.t0 = time.time()
         self.ctl = self.stack.start_controller(self.job, cmd, world_size=a.world,
                                                extra=["--exit-when-done", "--max-restarts", "1000",
@@ -1058,7 +1062,7 @@ class TransomRun(Runner):
             self.stack.stop()
 
     def is_save_interval(self, s0: int, s1: int) -> bool:
-        return s1 % self.args.ckpt_every == 0        # the step line is written after the save
+        return s1 in self.steps.saves        # the step line is written after the save
 
 
 def _tee_matches(kind: str, cls: str) -> bool:
@@ -1067,6 +1071,13 @@ def _tee_matches(kind: str, cls: str) -> bool:
 
 
 # --------------------------------------------------------------------------- report
+
+def ckpt_args(a: argparse.Namespace) -> list[str]:
+    """The retry loop's and Transom's checkpoint interval: K steps, or auto with the schedule's mean time
+    between faults as each one's MTBF (the same rule, Young's interval from each one's measured save cost)."""
+    mtbf = getattr(a, "mtbf_s", None)        # None in the plain run (it saves nothing)
+    return ["--ckpt-every", str(a.ckpt_every)] + (["--mtbf", f"{mtbf:.1f}"] if a.ckpt_every == "auto" and mtbf else [])
+
 
 def model_args(a: argparse.Namespace, work: Path, slow: Path | None = None) -> list[str]:
     return ["--slowdown-dir", str(slow or work / "slow"), "--width", str(a.width), "--layers", str(a.layers), "--heads", str(a.heads),
@@ -1197,7 +1208,7 @@ def targets(results: dict[str, RunResult], fault_rate_s: float | None, paired: d
 
 # --------------------------------------------------------------------------- main
 
-QUICK = {"steps": 200, "width": 256, "layers": 4, "batch_size": 4, "ckpt_every": 10, "fault_every_steps": 40,
+QUICK = {"steps": 200, "width": 256, "layers": 4, "batch_size": 4, "ckpt_every": "auto", "fault_every_steps": 40,
          "faults": 4, "run_timeout": 900.0}
 RUNS = ("torchrun", "torchft", "transom")
 
@@ -1210,7 +1221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         + " (flags given explicitly win)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule, the pause, the model and the data (default 1)")
     p.add_argument("--steps", type=int, default=None, help="training steps of the job (default 400)")
-    p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint interval K in steps, retry loop and Transom (default 10)")
+    p.add_argument("--ckpt-every", default=None,
+                   help="checkpoint interval K in steps, retry loop and Transom, or auto: each at Young's interval "
+                        "from its own measured save cost and the schedule's mean time between faults (default auto)")
     p.add_argument("--width", type=int, default=None, help="model width (default 384: ~7M parameters)")
     p.add_argument("--layers", type=int, default=None, help="transformer layers (default 4)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -1272,7 +1285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--print-schedule", action="store_true",
                    help="print the fault schedule and the pause as JSON and exit (needs --fault-every-steps)")
     args = p.parse_args(argv)
-    defaults = {"steps": 400, "width": 384, "layers": 4, "batch_size": 2, "ckpt_every": 10,
+    defaults = {"steps": 400, "width": 384, "layers": 4, "batch_size": 2, "ckpt_every": "auto",
                 "fault_every_steps": None, "faults": 16, "run_timeout": 1800.0}
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -1282,8 +1295,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [r for r in args.runs if r not in RUNS]
     if bad or not args.runs:
         p.error(f"--runs: {bad or 'nothing'} given; expected some of {', '.join(RUNS)}")
-    if args.steps < 2 or args.ckpt_every < 1 or args.world < 2 or not 0 < args.straggler_factor <= 1:
-        p.error("--steps >= 2, --ckpt-every >= 1, --world >= 2 and 0 < --straggler-factor <= 1 expected")
+    if args.ckpt_every != "auto":
+        if not str(args.ckpt_every).isdigit() or int(args.ckpt_every) < 1:
+            p.error(f"--ckpt-every {args.ckpt_every!r}: expected a number of steps >= 1 or auto")
+        args.ckpt_every = int(args.ckpt_every)
+    if args.steps < 2 or args.world < 2 or not 0 < args.straggler_factor <= 1:
+        p.error("--steps >= 2, --world >= 2 and 0 < --straggler-factor <= 1 expected")
     if args.width % args.heads:
         p.error(f"--width ({args.width}) must be a multiple of --heads ({args.heads})")
     if args.pause.strip().lower() == "off":
@@ -1365,8 +1382,9 @@ def main(argv: list[str] | None = None) -> int:
     params = 12 * args.width * args.width * args.layers + (256 + args.seq_len + 256) * args.width
     print(f"goodput: {args.world} ranks, {args.steps} steps, width {args.width} x {args.layers} layers "
           f"(~{params / 1e6:.1f}M parameters), batch {args.batch_size}x{args.seq_len}, checkpoint every "
-          f"{args.ckpt_every} steps; seed {args.seed}; watchdog {args.watchdog:.0f}s; Transom services at nice "
-          f"{args.services_nice}; work dir {work}", flush=True)
+          + ("Young's interval" if args.ckpt_every == "auto" else f"{args.ckpt_every} steps")
+          + f"; seed {args.seed}; watchdog {args.watchdog:.0f}s; Transom services at nice {args.services_nice}; "
+          f"work dir {work}", flush=True)
     results: dict[str, RunResult] = {}
 
     def interrupted(signum, _frame):
@@ -1388,8 +1406,10 @@ def main(argv: list[str] | None = None) -> int:
             plan(args, plain_step)
         else:
             args.every_steps = args.fault_every_steps
+        args.mtbf_s = args.every_steps * plain_step
         print(f"\nplain step {plain_step:.4f}s; a fault every {args.every_steps} steps "
-              f"(~{args.every_steps * plain_step:.0f}s of plain training)", flush=True)
+              f"(~{args.mtbf_s:.0f}s of plain training"
+              + (", the MTBF of both checkpoint cadences)" if args.ckpt_every == "auto" else ")"), flush=True)
         print("schedule: " + ", ".join(f"after step {f.after_step} {f.kind} rank {f.rank}" for f in args.schedule
                                        if f.after_step < args.steps)
               + (f"; evaluation pause {args.eval_pause.seconds:.0f}s after step {args.eval_pause.after_step}"
@@ -1417,6 +1437,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "bench": "goodput", "seed": args.seed, "world": args.world, "steps": args.steps, "width": args.width,
         "layers": args.layers, "batch_size": args.batch_size, "ckpt_every": args.ckpt_every,
+        "mtbf_s": round(args.mtbf_s, 1),
         "plain_step_s": plain_step, "fault_every_steps": args.every_steps, "fault_every_s_of_training": fault_rate,
         "kinds": list(args.kinds), "watchdog_s": args.watchdog, "straggler_factor": args.straggler_factor,
         "eval_pause": asdict(args.eval_pause) if args.eval_pause else None, "quick": args.quick,

@@ -4,9 +4,11 @@ Same model (``--width``, ``--layers``, ``--heads``), data (``--seed``), batch, o
 and gradient clipping as ``transom.examples.train_lm`` (and its ``--slowdown-dir`` straggler hook, with
 node name ``slot<RANK>``); rank 0 writes
 ``CKPT_DIR/step-N.pt`` with ``torch.save`` every ``--ckpt-every`` steps (the others wait at a
-barrier: a synchronous checkpoint), and every rank resumes from the newest one. Rank 0 appends
-``step generation epoch_seconds`` to ``--steps-file`` after every step, so the bench can time the
-first step after a restart.
+barrier: a synchronous checkpoint), or with ``--ckpt-every auto`` at Young's interval from the
+measured cost of its saves and ``--mtbf`` (the same rule, :class:`transom.checkpoint.cadence.Cadence`,
+as Transom's), and every rank resumes from the newest one. Rank 0 appends
+``step generation epoch_seconds`` to ``--steps-file`` after every step (`` s``: a save follows), so
+the bench can time the first step after a restart.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/tol_torchrun_job.py", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=100000)
-    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--ckpt-every", default="10", help="steps between saves, or auto (default 10)")
+    p.add_argument("--mtbf", type=float, default=None, help="--ckpt-every auto: mean seconds between faults")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--steps-file", required=True)
     p.add_argument("--attempt", type=int, default=0)
@@ -46,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after warm-up (default 3e-3)")
     p.add_argument("--slowdown-dir", default=None, help="benchmark straggler hook, as train_lm's (default: off)")
     args = p.parse_args(argv)
+    cadence = None
+    if args.ckpt_every == "auto":
+        from transom.checkpoint.cadence import DEFAULT_MTBF_S, Cadence
+        cadence = Cadence(args.mtbf or DEFAULT_MTBF_S)
+    else:
+        args.ckpt_every = int(args.ckpt_every)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -72,10 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.slowdown_dir:
             slowdown(args.slowdown_dir, time.perf_counter() - t0)
         step += 1
+        if cadence is None:
+            saving = step % args.ckpt_every == 0
+        else:                    # every rank alike: the largest proposal, as Transom's ranks agree it
+            t = torch.tensor([cadence.tick(step, busy=False)], dtype=torch.long)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            saving = cadence.due(step, int(t.item()))
         if out:
-            out.write(f"{step} {args.attempt} {time.time():.6f}\n")
+            out.write(f"{step} {args.attempt} {time.time():.6f}{' s' if saving else ''}\n")
             out.flush()
-        if step % args.ckpt_every == 0:
+        if saving:
+            t_save = time.perf_counter()
             datas = [None] * world
             dist.all_gather_object(datas, data.state_dict())
             if rank == 0:
@@ -84,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                             "step": step, "python_rng": random.getstate()}, tmp)
                 os.replace(tmp, os.path.join(args.ckpt_dir, f"step-{step}.pt"))
             dist.barrier()
+            if cadence is not None:
+                cadence.saved(step, time.perf_counter() - t_save)
     del net                      # as train_lm: DDP keeps the group alive past destroy_process_group
     gc.collect()
     dist.destroy_process_group()

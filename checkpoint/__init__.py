@@ -14,7 +14,8 @@ Stages, each in its own module and testable alone:
    to ``transom.checkpoints``, then keeps only the newest ``keep`` complete steps.
 
 ``load()`` takes the fastest copy whose digest verifies: local memory, peer memory, local disk,
-shared directory. :mod:`.planner` sizes memory (the paper's formulas) and checks a node.
+shared directory. :mod:`.planner` sizes memory (the paper's formulas) and checks a node;
+:mod:`.cadence` says when to save (``engine.due(step)``: Young's interval from the measured save cost).
 
 Layout of the shared directory (see :mod:`.layout`)::
 
@@ -24,7 +25,8 @@ Use::
 
     engine = CheckpointEngine.from_env()        # TRANSOM_CKPT_DIR, RANK, WORLD_SIZE, ...
     got = engine.load()                         # (step, state) of the newest good step, or None
-    engine.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+    if engine.due(step):                        # every rank alike, at the interval that pays
+        engine.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
     engine.close()                              # waits for the last persist
 
 Exception tree::

@@ -3,7 +3,9 @@
 ``transom ckpt-server --node NODE`` runs the node's TCE daemon (:mod:`.server`) until SIGTERM.
 ``transom ckpt plan --params P --dp DP --nodes N`` prints the paper's per-node memory and load
 time; with ``--check`` it also compares this node's /dev/shm and RAM and exits 2 with the reason
-when they cannot hold the checkpoints.
+when they cannot hold the checkpoints. ``transom ckpt plan --save-cost C --mtbf M [--step-time T]``
+prints the checkpoint interval that loses the least training time (Young's, :mod:`.cadence`) and
+what it loses.
 
 ``transom ckpt list --dir D [--verify]`` prints one line per step dir: complete steps (those
 with manifest.json) and incomplete ones, flagged. With ``--verify`` every shard of a complete
@@ -36,12 +38,23 @@ def register(sub) -> None:
     p.set_defaults(func=_list)
 
     pl = ckpt_sub.add_parser(
-        "plan", help="per-node checkpoint memory and load time (the paper's formulas)",
-        description="Print the memory one node needs for checkpoints and the expected load time, from "
-                    "the TRANSOM paper's model; --check also tests this node's /dev/shm and RAM.")
-    pl.add_argument("--params", type=float, required=True, help="model parameters, e.g. 7e9")
-    pl.add_argument("--dp", type=int, required=True, help="data-parallel degree")
-    pl.add_argument("--nodes", type=int, required=True, help="number of nodes")
+        "plan", help="per-node checkpoint memory and load time, and the checkpoint interval",
+        description="With --params, --dp, --nodes: the memory one node needs for checkpoints and the "
+                    "expected load time, from the TRANSOM paper's model (--check also tests this node's "
+                    "/dev/shm and RAM). With --save-cost: the checkpoint interval that loses the least "
+                    "training time, sqrt(2 x save cost x MTBF) (Young), and what it loses; a running job "
+                    "measures its save cost and does this itself (train_lm --ckpt-every auto, "
+                    "CheckpointEngine.due).")
+    pl.add_argument("--params", type=float, default=None, help="model parameters, e.g. 7e9")
+    pl.add_argument("--dp", type=int, default=None, help="data-parallel degree")
+    pl.add_argument("--nodes", type=int, default=None, help="number of nodes")
+    pl.add_argument("--save-cost", type=float, default=None, metavar="SECONDS",
+                    help="training time one save costs: its stall plus the slowdown of the steps while it "
+                         "replicates and persists (the ckpt_stall_s a job reports is the lower bound)")
+    pl.add_argument("--mtbf", type=float, default=None, metavar="SECONDS",
+                    help="mean time between faults that roll the job back (default: TRANSOM_CKPT_MTBF_S, else 4 h)")
+    pl.add_argument("--step-time", type=float, default=None, metavar="SECONDS",
+                    help="training step time: print the interval in steps too")
     pl.add_argument("--b-mem", type=float, default=10e9, help="host memory bandwidth, bytes/s (default 10e9)")
     pl.add_argument("--b-rdma", type=float, default=12.5e9, help="RDMA bandwidth, bytes/s (default 12.5e9)")
     pl.add_argument("--mem-keep", type=int, default=1, help="in-memory copies kept besides the one being "
@@ -109,8 +122,29 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from . import planner, segments
+    from transom.config import ConfigError, env_float
 
+    from . import cadence, planner, segments
+
+    memory = (args.params, args.dp, args.nodes)
+    if args.save_cost is None and None in memory:
+        raise ConfigError("plan: give --params, --dp and --nodes (memory and load time), "
+                          "--save-cost (the checkpoint interval), or both")
+    if args.save_cost is not None:
+        mtbf = args.mtbf if args.mtbf is not None else env_float("TRANSOM_CKPT_MTBF_S", cadence.DEFAULT_MTBF_S)
+        for key, value in (("--save-cost", args.save_cost), ("--mtbf", mtbf), ("--step-time", args.step_time)):
+            if value is not None and not value >= (0 if key == "--save-cost" else 1e-9):
+                raise ConfigError(f"plan: {key} {value}: expected seconds "
+                                  f"{'>= 0' if key == '--save-cost' else '> 0'}")
+        iv = cadence.plan(args.save_cost, mtbf, args.step_time)
+        steps = f" = {iv.steps} steps of {args.step_time:g} s" if iv.steps is not None else ""
+        print(f"save cost {args.save_cost:g} s, a fault every {mtbf:g} s")
+        print(f"checkpoint interval sqrt(2 x cost x MTBF):         {iv.seconds:10.1f} s{steps}")
+        print(f"training time lost to saves (cost / interval):     {100 * iv.save_fraction:10.2f} %")
+        print(f"lost to recomputation (interval / 2 MTBF):         {100 * iv.rollback_fraction:10.2f} %")
+        print(f"lost in all:                                       {100 * iv.lost_fraction:10.2f} %")
+    if None in memory:
+        return 0
     p = planner.plan(args.params, args.dp, args.nodes, b_mem=args.b_mem, b_rdma=args.b_rdma,
                      mem_keep=args.mem_keep)
     gib = 1 << 30

@@ -46,15 +46,16 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from transom import contracts
 from transom.agents.intake import phase as declare_phase
 from transom.agents.intake import report_event
-from transom.config import ConfigError, env_int, env_str
+from transom.config import ConfigError, env_float, env_int, env_str
 from transom.log import get
 
 from . import layout, restore, segments, shardfmt, snapshot, store
+from .cadence import DEFAULT_MTBF_S, Cadence
 from .digest import StreamDigest, algorithm
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .segments import Segment
@@ -105,7 +106,8 @@ class CheckpointEngine:
                  generation: int = 0, bootstrap: str | None = None, *, keep: int = 3,
                  policy: SavePolicy | str = SavePolicy.WAIT, runtime: str | os.PathLike | None = None,
                  disk: bool = True, shared: bool = True, wait_timeout: float = 600.0,
-                 snapshot: SnapshotMode | str = SnapshotMode.COPY, stop_grace: float | None = None) -> None:
+                 snapshot: SnapshotMode | str = SnapshotMode.COPY, stop_grace: float | None = None,
+                 mtbf_s: float = DEFAULT_MTBF_S) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep < 1:
@@ -114,6 +116,10 @@ class CheckpointEngine:
         self.job, self.rank, self.world_size, self.node = job, rank, world_size, node
         self.generation, self.bootstrap, self.keep = generation, bootstrap, keep
         self.policy = SavePolicy(policy)
+        if not mtbf_s > 0:
+            raise ConfigError(f"mtbf_s (TRANSOM_CKPT_MTBF_S): expected seconds > 0, got {mtbf_s!r}")
+        #: the save schedule of :meth:`due` (:mod:`.cadence`)
+        self.cadence = Cadence(mtbf_s)
         try:
             self.snapshot = SnapshotMode(snapshot)
         except ValueError:
@@ -228,7 +234,8 @@ class CheckpointEngine:
     def from_env(cls, directory: str | os.PathLike | None = None, **kwargs: Any) -> "CheckpointEngine":
         """Build from the launcher's environment (TRANSOM_CKPT_DIR, RANK, WORLD_SIZE, TRANSOM_JOB,
         TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME, TRANSOM_CKPT_SNAPSHOT,
-        TRANSOM_CKPT_STOP_S: seconds a SIGTERM waits for the in-flight save, ``stop_grace``);
+        TRANSOM_CKPT_STOP_S: seconds a SIGTERM waits for the in-flight save, ``stop_grace``;
+        TRANSOM_CKPT_MTBF_S: mean seconds between faults that roll the job back, ``mtbf_s``, for :meth:`due`);
         ``kwargs`` override."""
         directory = directory or env_str("TRANSOM_CKPT_DIR")
         if not directory:
@@ -238,7 +245,8 @@ class CheckpointEngine:
             world_size=env_int("WORLD_SIZE", 1), node=env_str("TRANSOM_NODE", socket.gethostname()),
             generation=env_int("TRANSOM_GENERATION", 0), bootstrap=env_str("TRANSOM_BOOTSTRAP"),
             runtime=env_str("TRANSOM_CKPT_RUNTIME"), snapshot=env_str("TRANSOM_CKPT_SNAPSHOT", "copy"),
-            stop_grace=float(env_str("TRANSOM_CKPT_STOP_S", "8")))
+            stop_grace=float(env_str("TRANSOM_CKPT_STOP_S", "8")),
+            mtbf_s=env_float("TRANSOM_CKPT_MTBF_S", DEFAULT_MTBF_S))
         args.update(kwargs)
         return cls(directory, **args)
 
@@ -259,6 +267,15 @@ class CheckpointEngine:
             self._hurry.set()
             self._thread.join(timeout)
             self._hurry.clear()
+
+    def due(self, step: int, agree: Callable[[int], int] | None = None) -> bool:
+        """Whether to save ``step``, which just ended, by the job's cadence (:mod:`.cadence`: Young's interval
+        from the measured cost of this job's saves and ``mtbf_s``). Call it once per step on every rank: it
+        agrees the next save step across the ranks with ``agree`` (an all-reduce MAX of an int, e.g.
+        :meth:`transom.elastic.ElasticGroup.agree_max`; default: ``torch.distributed``'s default group when
+        one is initialized), so every rank answers alike."""
+        vote = self.cadence.tick(step, busy=self.in_flight())
+        return self.cadence.due(step, (agree or _agree_max)(vote))
 
     def save(self, step: int, state: Any) -> bool:
         """Snapshot ``state`` into the daemon's memory (blocking); False if skipped by policy.
@@ -322,6 +339,7 @@ class CheckpointEngine:
                 self._conn.call({"op": "abort", "path": str(seg.path)})
             raise
         self.last_snapshot_s = time.perf_counter() - t0
+        self.cadence.saved(step, self.last_snapshot_s)
         self.last_snapshot_mode = SnapshotMode.COPY if pid is None else SnapshotMode.FORK
         report_event("checkpoint_save", step=step, ckpt_stall_s=self.last_snapshot_s, ckpt_bytes=plan.size)
         self.snapshot_child = pid
@@ -683,6 +701,18 @@ class CheckpointEngine:
                 return None
             return _read_peer(addr, self.job, shard.rank, step, shard, node)
         return store.read_verified(Path(copy.location), shard)
+
+
+def _agree_max(value: int) -> int:
+    """The largest ``value`` of the ranks of torch.distributed's default group (``value`` without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _locator_addr(location: str) -> str:

@@ -28,7 +28,7 @@ from transom.broker import free_port
 from transom.checkpoint import (
     CheckpointEngine, CheckpointError, CorruptCheckpoint, NoCheckpoint, complete_steps, list_steps, step_dir,
 )
-from transom.checkpoint import planner, segments
+from transom.checkpoint import cadence, planner, segments
 from transom.checkpoint.layout import read_manifest
 from transom.checkpoint.wire import Conn
 from transom.cli import main as transom_main
@@ -726,3 +726,58 @@ def test_fork_snapshots_are_safe_with_a_gloo_process_group_and_torch_threads(tmp
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and out.strip().endswith("ok"), out[-2000:]
     assert complete_steps(tmp_path)[-1] == 4
+
+
+# --------------------------------------------------------------------------- cadence (when to save)
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_cadence_saves_at_youngs_interval_from_the_measured_cost():
+    """Steps of 0.1 s; a save stalls 0.05 s and slows the 3 steps while it is in flight by 0.05 s each: it
+    costs 0.2 s, so with a fault every 100 s the interval is sqrt(2 x 0.2 x 100) = 6.3 s = 63 steps."""
+    clock = _Clock()
+    cad = cadence.Cadence(100.0, first=10, clock=clock)
+    saves, busy_left = [], 0
+    for step in range(1, 400):
+        clock.t += 0.1 + (0.05 if busy_left else 0.0)
+        busy_left = max(0, busy_left - 1)
+        if cad.due(step, cad.tick(step, busy=busy_left > 0)):
+            clock.t += 0.05                           # the stall
+            cad.saved(step, 0.05)
+            saves.append(step)
+            busy_left = 3
+    assert saves[0] == 10, "the first save comes 10 steps after the start"
+    assert cad.save_cost_s == pytest.approx(0.2, abs=1e-6)
+    assert cad.interval.steps == 63 and cad.interval.seconds == pytest.approx(6.3)
+    assert [b - a for a, b in zip(saves[1:], saves[2:])] == [63] * (len(saves) - 2)
+    assert cad.interval.save_fraction == pytest.approx(0.2 / 6.3)
+    fresh = cadence.Cadence(100.0, first=10, clock=clock)            # a spare that joins at step 400
+    votes = [cad.tick(400, busy=False), fresh.tick(400, busy=False)]
+    assert not fresh.due(400, max(votes)) and fresh.due(saves[-1] + 63, max(votes)), \
+        "the rank that has saved decides, not the newcomer"
+
+
+def test_cadence_interval_bounds_and_youngs_formula():
+    assert cadence.young(0.4, 120) == pytest.approx((2 * 0.4 * 120) ** 0.5)
+    p = cadence.plan(0.4, 120, 0.3)
+    assert p.steps == 33 and p.lost_fraction == pytest.approx(0.4 / 9.9 + 9.9 / 240)
+    assert cadence.plan(0.4, 1e12, 0.3).seconds == pytest.approx(1800, rel=1e-3), "capped at 30 min"
+    assert cadence.plan(0.0, 120, 0.3, min_steps=3).steps == 3, "never below the steps a save was in flight"
+    with pytest.raises(ValueError, match="mean time between faults"):
+        cadence.young(0.4, 0)
+
+
+def test_ckpt_plan_prints_the_interval_and_refuses_bad_input(capsys):
+    assert transom_main(["ckpt", "plan", "--save-cost", "0.4", "--mtbf", "120", "--step-time", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert "9.9 s = 33 steps of 0.3 s" in out and "lost to saves" in out and "8.17 %" in out
+    assert transom_main(["ckpt", "plan", "--save-cost", "0.4", "--mtbf", "0"]) == 2
+    assert "--mtbf 0.0: expected seconds > 0" in capsys.readouterr().err
+    assert transom_main(["ckpt", "plan"]) == 2
+    assert "give --params, --dp and --nodes" in capsys.readouterr().err

@@ -39,8 +39,9 @@ def test_a_killed_rank_on_a_host_is_healed_by_the_warm_spare_on_a_spare_host(sta
     stack.start_agents()
     hold = stack.run_dir / "hold"
     hold.mkdir()
-    (hold / "pause").write_text(f"{time.time() + 3600} 6\n")      # every rank stops after step 6 (saved step 5)
-    proc = stack.start_controller(JOB, train_command(STEPS, 5, "--slowdown-dir", str(hold), *TINY), world_size=2,
+    (hold / "pause").write_text(f"{time.time() + 3600} 6\n")      # every rank stops after step 6
+    # the default checkpoint cadence (auto), agreed by the ranks every step across the hosts, the spare among them
+    proc = stack.start_controller(JOB, train_command(STEPS, "auto", "--slowdown-dir", str(hold), *TINY), world_size=2,
                                   extra=["--exit-when-done", "--precheck", "health", "--heal-timeout", "60"]).popen
     hosts = stack.run_dir / "hosts"
     gen0, gen1 = hosts / "node0" / JOB / "gen-0", hosts / "node1" / JOB / "gen-0"
@@ -68,7 +69,7 @@ def test_a_killed_rank_on_a_host_is_healed_by_the_warm_spare_on_a_spare_host(sta
     # the survivor is the same process and finished the job; no generation but the first
     assert _pid(gen0 / "rank-0.pid") == survivor and (gen0 / "rank-0.exit").read_text().strip() == "0"
     assert "restored step" not in (gen0 / "rank-0.log").read_text()
-    assert f"done: {STEPS} steps" in (gen0 / "rank-0.log").read_text()
+    assert f"done: {STEPS} steps, last checkpoint step {STEPS}" in (gen0 / "rank-0.log").read_text()
     assert not list((hosts / "node0" / JOB).glob("gen-1"))
     # the spare on node2 took rank 1 with the survivor's parameters, bit for bit
     (spare_log,) = sorted((hosts / "node2" / JOB / "gen-0").glob("spare-*/rank-0.log"))

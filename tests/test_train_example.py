@@ -29,7 +29,7 @@ import torch
 
 from transom import contracts
 from transom.broker import free_port
-from transom.checkpoint import complete_steps, step_dir
+from transom.checkpoint import complete_steps, list_steps, step_dir
 from transom.checkpoint import shardfmt
 from transom.checkpoint.layout import read_manifest
 
@@ -292,3 +292,28 @@ def _flat(obj):
     if isinstance(obj, (list, tuple)):
         return [_flat(v) for v in obj]
     return obj
+
+
+def _saved_steps(steps_file: Path) -> list[int]:
+    return [int(ln.split()[0]) for ln in steps_file.read_text().splitlines() if ln.split()[3:] == ["s"]]
+
+
+def test_auto_cadence_every_rank_saves_the_same_steps_more_often_when_faults_are_frequent(tmp_path, launches):
+    """--ckpt-every auto (the default): both ranks save the steps their agreed cadence names, each
+    checkpoint complete; a fault every 0.01 s makes them save every few steps (each save as soon as
+    the last is done), one every 10^9 s only the first (10 steps in) and the last."""
+    saved = {}
+    for mtbf in ("0.01", "1e9"):
+        ckpt, steps_file = tmp_path / f"ckpt-{mtbf}", tmp_path / f"steps-{mtbf}.txt"
+        run, codes = run_to_end(launches, lambda: Ranks(
+            tmp_path, ckpt, 2, ["--steps", "60", "--mtbf", mtbf, "--keep", "1000", "--steps-file", str(steps_file)],
+            job=f"cad-{uuid.uuid4().hex[:6]}"))
+        assert codes == [0, 0], run.explain(codes)
+        saved[mtbf] = _saved_steps(steps_file)
+        steps = list_steps(ckpt)
+        assert [s.step for s in steps if s.complete] == saved[mtbf], \
+            "every step rank 0 saved is complete: rank 1 saved the same steps"
+        assert all(s.complete for s in steps), [s.step for s in steps if not s.complete]
+    assert saved["1e9"] == [10, 60]
+    assert saved["0.01"][0] == 10 and len(saved["0.01"]) >= 6, \
+        f"after the first cost was measured the interval is a few steps: {saved['0.01']}"

@@ -402,13 +402,29 @@ class ElasticGroup:
         place of DDP's reducer (which waits in C++, where nothing can interrupt it)."""
         if not tensors:
             return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self._all_reduce(flat, dist.ReduceOp.SUM)
+        flat.div_(self.world)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` of the group's ranks, waited for as :meth:`all_reduce_mean_` (the checkpoint
+        engine's ``due(step, agree=group.agree_max)`` agrees the next save step with it, inside a step)."""
+        t = torch.tensor([value], dtype=torch.long)
+        self._all_reduce(t, dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _all_reduce(self, flat: torch.Tensor, op: Any) -> None:
         if self._graveyard:
             self._bury()
-        flat = torch.cat([t.reshape(-1) for t in tensors])
         # no short timeout here: a peer may legitimately be late (a save's stall, an evaluation pause that one
         # rank entered a step earlier); a peer that is gone is given up when the controller names a new group
         self._timeout(self.pg_timeout_s)
-        work = dist.all_reduce(flat, async_op=True)
+        work = dist.all_reduce(flat, op=op, async_op=True)
         self._timeout(self.step_timeout_s)
         deadline = time.monotonic() + self.pg_timeout_s
         done = threading.Event()           # set by gloo's thread when the work ends: no polling latency
@@ -420,12 +436,6 @@ class ElasticGroup:
                     f"no answer within {self.pg_timeout_s:.0f}s"
                 raise CollectiveAbandoned(f"all-reduce of rank {self.rank} given up: {why}")
         work.wait()                        # raises what failed it
-        flat.div_(self.world)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
-            offset += n
 
     def _bury(self) -> None:
         """Drop each group of the graveyard whose pending collective has ended (failed when the dead peer's

@@ -43,7 +43,8 @@ CONTROL_HOST = "ctl"
 BROKER_PORT, AGENT_PORT, CKPT_PORT, LAUNCHER_PORT = 9092, 7000, 7100, 7070
 
 
-def train_command(steps: int, ckpt_every: int, *extra: str) -> list[str]:
+def train_command(steps: int, ckpt_every: int | str, *extra: str) -> list[str]:
+    """The example job's command line; ``ckpt_every``: steps between saves, or ``"auto"`` (its cadence)."""
     return [sys.executable, "-m", "transom.examples.train_lm", "--steps", str(steps),
             "--ckpt-every", str(ckpt_every), *extra]
 

@@ -1,6 +1,6 @@
 """A tiny transformer language model trained with torch DDP (gloo, CPU): the job Transom keeps alive.
 
-Run ``python -m transom.examples.train_lm --steps 300 --ckpt-every 50``. With RANK, WORLD_SIZE,
+Run ``python -m transom.examples.train_lm --steps 300``. With RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set (the launcher sets them) it joins a gloo process group of
 WORLD_SIZE ranks; without them it runs alone.
 
@@ -16,8 +16,10 @@ Contract with the rest of Transom:
   (``--no-dedup-replicas``: every rank saves everything);
 - checks before the first step that this node's shared memory (/dev/shm, RAM, the daemon's
   budget) can hold its checkpoints, and exits 4 with the reason when it cannot;
-- saves every ``--ckpt-every`` steps and after the last one, and waits for that save to persist
-  before exiting 0;
+- saves when the checkpoint engine's cadence says (``--ckpt-every auto``, the default: Young's
+  interval from the measured cost of its saves and TRANSOM_CKPT_MTBF_S, agreed by every rank each
+  step, :mod:`transom.checkpoint.cadence`) or every ``--ckpt-every K`` steps, and after the last one,
+  and waits for that save to persist before exiting 0;
 - reports nothing about checkpoints itself: the checkpoint engine sends each save's stall
   (``ckpt_stall_s``) and each restore's tier and time (``restore_tier``: 0 local memory, 1 peer
   memory, 2 local disk, 3 shared; ``restore_s``) as training events (``report_event``);
@@ -32,8 +34,8 @@ Contract with the rest of Transom:
   controller names and redo the step, keeping their model and optimizer; a warm spare, started with
   ``TRANSOM_SPARE=1``, waits at the join point, then takes the failed rank's place with the state of a
   survivor and its data position from the rank's newest checkpoint);
-- with ``--steps-file F``, rank 0 appends ``step generation epoch_seconds`` to F after every step
-  (bench/goodput.py times both of its runs from such files).
+- with ``--steps-file F``, rank 0 appends ``step generation epoch_seconds`` to F after every step,
+  and `` s`` on the line of a step it saved (bench/goodput.py times its runs from such files).
 
 Model size: ``--width`` (d_model, default 64), ``--layers`` (2), ``--heads`` (4); the checkpoint
 (model and AdamW's two moments, float32) is about 12 bytes per parameter.
@@ -300,8 +302,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Train a tiny byte-level transformer LM with DDP (gloo, CPU), checkpointing "
                     "through Transom's checkpoint engine and reporting steps to the node agent.")
     p.add_argument("--steps", type=int, default=300, help="train until this many steps are done (default 300)")
-    p.add_argument("--ckpt-every", type=int, default=50, metavar="K",
-                   help="save a checkpoint every K steps and after the last; 0: only after the last (default 50)")
+    p.add_argument("--ckpt-every", default="auto", metavar="K",
+                   help="save a checkpoint every K steps and after the last; 0: only after the last; auto: when "
+                        "the checkpoint engine's cadence says (Young's interval from the measured cost of a save "
+                        "and TRANSOM_CKPT_MTBF_S, the mean seconds between faults that roll the job back; "
+                        "default 4 h) (default auto)")
+    p.add_argument("--mtbf", type=float, default=None, metavar="SECONDS",
+                   help="--ckpt-every auto: mean seconds between faults that roll the job back (default: "
+                        "TRANSOM_CKPT_MTBF_S, else 4 h)")
     p.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CKPT_DIR") or "runs/train_lm",
                    help="checkpoint directory (env TRANSOM_CKPT_DIR; default runs/train_lm)")
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep (default 3)")
@@ -333,8 +341,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not (at.isdigit() and secs.replace(".", "", 1).isdigit()):
             p.error(f"--eval-pause {args.eval_pause!r}: expected STEP:SECONDS, e.g. 200:40")
         args.eval_pause = (int(at), float(secs))
-    if args.steps < 1 or args.ckpt_every < 0 or args.batch_size < 1 or args.seq_len < 2:
-        p.error("--steps, --batch-size must be >= 1, --seq-len >= 2, --ckpt-every >= 0")
+    if args.ckpt_every == "auto":
+        args.ckpt_every = None
+    elif args.ckpt_every.isdigit():
+        args.ckpt_every = int(args.ckpt_every)
+    else:
+        p.error(f"--ckpt-every {args.ckpt_every!r}: expected a number of steps (0: only after the last) or auto")
+    if args.mtbf is not None and not args.mtbf > 0:
+        p.error(f"--mtbf {args.mtbf}: expected seconds > 0")
+    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
+        p.error("--steps, --batch-size must be >= 1, --seq-len >= 2")
     if args.width < 1 or args.layers < 1 or args.heads < 1 or args.width % args.heads:
         p.error(f"--width ({args.width}) must be a positive multiple of --heads ({args.heads}); --layers >= 1")
     return args
@@ -427,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(args.seed * 7919 + rank)
     torch.manual_seed(args.seed * 7919 + rank)           # per-rank stream for anything stochastic
 
-    engine = CheckpointEngine.from_env(args.ckpt_dir, rank=rank, world_size=world, keep=args.keep)
+    engine = CheckpointEngine.from_env(args.ckpt_dir, rank=rank, world_size=world, keep=args.keep,
+                                       **({"mtbf_s": args.mtbf} if args.mtbf else {}))
     _check_capacity(engine, model)
     step = 0
     built = {"model": model.state_dict(), "optimizer": opt.state_dict()}     # restored into, in place
@@ -466,10 +483,15 @@ def main(argv: list[str] | None = None) -> int:
     last_saved = step if got is not None else None
     steps_out = open(args.steps_file, "a") if args.steps_file and rank == 0 else None
     value = float("nan")
+    due = [False]                # the cadence's answer for the step just taken (--ckpt-every auto)
 
     def one_step() -> torch.Tensor:
-        return train_step(replica.net, model, opt, loss_fn, replica.data, replica.step, args,
+        due[0] = False
+        loss = train_step(replica.net, model, opt, loss_fn, replica.data, replica.step, args,
                           sync=group.all_reduce_mean_ if group is not None else None)
+        if args.ckpt_every is None:      # agreed by every rank inside the step: a peer lost here is healed
+            due[0] = engine.due(replica.step + 1, agree=group.agree_max if group is not None else None)
+        return loss
 
     while replica.step < args.steps:
         t0 = time.perf_counter()
@@ -484,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         step_time = time.perf_counter() - t0
         if loss is not None:                             # None: a survivor had done this step for us
             value = loss.item()
-        if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
+        saving = due[0] if args.ckpt_every is None else bool(args.ckpt_every and step % args.ckpt_every == 0)
+        if saving or step == args.steps:
             state = {"data": replica.data.state_dict(),
                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                      "step": step, "world_size": world}
@@ -492,11 +515,12 @@ def main(argv: list[str] | None = None) -> int:
                 state.update(model=model.state_dict(), optimizer=opt.state_dict())
             engine.save(step, state)        # the engine reports the save's stall itself (report_event)
             last_saved = step
+            saving = True
         report(step=step, loss=value, tokens_per_s=tokens / step_time, step_time=step_time)
         if args.eval_pause and step == args.eval_pause[0]:
             time.sleep(args.eval_pause[1])       # every rank at the same step: a job-wide pause, no marker
         if steps_out is not None:
-            steps_out.write(f"{step} {generation} {time.time():.6f}\n")
+            steps_out.write(f"{step} {generation} {time.time():.6f}{' s' if saving else ''}\n")
             steps_out.flush()
         recent = (recent + [(value, step_time)])[-args.log_every:]
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):

@@ -1,0 +1,169 @@
+"""When to save: the checkpoint interval that loses the least training time, from what a save costs.
+
+A save costs the job ``C`` seconds of training: its blocking stall plus the slowdown of the steps
+that run while it is hashed, replicated and persisted (on a shared host the daemons take cores and
+memory bandwidth from the ranks). A fault that rolls the job back to its newest checkpoint costs,
+on average, half an interval of recomputation. With ``M`` the mean time between such faults, the
+fraction of training time lost to both is ``C / T + T / (2 M)``, least at Young's interval::
+
+    T = sqrt(2 C M)          lost fraction at T: sqrt(2 C / M) (half saves, half recomputation)
+
+(Daly's refinement adds the restart time, negligible next to ``M``.) :func:`young` and :func:`plan`
+evaluate it (``transom ckpt plan --save-cost C --mtbf M``); :class:`Cadence` applies it to a running
+job: it times every step, measures ``C`` of each save as the stall plus the excess over the median
+quiet step of the steps that ran while the save was in flight, and proposes the next save step
+``T / step time`` steps after the last one. The proposal is agreed by every rank of the job each step
+(an all-reduce MAX of :meth:`Cadence.tick`'s vote, then :meth:`Cadence.due`), so all save the same
+steps: the largest proposal of the ranks that have saved wins (the rank that saves the most state sees
+the whole cost); a spare that joined a running job, which has saved nothing yet, has no say.
+
+Before the first cost is known the first save comes ``first`` steps after the start. The interval is
+at least one step more than the last save was in flight (saves never queue) and at most
+``max_interval_s`` of training.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from transom.log import get
+
+__all__ = ["young", "plan", "IntervalPlan", "Cadence", "DEFAULT_MTBF_S", "DEFAULT_MAX_INTERVAL_S"]
+
+log = get("checkpoint.cadence")
+
+DEFAULT_MTBF_S = 4 * 3600.0          # a large job's interruptions (Llama 3: one per ~3 h on 16K GPUs)
+DEFAULT_MAX_INTERVAL_S = 1800.0
+_SAID = 1 << 48                      # added to the vote of a rank that has saved: above any step number
+
+
+def young(save_cost_s: float, mtbf_s: float) -> float:
+    """Young's interval in seconds: ``sqrt(2 C M)``."""
+    if save_cost_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"save cost must be >= 0 and the mean time between faults > 0, got "
+                         f"{save_cost_s} and {mtbf_s}")
+    return math.sqrt(2.0 * save_cost_s * mtbf_s)
+
+
+@dataclass(frozen=True)
+class IntervalPlan:
+    seconds: float                 # the interval, in seconds of training
+    steps: int | None              # in steps, when the step time is known
+    save_fraction: float           # of training time lost to saves: C / T
+    rollback_fraction: float       # lost to recomputation after faults: T / 2M
+
+    @property
+    def lost_fraction(self) -> float:
+        return self.save_fraction + self.rollback_fraction
+
+
+def plan(save_cost_s: float, mtbf_s: float, step_s: float | None = None, *, min_steps: int = 1,
+         max_interval_s: float = DEFAULT_MAX_INTERVAL_S) -> IntervalPlan:
+    """The interval for a save cost and a fault rate: Young's, within ``[min_steps, max_interval_s]``."""
+    if step_s is not None and step_s <= 0:
+        raise ValueError(f"step time must be > 0, got {step_s}")
+    seconds = min(young(save_cost_s, mtbf_s), max_interval_s)
+    steps = None
+    if step_s is not None:
+        steps = max(min_steps, round(seconds / step_s))
+        seconds = steps * step_s
+    seconds = max(seconds, 1e-9)
+    return IntervalPlan(seconds, steps, save_cost_s / seconds, seconds / (2.0 * mtbf_s))
+
+
+class Cadence:
+    """The save schedule of one rank. Each step: ``vote = tick(step, busy)``, the largest vote of the
+    ranks (an all-reduce MAX), ``due(step, largest)``; :meth:`saved` after each save."""
+
+    def __init__(self, mtbf_s: float = DEFAULT_MTBF_S, *, first: int = 10,
+                 max_interval_s: float = DEFAULT_MAX_INTERVAL_S, window: int = 64, clock=time.perf_counter) -> None:
+        if mtbf_s <= 0 or first < 1 or max_interval_s <= 0:
+            raise ValueError(f"mtbf_s and max_interval_s must be > 0 and first >= 1, got {mtbf_s}, "
+                             f"{max_interval_s}, {first}")
+        self.mtbf_s, self.first, self.max_interval_s = mtbf_s, first, max_interval_s
+        self._clock = clock
+        self._last_tick: float | None = None
+        self._quiet: deque[float] = deque(maxlen=window)     # step times with no save in flight
+        self.costs: deque[float] = deque(maxlen=8)          # measured cost of recent saves, s
+        self._open: dict | None = None                       # the save being measured
+        self.last_save: int | None = None
+        self._start: int | None = None
+        self._busy_steps = 0                                 # steps the last measured save was in flight
+        self.interval: IntervalPlan | None = None
+
+    @property
+    def step_s(self) -> float | None:
+        """Median step time with no save in flight."""
+        return statistics.median(self._quiet) if len(self._quiet) >= 3 else None
+
+    @property
+    def save_cost_s(self) -> float | None:
+        return statistics.median(self.costs) if self.costs else None
+
+    def tick(self, step: int, busy: bool) -> int:
+        """Step ``step`` just ended; ``busy``: a save's background work ran during it. Returns this rank's
+        vote for the next save step: the proposal, raised by :data:`_SAID` once this rank has saved, so
+        that the ranks that measured a save outvote those that have not."""
+        now = self._clock()
+        dt = None if self._last_tick is None else now - self._last_tick
+        self._last_tick = now
+        if self._start is None:
+            self._start = step
+        m = self._open
+        if dt is not None:
+            if m is not None and (busy or m["busy"]):
+                m["steps"].append(dt)
+                m["busy"] = busy
+            elif m is not None:          # the save's work ended before this step: measured
+                self._close(m)
+                self._quiet.append(dt)
+            else:
+                self._quiet.append(dt)
+        return self.proposal() + (_SAID if self.last_save is not None else 0)
+
+    @staticmethod
+    def due(step: int, largest_vote: int) -> bool:
+        """Whether to save ``step``, from the largest vote of the job's ranks."""
+        return step >= (largest_vote - _SAID if largest_vote >= _SAID else largest_vote)
+
+    def saved(self, step: int, stall_s: float) -> None:
+        """A save of ``step`` blocked the training for ``stall_s``; its background work starts now."""
+        if self._open is not None:
+            self._close(self._open)
+        self.last_save = step
+        self._open = {"step": step, "stall": stall_s, "steps": [], "busy": True}
+
+    def _close(self, m: dict) -> None:
+        self._open = None
+        base = self.step_s
+        if base is None:
+            return
+        # the step that held the stall, then the ones slowed by the work, each over the quiet step; each
+        # excess capped (a long pause that fell in the window is not the save's doing)
+        caps = [m["stall"] + base] + [base] * (len(m["steps"]) - 1)
+        excess = sum(min(dt - base, cap) for dt, cap in zip(m["steps"], caps))
+        self.costs.append(max(0.0, excess) if m["steps"] else m["stall"])
+        self._busy_steps = len(m["steps"])
+        self._replan()
+
+    def _replan(self) -> None:
+        before = self.interval
+        self.interval = plan(self.save_cost_s or 0.0, self.mtbf_s, self.step_s, min_steps=self._busy_steps + 1,
+                             max_interval_s=self.max_interval_s)
+        if before is None or abs(self.interval.steps - before.steps) > 0.2 * before.steps:
+            log.info("checkpoint interval %d steps (%.1f s): a save costs %.2f s of training, faults every %.0f s "
+                     "(TRANSOM_CKPT_MTBF_S): %.1f %% of training time lost to saves, %.1f %% expected to "
+                     "recomputation", self.interval.steps, self.interval.seconds, self.save_cost_s,
+                     self.mtbf_s, 100 * self.interval.save_fraction, 100 * self.interval.rollback_fraction)
+
+    def proposal(self) -> int:
+        """The step this rank would save next."""
+        if self.last_save is None:
+            return (self._start if self._start is not None else 0) + self.first - 1
+        if self.interval is None:            # the first save's cost is not measured yet
+            return self.last_save + self.first
+        return self.last_save + self.interval.steps
