@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cadence = None
     if args.ckpt_every == "auto":
-        from transom.checkpoint.cadence import DEFAULT_MTBF_S, Cadence
+        from transom.checkpoint.cadence import DEFAULT_MTBF_S, Cadence, agree_max
         cadence = Cadence(args.mtbf or DEFAULT_MTBF_S)
     else:
         args.ckpt_every = int(args.ckpt_every)
@@ -83,10 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         if cadence is None:
             saving = step % args.ckpt_every == 0
-        else:                    # every rank alike: the largest proposal, as Transom's ranks agree it
-            t = torch.tensor([cadence.tick(step, busy=False)], dtype=torch.long)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            saving = cadence.due(step, int(t.item()))
+        else:                    # every rank alike, as Transom's ranks agree it
+            cadence.tick(step, busy=False)
+            saving = cadence.due(step, agree_max)
         if out:
             out.write(f"{step} {args.attempt} {time.time():.6f}{' s' if saving else ''}\n")
             out.flush()

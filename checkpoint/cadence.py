@@ -11,15 +11,19 @@ fraction of training time lost to both is ``C / T + T / (2 M)``, least at Young'
 (Daly's refinement adds the restart time, negligible next to ``M``.) :func:`young` and :func:`plan`
 evaluate it (``transom ckpt plan --save-cost C --mtbf M``); :class:`Cadence` applies it to a running
 job: it times every step, measures ``C`` of each save as the stall plus the excess over the median
-quiet step of the steps that ran while the save was in flight, and proposes the next save step
-``T / step time`` steps after the last one. The proposal is agreed by every rank of the job each step
-(an all-reduce MAX of :meth:`Cadence.tick`'s vote, then :meth:`Cadence.due`), so all save the same
-steps: the largest proposal of the ranks that have saved wins (the rank that saves the most state sees
-the whole cost); a spare that joined a running job, which has saved nothing yet, has no say.
+quiet step of the steps that ran while the save was in flight, and saves again ``T / step time``
+steps later.
 
-Before the first cost is known the first save comes ``first`` steps after the start. The interval is
-at least one step more than the last save was in flight (saves never queue) and at most
-``max_interval_s`` of training.
+Every rank saves the same steps without a collective per step (on a host whose cores the ranks share,
+one more tiny all-reduce per step cost 4.5-5 % of the step, docs/checkpoint.md "When to save"):
+the ranks agree, with an all-reduce MAX (``agree``), on the next save step at each save step, and at
+the first step of a new group (``epoch``: a heal re-formed it, a spare joined). The ranks that know the
+job's schedule outvote one that does not (a spare that just joined), and among those that measured a
+save the largest interval wins (the rank that saves the model sees the whole cost).
+
+The first save comes ``first`` steps after the start, the second ``first`` steps later (the first one's
+cost is measured meanwhile). The interval is at least one step more than the last save was in flight
+(saves never queue) and at most ``max_interval_s`` of training.
 """
 
 from __future__ import annotations
@@ -29,16 +33,17 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from transom.log import get
 
-__all__ = ["young", "plan", "IntervalPlan", "Cadence", "DEFAULT_MTBF_S", "DEFAULT_MAX_INTERVAL_S"]
+__all__ = ["young", "plan", "IntervalPlan", "Cadence", "agree_max", "DEFAULT_MTBF_S", "DEFAULT_MAX_INTERVAL_S"]
 
 log = get("checkpoint.cadence")
 
 DEFAULT_MTBF_S = 4 * 3600.0          # a large job's interruptions (Llama 3: one per ~3 h on 16K GPUs)
 DEFAULT_MAX_INTERVAL_S = 1800.0
-_SAID = 1 << 48                      # added to the vote of a rank that has saved: above any step number
+_SAID = 1 << 48     # added to the vote of a rank that knows the schedule (or measured a save): above any step
 
 
 def young(save_cost_s: float, mtbf_s: float) -> float:
@@ -76,8 +81,8 @@ def plan(save_cost_s: float, mtbf_s: float, step_s: float | None = None, *, min_
 
 
 class Cadence:
-    """The save schedule of one rank. Each step: ``vote = tick(step, busy)``, the largest vote of the
-    ranks (an all-reduce MAX), ``due(step, largest)``; :meth:`saved` after each save."""
+    """The save schedule of one rank. Each step: :meth:`tick`, then :meth:`due`; :meth:`saved` after each
+    save."""
 
     def __init__(self, mtbf_s: float = DEFAULT_MTBF_S, *, first: int = 10,
                  max_interval_s: float = DEFAULT_MAX_INTERVAL_S, window: int = 64, clock=time.perf_counter) -> None:
@@ -90,10 +95,11 @@ class Cadence:
         self._quiet: deque[float] = deque(maxlen=window)     # step times with no save in flight
         self.costs: deque[float] = deque(maxlen=8)          # measured cost of recent saves, s
         self._open: dict | None = None                       # the save being measured
-        self.last_save: int | None = None
         self._start: int | None = None
         self._busy_steps = 0                                 # steps the last measured save was in flight
         self.interval: IntervalPlan | None = None
+        self.next_save: int | None = None                    # agreed by the job's ranks
+        self._epoch: int | None = None
 
     @property
     def step_s(self) -> float | None:
@@ -104,10 +110,8 @@ class Cadence:
     def save_cost_s(self) -> float | None:
         return statistics.median(self.costs) if self.costs else None
 
-    def tick(self, step: int, busy: bool) -> int:
-        """Step ``step`` just ended; ``busy``: a save's background work ran during it. Returns this rank's
-        vote for the next save step: the proposal, raised by :data:`_SAID` once this rank has saved, so
-        that the ranks that measured a save outvote those that have not."""
+    def tick(self, step: int, busy: bool) -> None:
+        """Step ``step`` just ended; ``busy``: a save's background work ran during it."""
         now = self._clock()
         dt = None if self._last_tick is None else now - self._last_tick
         self._last_tick = now
@@ -123,18 +127,25 @@ class Cadence:
                 self._quiet.append(dt)
             else:
                 self._quiet.append(dt)
-        return self.proposal() + (_SAID if self.last_save is not None else 0)
 
-    @staticmethod
-    def due(step: int, largest_vote: int) -> bool:
-        """Whether to save ``step``, from the largest vote of the job's ranks."""
-        return step >= (largest_vote - _SAID if largest_vote >= _SAID else largest_vote)
+    def due(self, step: int, agree: Callable[[int], int], epoch: int = 0) -> bool:
+        """Whether to save ``step``. ``agree(vote)`` returns the largest vote of the job's ranks (a
+        collective): it is called only where every rank calls it, at the first step of each ``epoch``
+        (of the group: a heal changes it) and at each save step."""
+        if self.next_save is None or epoch != self._epoch:
+            self._epoch = epoch
+            vote = self.next_save + _SAID if self.next_save is not None else (self._start or step) + self.first - 1
+            self.next_save = _decode(agree(vote))
+        if step < self.next_save:
+            return False
+        steps = self.interval.steps if self.interval is not None else self.first
+        self.next_save = _decode(agree(step + steps + (_SAID if self.interval is not None else 0)))
+        return True
 
     def saved(self, step: int, stall_s: float) -> None:
         """A save of ``step`` blocked the training for ``stall_s``; its background work starts now."""
         if self._open is not None:
             self._close(self._open)
-        self.last_save = step
         self._open = {"step": step, "stall": stall_s, "steps": [], "busy": True}
 
     def _close(self, m: dict) -> None:
@@ -160,10 +171,19 @@ class Cadence:
                      "recomputation", self.interval.steps, self.interval.seconds, self.save_cost_s,
                      self.mtbf_s, 100 * self.interval.save_fraction, 100 * self.interval.rollback_fraction)
 
-    def proposal(self) -> int:
-        """The step this rank would save next."""
-        if self.last_save is None:
-            return (self._start if self._start is not None else 0) + self.first - 1
-        if self.interval is None:            # the first save's cost is not measured yet
-            return self.last_save + self.first
-        return self.last_save + self.interval.steps
+
+
+def _decode(vote: int) -> int:
+    return vote - _SAID if vote >= _SAID else vote
+
+
+def agree_max(value: int) -> int:
+    """The largest ``value`` of the ranks of torch.distributed's default group (``value`` without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

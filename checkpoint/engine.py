@@ -55,7 +55,7 @@ from transom.config import ConfigError, env_float, env_int, env_str
 from transom.log import get
 
 from . import layout, restore, segments, shardfmt, snapshot, store
-from .cadence import DEFAULT_MTBF_S, Cadence
+from .cadence import DEFAULT_MTBF_S, Cadence, agree_max
 from .digest import StreamDigest, algorithm
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, StaleGeneration
 from .segments import Segment
@@ -268,14 +268,15 @@ class CheckpointEngine:
             self._thread.join(timeout)
             self._hurry.clear()
 
-    def due(self, step: int, agree: Callable[[int], int] | None = None) -> bool:
+    def due(self, step: int, agree: Callable[[int], int] | None = None, epoch: int = 0) -> bool:
         """Whether to save ``step``, which just ended, by the job's cadence (:mod:`.cadence`: Young's interval
-        from the measured cost of this job's saves and ``mtbf_s``). Call it once per step on every rank: it
-        agrees the next save step across the ranks with ``agree`` (an all-reduce MAX of an int, e.g.
-        :meth:`transom.elastic.ElasticGroup.agree_max`; default: ``torch.distributed``'s default group when
-        one is initialized), so every rank answers alike."""
-        vote = self.cadence.tick(step, busy=self.in_flight())
-        return self.cadence.due(step, (agree or _agree_max)(vote))
+        from the measured cost of this job's saves and ``mtbf_s``). Call it once per step on every rank; at
+        each save step and at the first step of each ``epoch`` of the group (a heal changes it) it agrees the
+        next save step across the ranks with ``agree`` (an all-reduce MAX of an int: inside an elastic step
+        :meth:`transom.elastic.ElasticGroup.agree_max`, with ``epoch=group.epoch``; default:
+        ``torch.distributed``'s default group when one is initialized), so every rank answers alike."""
+        self.cadence.tick(step, busy=self.in_flight())
+        return self.cadence.due(step, agree or agree_max, epoch)
 
     def save(self, step: int, state: Any) -> bool:
         """Snapshot ``state`` into the daemon's memory (blocking); False if skipped by policy.
@@ -701,18 +702,6 @@ class CheckpointEngine:
                 return None
             return _read_peer(addr, self.job, shard.rank, step, shard, node)
         return store.read_verified(Path(copy.location), shard)
-
-
-def _agree_max(value: int) -> int:
-    """The largest ``value`` of the ranks of torch.distributed's default group (``value`` without one)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def _locator_addr(location: str) -> str:

@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = train_step(replica.net, model, opt, loss_fn, replica.data, replica.step, args,
                           sync=group.all_reduce_mean_ if group is not None else None)
         if args.ckpt_every is None:      # agreed by every rank inside the step: a peer lost here is healed
-            due[0] = engine.due(replica.step + 1, agree=group.agree_max if group is not None else None)
+            due[0] = engine.due(replica.step + 1, *((group.agree_max, group.epoch) if group is not None else ()))
         return loss
 
     while replica.step < args.steps:
