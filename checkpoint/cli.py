@@ -132,10 +132,11 @@ def _plan(args: argparse.Namespace) -> int:
                           "--save-cost (the checkpoint interval), or both")
     if args.save_cost is not None:
         mtbf = args.mtbf if args.mtbf is not None else env_float("TRANSOM_CKPT_MTBF_S", cadence.DEFAULT_MTBF_S)
-        for key, value in (("--save-cost", args.save_cost), ("--mtbf", mtbf), ("--step-time", args.step_time)):
-            if value is not None and not value >= (0 if key == "--save-cost" else 1e-9):
-                raise ConfigError(f"plan: {key} {value}: expected seconds "
-                                  f"{'>= 0' if key == '--save-cost' else '> 0'}")
+        if not args.save_cost >= 0:
+            raise ConfigError(f"plan: --save-cost {args.save_cost}: expected seconds >= 0")
+        for key, value in (("--mtbf", mtbf), ("--step-time", args.step_time)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"plan: {key} {value}: expected seconds > 0")
         iv = cadence.plan(args.save_cost, mtbf, args.step_time)
         steps = f" = {iv.steps} steps of {args.step_time:g} s" if iv.steps is not None else ""
         print(f"save cost {args.save_cost:g} s, a fault every {mtbf:g} s")
