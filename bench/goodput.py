@@ -1074,7 +1074,9 @@ def _tee_matches(kind: str, cls: str) -> bool:
 
 def ckpt_args(a: argparse.Namespace) -> list[str]:
     """The retry loop's and Transom's checkpoint interval: K steps, or auto with the schedule's mean time
-    between faults as each one's MTBF (the same rule, Young's interval from each one's measured save cost)."""
+    between faults as each one's MTBF (the same rule, Young's interval from each one's measured save cost and
+    the share of its faults that rolled it back: the retry loop relaunches for every fault, Transom learns
+    the share from its own heals and relaunches)."""
     mtbf = getattr(a, "mtbf_s", None)        # None in the plain run (it saves nothing)
     return ["--ckpt-every", str(a.ckpt_every)] + (["--mtbf", f"{mtbf:.1f}"] if a.ckpt_every == "auto" and mtbf else [])
 

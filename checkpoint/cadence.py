@@ -14,6 +14,20 @@ job: it times every step, measures ``C`` of each save as the stall plus the exce
 quiet step of the steps that ran while the save was in flight, and saves again ``T / step time``
 steps later.
 
+Only a fault that relaunches the job rolls it back: one healed in the job (the survivors keep their
+state, a spare takes it from them, :mod:`transom.elastic`) recomputes nothing. With faults every
+``M`` seconds (``TRANSOM_CKPT_MTBF_S``, any kind) of which a share ``p`` needs a relaunch, rollbacks
+come every ``M / p`` and the interval is ``sqrt(2 C M / p)``. The cadence learns ``p`` from the job
+itself, starting where nothing is known at ``p = 1`` (every fault rolls back, as in a job without
+in-job recovery)::
+
+    p = (relaunches + 1) / (relaunches + heals + 1)
+
+relaunches: the job's generation (each relaunch starts a new one); heals: the groups this process
+saw re-formed (each new ``epoch``). A job that heals every fault in place saves less and less often
+(after four heals, at sqrt(5) x the first interval); one whose heals fall back to relaunches keeps
+the short interval. The ``max_interval_s`` bound (30 min) still holds.
+
 Every rank saves the same steps without a collective per step (on a host whose cores the ranks share,
 one more tiny all-reduce per step cost 4.5-5 % of the step, docs/checkpoint.md "When to save"):
 the ranks agree, with an all-reduce MAX (``agree``), on the next save step at each save step, and at
@@ -66,30 +80,36 @@ class IntervalPlan:
         return self.save_fraction + self.rollback_fraction
 
 
-def plan(save_cost_s: float, mtbf_s: float, step_s: float | None = None, *, min_steps: int = 1,
-         max_interval_s: float = DEFAULT_MAX_INTERVAL_S) -> IntervalPlan:
-    """The interval for a save cost and a fault rate: Young's, within ``[min_steps, max_interval_s]``."""
+def plan(save_cost_s: float, mtbf_s: float, step_s: float | None = None, *, rollback_share: float = 1.0,
+         min_steps: int = 1, max_interval_s: float = DEFAULT_MAX_INTERVAL_S) -> IntervalPlan:
+    """The interval for a save cost and a fault rate, of whose faults ``rollback_share`` roll the job back
+    (relaunch from the checkpoint): Young's with ``M / rollback_share``, within ``[min_steps, max_interval_s]``."""
     if step_s is not None and step_s <= 0:
         raise ValueError(f"step time must be > 0, got {step_s}")
-    seconds = min(young(save_cost_s, mtbf_s), max_interval_s)
+    if not 0 < rollback_share <= 1:
+        raise ValueError(f"the share of faults that roll back must be in (0, 1], got {rollback_share}")
+    between_rollbacks = mtbf_s / rollback_share
+    seconds = min(young(save_cost_s, between_rollbacks), max_interval_s)
     steps = None
     if step_s is not None:
         steps = max(min_steps, round(seconds / step_s))
         seconds = steps * step_s
     seconds = max(seconds, 1e-9)
-    return IntervalPlan(seconds, steps, save_cost_s / seconds, seconds / (2.0 * mtbf_s))
+    return IntervalPlan(seconds, steps, save_cost_s / seconds, seconds / (2.0 * between_rollbacks))
 
 
 class Cadence:
     """The save schedule of one rank. Each step: :meth:`tick`, then :meth:`due`; :meth:`saved` after each
     save."""
 
-    def __init__(self, mtbf_s: float = DEFAULT_MTBF_S, *, first: int = 10,
+    def __init__(self, mtbf_s: float = DEFAULT_MTBF_S, *, first: int = 10, relaunches: int = 0,
                  max_interval_s: float = DEFAULT_MAX_INTERVAL_S, window: int = 64, clock=time.perf_counter) -> None:
-        if mtbf_s <= 0 or first < 1 or max_interval_s <= 0:
-            raise ValueError(f"mtbf_s and max_interval_s must be > 0 and first >= 1, got {mtbf_s}, "
-                             f"{max_interval_s}, {first}")
+        if mtbf_s <= 0 or first < 1 or max_interval_s <= 0 or relaunches < 0:
+            raise ValueError(f"mtbf_s and max_interval_s must be > 0, first >= 1 and relaunches >= 0, got "
+                             f"{mtbf_s}, {max_interval_s}, {first}, {relaunches}")
         self.mtbf_s, self.first, self.max_interval_s = mtbf_s, first, max_interval_s
+        self.relaunches = relaunches                         # the job's generation: relaunches so far
+        self.heals = 0                                       # groups re-formed (epochs) this process saw
         self._clock = clock
         self._last_tick: float | None = None
         self._quiet: deque[float] = deque(maxlen=window)     # step times with no save in flight
@@ -109,6 +129,11 @@ class Cadence:
     @property
     def save_cost_s(self) -> float | None:
         return statistics.median(self.costs) if self.costs else None
+
+    @property
+    def rollback_share(self) -> float:
+        """The share of the job's faults that roll it back (a relaunch), as far as this process knows."""
+        return (self.relaunches + 1) / (self.relaunches + self.heals + 1)
 
     def tick(self, step: int, busy: bool) -> None:
         """Step ``step`` just ended; ``busy``: a save's background work ran during it."""
@@ -133,6 +158,10 @@ class Cadence:
         collective): it is called only where every rank calls it, at the first step of each ``epoch``
         (of the group: a heal changes it) and at each save step."""
         if self.next_save is None or epoch != self._epoch:
+            if self._epoch is not None and epoch != self._epoch:
+                self.heals += 1                  # the group was re-formed: a fault healed without a rollback
+                if self.interval is not None:
+                    self._replan()
             self._epoch = epoch
             vote = self.next_save + _SAID if self.next_save is not None else (self._start or step) + self.first - 1
             self.next_save = _decode(agree(vote))
@@ -163,13 +192,15 @@ class Cadence:
 
     def _replan(self) -> None:
         before = self.interval
-        self.interval = plan(self.save_cost_s or 0.0, self.mtbf_s, self.step_s, min_steps=self._busy_steps + 1,
-                             max_interval_s=self.max_interval_s)
+        self.interval = plan(self.save_cost_s or 0.0, self.mtbf_s, self.step_s, rollback_share=self.rollback_share,
+                             min_steps=self._busy_steps + 1, max_interval_s=self.max_interval_s)
         if before is None or abs(self.interval.steps - before.steps) > 0.2 * before.steps:
             log.info("checkpoint interval %d steps (%.1f s): a save costs %.2f s of training, faults every %.0f s "
-                     "(TRANSOM_CKPT_MTBF_S): %.1f %% of training time lost to saves, %.1f %% expected to "
-                     "recomputation", self.interval.steps, self.interval.seconds, self.save_cost_s,
-                     self.mtbf_s, 100 * self.interval.save_fraction, 100 * self.interval.rollback_fraction)
+                     "(TRANSOM_CKPT_MTBF_S), %.0f %% of them relaunches (%d healed in the job, %d relaunched): "
+                     "%.1f %% of training time lost to saves, %.1f %% expected to recomputation",
+                     self.interval.steps, self.interval.seconds, self.save_cost_s, self.mtbf_s,
+                     100 * self.rollback_share, self.heals, self.relaunches, 100 * self.interval.save_fraction,
+                     100 * self.interval.rollback_fraction)
 
 
 

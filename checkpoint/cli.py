@@ -3,8 +3,8 @@
 ``transom ckpt-server --node NODE`` runs the node's TCE daemon (:mod:`.server`) until SIGTERM.
 ``transom ckpt plan --params P --dp DP --nodes N`` prints the paper's per-node memory and load
 time; with ``--check`` it also compares this node's /dev/shm and RAM and exits 2 with the reason
-when they cannot hold the checkpoints. ``transom ckpt plan --save-cost C --mtbf M [--step-time T]``
-prints the checkpoint interval that loses the least training time (Young's, :mod:`.cadence`) and
+when they cannot hold the checkpoints. ``transom ckpt plan --save-cost C --mtbf M [--step-time T]
+[--rollback-share P]`` prints the checkpoint interval that loses the least training time (Young's, :mod:`.cadence`) and
 what it loses.
 
 ``transom ckpt list --dir D [--verify]`` prints one line per step dir: complete steps (those
@@ -42,9 +42,9 @@ def register(sub) -> None:
         description="With --params, --dp, --nodes: the memory one node needs for checkpoints and the "
                     "expected load time, from the TRANSOM paper's model (--check also tests this node's "
                     "/dev/shm and RAM). With --save-cost: the checkpoint interval that loses the least "
-                    "training time, sqrt(2 x save cost x MTBF) (Young), and what it loses; a running job "
-                    "measures its save cost and does this itself (train_lm --ckpt-every auto, "
-                    "CheckpointEngine.due).")
+                    "training time, sqrt(2 x save cost x MTBF / rollback share) (Young), and what it loses; "
+                    "a running job measures its save cost and rollback share and does this itself "
+                    "(train_lm --ckpt-every auto, CheckpointEngine.due).")
     pl.add_argument("--params", type=float, default=None, help="model parameters, e.g. 7e9")
     pl.add_argument("--dp", type=int, default=None, help="data-parallel degree")
     pl.add_argument("--nodes", type=int, default=None, help="number of nodes")
@@ -55,6 +55,10 @@ def register(sub) -> None:
                     help="mean time between faults that roll the job back (default: TRANSOM_CKPT_MTBF_S, else 4 h)")
     pl.add_argument("--step-time", type=float, default=None, metavar="SECONDS",
                     help="training step time: print the interval in steps too")
+    pl.add_argument("--rollback-share", type=float, default=1.0, metavar="P",
+                    help="share of those faults that relaunch the job from its checkpoint, in (0, 1] (default 1: "
+                         "every fault; a job that heals faults in place rolls back only on a fallback, and a "
+                         "running job learns this share from its own heals and relaunches)")
     pl.add_argument("--b-mem", type=float, default=10e9, help="host memory bandwidth, bytes/s (default 10e9)")
     pl.add_argument("--b-rdma", type=float, default=12.5e9, help="RDMA bandwidth, bytes/s (default 12.5e9)")
     pl.add_argument("--mem-keep", type=int, default=1, help="in-memory copies kept besides the one being "
@@ -137,12 +141,16 @@ def _plan(args: argparse.Namespace) -> int:
         for key, value in (("--mtbf", mtbf), ("--step-time", args.step_time)):
             if value is not None and not value > 0:
                 raise ConfigError(f"plan: {key} {value}: expected seconds > 0")
-        iv = cadence.plan(args.save_cost, mtbf, args.step_time)
+        if not 0 < args.rollback_share <= 1:
+            raise ConfigError(f"plan: --rollback-share {args.rollback_share}: expected a share in (0, 1]")
+        share = args.rollback_share
+        iv = cadence.plan(args.save_cost, mtbf, args.step_time, rollback_share=share)
         steps = f" = {iv.steps} steps of {args.step_time:g} s" if iv.steps is not None else ""
-        print(f"save cost {args.save_cost:g} s, a fault every {mtbf:g} s")
-        print(f"checkpoint interval sqrt(2 x cost x MTBF):         {iv.seconds:10.1f} s{steps}")
+        rollbacks = f", {100 * share:g} % of them rolled back: one every {mtbf / share:g} s" if share < 1 else ""
+        print(f"save cost {args.save_cost:g} s, a fault every {mtbf:g} s{rollbacks}")
+        print(f"checkpoint interval sqrt(2 x cost x MTBF / share): {iv.seconds:10.1f} s{steps}")
         print(f"training time lost to saves (cost / interval):     {100 * iv.save_fraction:10.2f} %")
-        print(f"lost to recomputation (interval / 2 MTBF):         {100 * iv.rollback_fraction:10.2f} %")
+        print(f"lost to recomputation (share x interval / 2 MTBF): {100 * iv.rollback_fraction:10.2f} %")
         print(f"lost in all:                                       {100 * iv.lost_fraction:10.2f} %")
     if None in memory:
         return 0

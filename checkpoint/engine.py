@@ -119,7 +119,7 @@ class CheckpointEngine:
         if not mtbf_s > 0:
             raise ConfigError(f"mtbf_s (TRANSOM_CKPT_MTBF_S): expected seconds > 0, got {mtbf_s!r}")
         #: the save schedule of :meth:`due` (:mod:`.cadence`)
-        self.cadence = Cadence(mtbf_s)
+        self.cadence = Cadence(mtbf_s, relaunches=generation)
         try:
             self.snapshot = SnapshotMode(snapshot)
         except ValueError:
@@ -235,7 +235,8 @@ class CheckpointEngine:
         """Build from the launcher's environment (TRANSOM_CKPT_DIR, RANK, WORLD_SIZE, TRANSOM_JOB,
         TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME, TRANSOM_CKPT_SNAPSHOT,
         TRANSOM_CKPT_STOP_S: seconds a SIGTERM waits for the in-flight save, ``stop_grace``;
-        TRANSOM_CKPT_MTBF_S: mean seconds between faults that roll the job back, ``mtbf_s``, for :meth:`due`);
+        TRANSOM_CKPT_MTBF_S: mean seconds between faults, ``mtbf_s``, for :meth:`due`, which learns the share
+        of them that roll the job back);
         ``kwargs`` override."""
         directory = directory or env_str("TRANSOM_CKPT_DIR")
         if not directory:
@@ -270,7 +271,8 @@ class CheckpointEngine:
 
     def due(self, step: int, agree: Callable[[int], int] | None = None, epoch: int = 0) -> bool:
         """Whether to save ``step``, which just ended, by the job's cadence (:mod:`.cadence`: Young's interval
-        from the measured cost of this job's saves and ``mtbf_s``). Call it once per step on every rank; at
+        from the measured cost of this job's saves, ``mtbf_s`` and the share of faults that relaunched the
+        job rather than healed in it). Call it once per step on every rank; at
         each save step and at the first step of each ``epoch`` of the group (a heal changes it) it agrees the
         next save step across the ranks with ``agree`` (an all-reduce MAX of an int: inside an elastic step
         :meth:`transom.elastic.ElasticGroup.agree_max`, with ``epoch=group.epoch``; default:

@@ -588,6 +588,7 @@ def test_from_env_reads_the_launcher_environment(tmp_path, monkeypatch, cluster)
     cluster.engines.append(eng)
     assert (eng.directory, eng.rank, eng.world_size, eng.job, eng.node, eng.generation, eng.bootstrap) == \
         (tmp_path, 2, 4, "j1", "node2", 5, None)
+    assert eng.cadence.relaunches == 5, "generation 5: the job was relaunched five times (the cadence's rollbacks)"
     assert eng.daemon_addr == segments.registered(cluster.runtime)["node2"]["addr"]
     monkeypatch.delenv("TRANSOM_CKPT_DIR")
     with pytest.raises(ConfigError, match="TRANSOM_CKPT_DIR"):
@@ -786,7 +787,9 @@ class _MaxAllReduce:
 
 def test_cadence_a_spare_that_joins_keeps_the_jobs_schedule():
     """Rank 1 dies after step 200; a fresh spare takes its place in the group of epoch 1: both save the
-    same steps from then on, the survivor's schedule (63 steps apart), not the newcomer's first 10."""
+    same steps from then on, the survivor's schedule, not the newcomer's first 10: the save already
+    agreed (63 steps after the last), then 89 apart, since the fault healed in the job (half the faults
+    seen rolled back: sqrt(2 x 0.2 x 100 / 0.5) = 8.9 s)."""
     c0, c1 = _Clock(), _Clock()
     survivor, spare = cadence.Cadence(100.0, first=10, clock=c0), cadence.Cadence(100.0, first=10, clock=c1)
     before = _train(survivor, c0, range(1, 201), lambda v: v)
@@ -801,7 +804,30 @@ def test_cadence_a_spare_that_joins_keeps_the_jobs_schedule():
     for t in threads:
         t.join(30)
     assert out[0] == out[1], out
-    assert out[0][0] == before[-1] + 63 and [b - a for a, b in zip(out[0], out[0][1:])] == [63] * (len(out[0]) - 1)
+    assert out[0][0] == before[-1] + 63 and [b - a for a, b in zip(out[0], out[0][1:])] == [89] * (len(out[0]) - 1)
+    assert (survivor.heals, spare.heals) == (1, 0)
+
+
+def test_cadence_saves_less_often_as_faults_heal_in_the_job_and_not_after_relaunches():
+    """Only a relaunch rolls the job back: each group re-formed in the job (a new epoch) lowers the share
+    of faults that roll back, (relaunches + 1) / (relaunches + heals + 1), and stretches the interval to
+    sqrt(2 C M / share); a job relaunched as often as it healed keeps saving often."""
+    clock = _Clock()
+    healing = cadence.Cadence(100.0, first=10, clock=clock)
+    _train(healing, clock, range(1, 101), lambda v: v)
+    assert healing.rollback_share == 1 and healing.interval.steps == 63
+    for epoch in range(1, 5):
+        _train(healing, clock, range(100 * epoch + 1, 100 * epoch + 101), lambda v: v, epoch=epoch)
+    assert healing.heals == 4 and healing.rollback_share == pytest.approx(1 / 5)
+    assert healing.interval.steps == round((2 * 0.2 * 100 * 5) ** 0.5 / 0.1) == 141
+    assert healing.interval.rollback_fraction == pytest.approx(14.1 / (2 * 500))
+
+    clock = _Clock()
+    relaunched = cadence.Cadence(100.0, first=10, relaunches=4, clock=clock)
+    for epoch in range(5):
+        _train(relaunched, clock, range(100 * epoch + 1, 100 * epoch + 101), lambda v: v, epoch=epoch)
+    assert relaunched.rollback_share == pytest.approx(5 / 9)
+    assert relaunched.interval.steps == round((2 * 0.2 * 100 * 9 / 5) ** 0.5 / 0.1) == 85
 
 
 def test_cadence_interval_bounds_and_youngs_formula():
@@ -810,6 +836,9 @@ def test_cadence_interval_bounds_and_youngs_formula():
     assert p.steps == 33 and p.lost_fraction == pytest.approx(0.4 / 9.9 + 9.9 / 240)
     assert cadence.plan(0.4, 1e12, 0.3).seconds == pytest.approx(1800, rel=1e-3), "capped at 30 min"
     assert cadence.plan(0.0, 120, 0.3, min_steps=3).steps == 3, "never below the steps a save was in flight"
+    assert cadence.plan(0.4, 120, rollback_share=0.25).seconds == pytest.approx(cadence.young(0.4, 480))
+    with pytest.raises(ValueError, match="roll back must be in"):
+        cadence.plan(0.4, 120, rollback_share=0)
     with pytest.raises(ValueError, match="mean time between faults"):
         cadence.young(0.4, 0)
 
@@ -818,6 +847,12 @@ def test_ckpt_plan_prints_the_interval_and_refuses_bad_input(capsys):
     assert transom_main(["ckpt", "plan", "--save-cost", "0.4", "--mtbf", "120", "--step-time", "0.3"]) == 0
     out = capsys.readouterr().out
     assert "9.9 s = 33 steps of 0.3 s" in out and "lost to saves" in out and "8.17 %" in out
+    assert transom_main(["ckpt", "plan", "--save-cost", "0.4", "--mtbf", "120", "--step-time", "0.3",
+                         "--rollback-share", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "25 % of them rolled back: one every 480 s" in out and "19.5 s = 65 steps of 0.3 s" in out
+    assert transom_main(["ckpt", "plan", "--save-cost", "0.4", "--mtbf", "120", "--rollback-share", "1.5"]) == 2
+    assert "--rollback-share 1.5: expected a share in (0, 1]" in capsys.readouterr().err
     assert transom_main(["ckpt", "plan", "--save-cost", "0.4", "--mtbf", "0"]) == 2
     assert "--mtbf 0.0: expected seconds > 0" in capsys.readouterr().err
     assert transom_main(["ckpt", "plan"]) == 2

@@ -17,8 +17,9 @@ Contract with the rest of Transom:
 - checks before the first step that this node's shared memory (/dev/shm, RAM, the daemon's
   budget) can hold its checkpoints, and exits 4 with the reason when it cannot;
 - saves when the checkpoint engine's cadence says (``--ckpt-every auto``, the default: Young's
-  interval from the measured cost of its saves and TRANSOM_CKPT_MTBF_S, agreed by every rank each
-  step, :mod:`transom.checkpoint.cadence`) or every ``--ckpt-every K`` steps, and after the last one,
+  interval from the measured cost of its saves, TRANSOM_CKPT_MTBF_S and the share of faults that
+  relaunched the job rather than healed in it, agreed by the ranks at each save,
+  :mod:`transom.checkpoint.cadence`) or every ``--ckpt-every K`` steps, and after the last one,
   and waits for that save to persist before exiting 0;
 - reports nothing about checkpoints itself: the checkpoint engine sends each save's stall
   (``ckpt_stall_s``) and each restore's tier and time (``restore_tier``: 0 local memory, 1 peer
@@ -305,10 +306,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", default="auto", metavar="K",
                    help="save a checkpoint every K steps and after the last; 0: only after the last; auto: when "
                         "the checkpoint engine's cadence says (Young's interval from the measured cost of a save "
-                        "and TRANSOM_CKPT_MTBF_S, the mean seconds between faults that roll the job back; "
-                        "default 4 h) (default auto)")
+                        "and TRANSOM_CKPT_MTBF_S, the mean seconds between faults, default 4 h; the share of them "
+                        "that relaunch the job is learnt from its heals and relaunches) (default auto)")
     p.add_argument("--mtbf", type=float, default=None, metavar="SECONDS",
-                   help="--ckpt-every auto: mean seconds between faults that roll the job back (default: "
+                   help="--ckpt-every auto: mean seconds between faults (default: "
                         "TRANSOM_CKPT_MTBF_S, else 4 h)")
     p.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CKPT_DIR") or "runs/train_lm",
                    help="checkpoint directory (env TRANSOM_CKPT_DIR; default runs/train_lm)")
