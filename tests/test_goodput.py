@@ -6,6 +6,7 @@ The bench itself (four runs of several minutes) is not run by the suite.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -141,8 +142,16 @@ def test_overhead_pairs_grade_the_median_ratio_of_fault_free_pairs():
     assert g.paired_overhead(pairs) == pytest.approx(0.04)             # median of +4 %, -3.3 %, +36 %
     t = g.RunResult("transom", 40)
     t.overhead = 0.20                                                   # against the one plain run: drift in it
-    out = g.targets({"transom": t}, 120.0, {"value": g.paired_overhead(pairs), "pairs": pairs})
+    out = g.targets({"transom": t}, 120.0, {"value": g.paired_overhead(pairs), "pairs": pairs,
+                                            "mtbf": "the product's default"})
     assert out["overhead"]["value"] == pytest.approx(0.04) and out["overhead"]["met"] is True
+    assert out["overhead"]["method"].endswith("pairs, the cadence's MTBF the product's default")
+    # the pairs' Transom runs get the product's default MTBF (no --mtbf), the fault runs the schedule's
+    args = g.parse_args(["--fault-every-steps", "300"])
+    assert args.pairs_mtbf == "default"
+    assert g.ckpt_args(argparse.Namespace(**{**vars(args), "mtbf_s": None})) == ["--ckpt-every", "auto"]
+    assert g.ckpt_args(argparse.Namespace(**{**vars(args), "mtbf_s": 123.0})) == \
+        ["--ckpt-every", "auto", "--mtbf", "123.0"]
     assert out["overhead"]["in_the_fault_run"] == 0.20
     assert g.targets({"transom": t}, 120.0)["overhead"]["met"] is False
 
