@@ -243,6 +243,7 @@ class RunResult:
     steady_step_s: float | None = None      # mean step of undisturbed stretches, checkpoint stalls included
     overhead: float | None = None           # steady_step_s / the plain run's step - 1
     ckpt_overhead_s: float | None = None
+    plain_step_s: float | None = None       # the plain step it is graded against (see grade())
     useful_s: float | None = None
     effective_ratio: float | None = None
     attempts: int = 1
@@ -1094,7 +1095,7 @@ def print_run(r: RunResult) -> None:
     print(f"\n{r.name}: {'completed' if r.completed else 'NOT completed'} {r.steps} steps; wall {_fmt(r.wall_s, 's')}; "
           f"startup {_fmt(r.startup_s and round(r.startup_s, 1), 's')}"
           f"{'' if r.warm_s is None else f' (spares warm at {r.warm_s} s)'}; steady step {_fmt(r.steady_step_s, 's')} "
-          f"(overhead {_fmt(r.overhead)}); useful {_fmt(r.useful_s, 's')}; effective ratio {_fmt(r.effective_ratio)}; "
+          f"(overhead {_fmt(r.overhead)}{'' if r.plain_step_s is None else f' against a plain step of {r.plain_step_s} s'}); useful {_fmt(r.useful_s, 's')}; effective ratio {_fmt(r.effective_ratio)}; "
           f"checkpoint stalls ~{_fmt(r.ckpt_overhead_s, 's')}; attempts/generations {r.attempts}"
           + (f"; ERROR: {r.error}" if r.error else "") + (f"; NOTE: {r.normal_note}" if r.normal_note else ""))
     if not r.faults and r.pause is None:
@@ -1150,6 +1151,7 @@ def summary(r: RunResult) -> dict:
     return {"completed": r.completed, "wall_s": r.wall_s, "startup_s": r.startup_s and round(r.startup_s, 1),
             "warm_s": r.warm_s,
             "steady_step_s": r.steady_step_s, "overhead": r.overhead, "normal_step_s": r.normal_step_s,
+            "plain_step_s": r.plain_step_s,
             "useful_s": r.useful_s, "effective_ratio": r.effective_ratio,
             "ckpt_stalls_s": r.ckpt_overhead_s, "attempts": r.attempts, "faults": len(r.faults),
             "per_kind": per_kind(r), "lost_s": totals(r), "error": r.error or None,
@@ -1158,6 +1160,19 @@ def summary(r: RunResult) -> dict:
                            if k in ("kind", "target", "after_step", "delivered_s", "lost_s", "detect_s", "recover_s",
                                     "recompute_s", "steps_redone", "slowdown_s", "tee_event_s", "detector", "path")}
                           for f in r.faults]}
+
+
+def grade(r: RunResult, plain_steps: list[float | None], pause: EvalPause | None) -> None:
+    """Grade ``r`` against the mean step of the plain runs right before and right after it (the machine's
+    speed drifts by more than the targets over the minutes of one run; the mean of the two brackets a
+    linear drift): its overhead and its effective ratio."""
+    seen = [p for p in plain_steps if p]
+    if not seen:
+        return
+    r.plain_step_s = round(statistics.fmean(seen), 4)
+    if r.steady_step_s:
+        r.overhead = round(r.steady_step_s / r.plain_step_s - 1.0, 3)
+    effective(r, r.plain_step_s, pause)
 
 
 def effective(r: RunResult, plain_step: float | None, pause: EvalPause | None) -> None:
@@ -1277,6 +1292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with one spare for twice as many steps, no pause): the overhead target is graded on the "
                         "median of the pairs' steady-step ratios, which cancels the machine's drift between runs "
                         "(default 0: graded on the one plain run before the first fault)")
+    p.add_argument("--bracket", action=argparse.BooleanOptionalAction, default=True,
+                   help="a plain run of --plain-steps after each system, which is graded (overhead, effective "
+                        "ratio) against the mean plain step before and after it; --no-bracket: every system "
+                        "against the first plain run (default on)")
     p.add_argument("--pairs-mtbf", choices=("default", "schedule"), default="default",
                    help="the mean time between faults Transom's cadence is given in the fault-free pairs: default, "
                         "the product's (TRANSOM_CKPT_MTBF_S unset: 4 h), as a job with no fault runs; schedule, "
@@ -1426,12 +1445,21 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; evaluation pause {args.eval_pause.seconds:.0f}s after step {args.eval_pause.after_step}"
                  if args.eval_pause else ""), flush=True)
         classes = {"torchrun": TorchrunRun, "torchft": TorchftRun, "transom": TransomRun}
+        before = plain_step
         for name in args.runs:
             print(f"\n== run {name} ==", flush=True)
-            r = classes[name](args, work / name, args.schedule, args.eval_pause, plain_step).run()
-            effective(r, plain_step, args.eval_pause)
+            r = classes[name](args, work / name, args.schedule, args.eval_pause, before).run()
             results[name] = r
+            after = None
+            if args.bracket:
+                print(f"\n== run plain again ({args.plain_steps} steps: {name}'s reference is the mean of the plain "
+                      f"steps before and after it) ==", flush=True)
+                again = PlainRun(pargs, work / f"plain-after-{name}", []).run()
+                after = again.steady_step_s or again.normal_step_s
+                print(f"  plain step {_fmt(after, 's')}", flush=True)
+            grade(r, [before, after], args.eval_pause)
             print_run(r)
+            before = after or before
         paired = overhead_pairs(args, work) if args.overhead_pairs > 0 and "transom" in results else None
     finally:
         if not args.keep and args.work_dir is None:

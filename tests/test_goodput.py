@@ -120,6 +120,22 @@ def test_figures_lost_seconds_overhead_effective_ratio_and_targets(tmp_path):
     assert t["lost_hang_s"]["met"] is None                                # not measured: no flag either way
 
 
+def test_each_system_is_graded_against_the_plain_runs_that_bracket_it():
+    """The machine drifts within one invocation (a plain step of 0.30 s at its start, 0.34-0.43 s half an
+    hour later): each system's overhead and effective ratio use the mean of the plain steps right before
+    and after it; without the one after (--no-bracket, or it failed), the one before."""
+    g = _bench()
+    r = g.RunResult("transom", 100, wall_s=60.0, steady_step_s=0.44)
+    g.grade(r, [0.30, 0.50], g.EvalPause(50, 10.0))
+    assert r.plain_step_s == pytest.approx(0.40) and r.overhead == pytest.approx(0.10)
+    assert r.useful_s == pytest.approx(40.0) and r.effective_ratio == pytest.approx(40.0 / 60.0, abs=1e-3)
+    assert g.summary(r)["plain_step_s"] == pytest.approx(0.40)
+    alone = g.RunResult("torchrun", 100, wall_s=60.0, steady_step_s=0.33)
+    g.grade(alone, [0.30, None], None)
+    assert alone.plain_step_s == pytest.approx(0.30) and alone.overhead == pytest.approx(0.10)
+    assert g.parse_args([]).bracket is True and g.parse_args(["--no-bracket"]).bracket is False
+
+
 def test_steady_step_starts_once_the_warm_spares_are_ready(tmp_path):
     g = _bench()
     args = g.parse_args(["--steps", "40", "--fault-every-steps", "30", "--faults", "1", "--kinds", "crash",
