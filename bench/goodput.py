@@ -1095,7 +1095,9 @@ def print_run(r: RunResult) -> None:
     print(f"\n{r.name}: {'completed' if r.completed else 'NOT completed'} {r.steps} steps; wall {_fmt(r.wall_s, 's')}; "
           f"startup {_fmt(r.startup_s and round(r.startup_s, 1), 's')}"
           f"{'' if r.warm_s is None else f' (spares warm at {r.warm_s} s)'}; steady step {_fmt(r.steady_step_s, 's')} "
-          f"(overhead {_fmt(r.overhead)}{'' if r.plain_step_s is None else f' against a plain step of {r.plain_step_s} s'}); useful {_fmt(r.useful_s, 's')}; effective ratio {_fmt(r.effective_ratio)}; "
+          f"(overhead {_fmt(r.overhead)}"
+          f"{'' if r.plain_step_s is None else f' against a plain step of {r.plain_step_s} s'}); "
+          f"useful {_fmt(r.useful_s, 's')}; effective ratio {_fmt(r.effective_ratio)}; "
           f"checkpoint stalls ~{_fmt(r.ckpt_overhead_s, 's')}; attempts/generations {r.attempts}"
           + (f"; ERROR: {r.error}" if r.error else "") + (f"; NOTE: {r.normal_note}" if r.normal_note else ""))
     if not r.faults and r.pause is None:

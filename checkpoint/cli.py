@@ -4,8 +4,8 @@
 ``transom ckpt plan --params P --dp DP --nodes N`` prints the paper's per-node memory and load
 time; with ``--check`` it also compares this node's /dev/shm and RAM and exits 2 with the reason
 when they cannot hold the checkpoints. ``transom ckpt plan --save-cost C --mtbf M [--step-time T]
-[--rollback-share P]`` prints the checkpoint interval that loses the least training time (Young's, :mod:`.cadence`) and
-what it loses.
+[--rollback-share P]`` prints the checkpoint interval that loses the least training time (Young's,
+:mod:`.cadence`) and what it loses.
 
 ``transom ckpt list --dir D [--verify]`` prints one line per step dir: complete steps (those
 with manifest.json) and incomplete ones, flagged. With ``--verify`` every shard of a complete
@@ -52,7 +52,7 @@ def register(sub) -> None:
                     help="training time one save costs: its stall plus the slowdown of the steps while it "
                          "replicates and persists (the ckpt_stall_s a job reports is the lower bound)")
     pl.add_argument("--mtbf", type=float, default=None, metavar="SECONDS",
-                    help="mean time between faults that roll the job back (default: TRANSOM_CKPT_MTBF_S, else 4 h)")
+                    help="mean time between faults, any kind (default: TRANSOM_CKPT_MTBF_S, else 4 h)")
     pl.add_argument("--step-time", type=float, default=None, metavar="SECONDS",
                     help="training step time: print the interval in steps too")
     pl.add_argument("--rollback-share", type=float, default=1.0, metavar="P",
