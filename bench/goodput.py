@@ -283,9 +283,8 @@ class Runner(abc.ABC):
     name = "run"
 
     def __init__(self, args: argparse.Namespace, work: Path, schedule: list[ScheduledFault],
-                 pause: EvalPause | None = None, plain_step: float | None = None) -> None:
+                 pause: EvalPause | None = None) -> None:
         self.args, self.work, self.schedule, self.eval_pause = args, work, schedule, pause
-        self.plain_step = plain_step
         self.work.mkdir(parents=True, exist_ok=True)
         self.steps = StepsFile(self.work / "steps.txt", first_only=self.name == "torchft")
         self.result = RunResult(self.name, args.steps)
@@ -512,9 +511,7 @@ class Runner(abc.ABC):
             gaps = window(-math.inf)
             r.normal_note += ("; " if r.normal_note else "") + "steady step with the spares' start-up in it"
         if len(gaps) >= 3:
-            r.steady_step_s = round(statistics.fmean(gaps), 4)
-            if self.plain_step:
-                r.overhead = round(r.steady_step_s / self.plain_step - 1.0, 3)
+            r.steady_step_s = round(statistics.fmean(gaps), 4)      # graded against plain runs: grade()
         if not r.steady_step_s:
             return
         end = self.end_ts if self.end_ts is not None else rows[-1][2]
@@ -1386,7 +1383,8 @@ def overhead_pairs(args: argparse.Namespace, work: Path) -> dict:
         targs = argparse.Namespace(**{**vars(args), "steps": 2 * args.plain_steps, "spares": 1})
         if args.pairs_mtbf == "default":
             targs.mtbf_s = None                  # no --mtbf: the cadence's own default
-        t = TransomRun(targs, work / f"pair{i}-transom", [], None, plain.steady_step_s).run()
+        t = TransomRun(targs, work / f"pair{i}-transom", [], None).run()
+        grade(t, [plain.steady_step_s], None)
         pairs.append([plain.steady_step_s, t.steady_step_s])
         print(f"  plain step {_fmt(plain.steady_step_s, 's')}, Transom steady step {_fmt(t.steady_step_s, 's')} "
               f"(spares warm at {_fmt(t.warm_s, 's')}): overhead {_fmt(t.overhead)}", flush=True)
@@ -1450,7 +1448,7 @@ def main(argv: list[str] | None = None) -> int:
         before = plain_step
         for name in args.runs:
             print(f"\n== run {name} ==", flush=True)
-            r = classes[name](args, work / name, args.schedule, args.eval_pause, before).run()
+            r = classes[name](args, work / name, args.schedule, args.eval_pause).run()
             results[name] = r
             after = None
             if args.bracket:

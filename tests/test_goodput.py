@@ -92,7 +92,7 @@ def test_figures_lost_seconds_overhead_effective_ratio_and_targets(tmp_path):
     g = _bench()
     args = g.parse_args(["--steps", "40", "--fault-every-steps", "10", "--faults", "1", "--kinds", "crash",
                          "--pause", "30,30"])
-    run = g.TorchrunRun(args, tmp_path, args.schedule, g.EvalPause(25, 30.0), plain_step=0.5)
+    run = g.TorchrunRun(args, tmp_path, args.schedule, g.EvalPause(25, 30.0))
     run.t0 = 1000.0
     rows = [(s, 0, 1000.0 + s) for s in range(1, 13)]                   # 1 s steps, fault after step 12
     rows += [(s, 1, 1020.0 + s) for s in range(11, 26)]                  # relaunched: 8 s gap, steps 11-12 redone
@@ -104,13 +104,14 @@ def test_figures_lost_seconds_overhead_effective_ratio_and_targets(tmp_path):
     run.end_ts = 1105.0
     run._measure()
     r = run.result
-    assert r.steady_step_s == pytest.approx(1.0) and r.overhead == pytest.approx(1.0)   # twice the plain step
+    assert r.steady_step_s == pytest.approx(1.0)
     f = r.faults[0]
     assert (f.detect_s, f.recover_s, f.steps_redone) == (1.5, 17.0, 2)
     assert f.lost_s == pytest.approx((1045.2 - 1012.5) - (25 - 12) * 1.0)
     assert r.pause.lost_s == pytest.approx((1105.0 - 1045.2) - (40 - 25) * 1.0 - 30.0)
     r.wall_s = 105.0
-    g.effective(r, 0.5, g.EvalPause(25, 30.0))
+    g.grade(r, [0.5], g.EvalPause(25, 30.0))
+    assert r.overhead == pytest.approx(1.0)                                   # twice the plain step
     assert r.useful_s == pytest.approx(40 * 0.5 + 30.0) and r.effective_ratio == pytest.approx(50.0 / 105.0, abs=1e-3)
     base = g.RunResult("torchrun", 40, faults=[g.FaultRecord(0, "crash", 1, 10, lost_s=40.0)])
     t = g.targets({"torchrun": base, "transom": r}, 120.0)
@@ -140,16 +141,16 @@ def test_steady_step_starts_once_the_warm_spares_are_ready(tmp_path):
     g = _bench()
     args = g.parse_args(["--steps", "40", "--fault-every-steps", "30", "--faults", "1", "--kinds", "crash",
                          "--pause", "off"])
-    run = g.TorchrunRun(args, tmp_path, args.schedule, None, plain_step=1.0)
+    run = g.TorchrunRun(args, tmp_path, args.schedule, None)
     run.t0 = 1000.0
     # steps 1-10 take 2 s while the spares start (import torch, build the model), then 1 s
     times = [1000.0 + 2 * s for s in range(1, 11)] + [1020.0 + s for s in range(1, 21)]
     run.steps.rows = [(s, 0, t) for s, t in zip(range(1, 31), times)]
     run._window_figures()
-    assert run.result.overhead > 0.15                 # without the warm mark, the start-up is in the window
+    assert run.result.steady_step_s > 1.15            # without the warm mark, the start-up is in the window
     run.warm_ts = 1020.0
     run._window_figures()
-    assert run.result.steady_step_s == pytest.approx(1.0) and run.result.overhead == pytest.approx(0.0)
+    assert run.result.steady_step_s == pytest.approx(1.0)
 
 
 def test_overhead_pairs_grade_the_median_ratio_of_fault_free_pairs():
@@ -266,7 +267,7 @@ def test_hosts_mode_reaches_ranks_on_their_bed_host(tmp_path):
     g = _bench()
     args = g.parse_args(["--runs", "transom", "--steps", "10"])
     args.hosts = True
-    run = g.TransomRun(args, tmp_path / "transom", [], None, 0.1)
+    run = g.TransomRun(args, tmp_path / "transom", [], None)
     shared = tmp_path / "transom" / "stack"
     assert run.steps.path == shared / "steps.txt" and run.slow_dir == shared / "slow"
     assert g.model_args(args, run.work, run.slow_dir)[:2] == ["--slowdown-dir", str(shared / "slow")]
