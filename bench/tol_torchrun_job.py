@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from transom.examples.train_lm import TemplateText, TinyLM, slowdown, train_step
+from transom.examples.train_lm import TemplateText, TinyLM, ckpt_every, slowdown, train_step
 
 __all__ = ["main"]
 
@@ -35,7 +35,7 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/tol_torchrun_job.py", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=100000)
-    p.add_argument("--ckpt-every", default="10", help="steps between saves, or auto (default 10)")
+    p.add_argument("--ckpt-every", type=ckpt_every, default="10", help="steps between saves, or auto (default 10)")
     p.add_argument("--mtbf", type=float, default=None, help="--ckpt-every auto: mean seconds between faults")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--steps-file", required=True)
@@ -50,11 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slowdown-dir", default=None, help="benchmark straggler hook, as train_lm's (default: off)")
     args = p.parse_args(argv)
     cadence = None
-    if args.ckpt_every == "auto":
+    if args.ckpt_every is None:
         from transom.checkpoint.cadence import DEFAULT_MTBF_S, Cadence, agree_max
         cadence = Cadence(args.mtbf or DEFAULT_MTBF_S)
-    else:
-        args.ckpt_every = int(args.ckpt_every)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             slowdown(args.slowdown_dir, time.perf_counter() - t0)
         step += 1
         if cadence is None:
-            saving = step % args.ckpt_every == 0
+            saving = bool(args.ckpt_every) and step % args.ckpt_every == 0
         else:                    # every rank alike, as Transom's ranks agree it
             cadence.tick(step, busy=False)
             saving = cadence.due(step, agree_max)

@@ -73,7 +73,7 @@ except ImportError:  # the agent package is optional for the example: reports ar
     def report(**_fields: Any) -> None:
         return None
 
-__all__ = ["main", "LMReplica", "TinyLM", "TemplateText", "parse_args", "slowdown", "train_step"]
+__all__ = ["main", "LMReplica", "TinyLM", "TemplateText", "ckpt_every", "parse_args", "slowdown", "train_step"]
 
 log = tlog.get("train")
 
@@ -297,13 +297,23 @@ def _check_capacity(engine: CheckpointEngine, model: nn.Module) -> None:
         raise SystemExit(EXIT_NO_CAPACITY) from None
 
 
+def ckpt_every(value: str) -> int | None:
+    """``--ckpt-every``'s argparse type: a number of steps (0: only after the last), or ``auto`` (None: the
+    checkpoint engine's cadence)."""
+    if value == "auto":
+        return None
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"{value!r}: expected a number of steps (0: only after the last) or auto")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m transom.examples.train_lm",
         description="Train a tiny byte-level transformer LM with DDP (gloo, CPU), checkpointing "
                     "through Transom's checkpoint engine and reporting steps to the node agent.")
     p.add_argument("--steps", type=int, default=300, help="train until this many steps are done (default 300)")
-    p.add_argument("--ckpt-every", default="auto", metavar="K",
+    p.add_argument("--ckpt-every", type=ckpt_every, default="auto", metavar="K",
                    help="save a checkpoint every K steps and after the last; 0: only after the last; auto: when "
                         "the checkpoint engine's cadence says (Young's interval from the measured cost of a save "
                         "and TRANSOM_CKPT_MTBF_S, the mean seconds between faults, default 4 h; the share of them "
@@ -342,12 +352,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not (at.isdigit() and secs.replace(".", "", 1).isdigit()):
             p.error(f"--eval-pause {args.eval_pause!r}: expected STEP:SECONDS, e.g. 200:40")
         args.eval_pause = (int(at), float(secs))
-    if args.ckpt_every == "auto":
-        args.ckpt_every = None
-    elif args.ckpt_every.isdigit():
-        args.ckpt_every = int(args.ckpt_every)
-    else:
-        p.error(f"--ckpt-every {args.ckpt_every!r}: expected a number of steps (0: only after the last) or auto")
     if args.mtbf is not None and not args.mtbf > 0:
         p.error(f"--mtbf {args.mtbf}: expected seconds > 0")
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
