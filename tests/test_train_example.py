@@ -313,3 +313,15 @@ def test_auto_cadence_every_rank_saves_the_same_steps(tmp_path, launches):
     assert all(s.complete for s in steps), [s.step for s in steps if not s.complete]
     assert saved[:2] == [10, 20] and saved[-1] == 50 and len(saved) >= 6, saved
     assert "checkpoint interval" in run.output(0), "the cadence logs the interval it chose and why"
+
+
+def test_bad_command_line_values_name_the_flag(capsys):
+    from transom.examples.train_lm import parse_args
+
+    assert parse_args([]).ckpt_every is None and parse_args(["--ckpt-every", "0"]).ckpt_every == 0
+    for argv, says in ((["--ckpt-every", "often"], "argument --ckpt-every: 'often': expected a number of steps"),
+                       (["--eval-pause", "200"], "--eval-pause '200': expected STEP:SECONDS"),
+                       (["--mtbf", "-5"], "--mtbf -5.0: expected seconds > 0")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
