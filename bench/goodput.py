@@ -52,6 +52,11 @@ __all__ = ["KINDS", "EvalPause", "ScheduledFault", "make_eval_pause", "make_sche
 
 KINDS = ("crash", "xid79", "hang", "straggler")
 RESTARTING = ("crash", "xid79", "hang")
+#: a fault's lost seconds: the wall time to LOSS_STEPS steps of new progress past the step it hit (a
+#: straggler: past its replacement), less that progress x the mean of the LOCAL_STEPS steps before it
+#: (the same for every system; Runner._window_figures)
+LOSS_STEPS = 60
+LOCAL_STEPS = 30
 
 
 @dataclass(frozen=True)
@@ -213,7 +218,7 @@ class FaultRecord:
     slowdown_s: float | None = None         # stragglers: extra time of the steps it slowed
     tee_event_s: float | None = None        # Transom: the TEE's fault event for this fault, if any
     restarted: bool = False                 # a straggler whose node the controller replaced
-    lost_s: float | None = None             # window wall time - its net progress x the steady step time
+    lost_s: float | None = None             # wall time to LOSS_STEPS of new progress - that progress x the pace before
     note: str = ""
     path: str = ""                          # Transom: how it recovered (in-job, relaunch, in-job -> relaunch)
     healed_at: float | None = None          # Transom, in-job: epoch time the new group was synced
@@ -486,9 +491,11 @@ class Runner(abc.ABC):
         self._window_figures()
 
     def _window_figures(self) -> None:
-        """Steady step and overhead (before the first fault or pause), and each fault's lost seconds:
-        the wall time from it to the next fault, the pause or the end, less the net new steps in that
-        window x the steady step (a pause's own seconds are not lost)."""
+        """Steady step (before the first fault or pause), and each fault's lost seconds: the wall time
+        from it until the job has made ``LOSS_STEPS`` steps of new progress past the step it hit (a
+        straggler: past its node's replacement; one never replaced: to the next fault, the pause or the
+        end), or to the next fault, the pause or the end if sooner, less that progress x the mean step
+        of the ``LOCAL_STEPS`` steps before it (a pause's own seconds are not lost)."""
         r, rows = self.result, self.steps.rows
         if not rows:
             return
@@ -520,8 +527,23 @@ class Runner(abc.ABC):
             return max((st for st, _, t in rows if t <= ts), default=0)
 
         for i, (t, rec) in enumerate(marks):
+            t_prev = marks[i - 1][0] if i else warm
             t_next = marks[i + 1][0] if i + 1 < len(marks) else end
-            lost = (t_next - t) - (top_at(t_next) - top_at(t)) * r.steady_step_s
+            # the pace just before it (the machine's speed drifts over minutes: a window of hundreds of
+            # steps graded by the steady step at the start carried that drift into every fault's loss)
+            before = [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
+                      if g0 == g1 and s1 == s0 + 1 and t_prev <= t0 and t1 <= t][-LOCAL_STEPS:]
+            pace = statistics.fmean(before) if len(before) >= 5 else r.steady_step_s
+            at = top_at(t)
+            # to LOSS_STEPS steps of new progress past the step it hit, or the next fault, pause or end; a
+            # straggler slows every step until its node is replaced: LOSS_STEPS past the replacement, and
+            # one never replaced to the next fault, pause or end
+            base: int | None = at
+            if isinstance(rec, FaultRecord) and rec.kind == "straggler":
+                base = top_at(rec.detected_s + self.t0) if rec.restarted and rec.detected_s is not None else None
+            t_end = t_next if base is None else \
+                min(min((ts for st, _, ts in rows if st >= base + LOSS_STEPS and ts > t), default=t_next), t_next)
+            lost = (t_end - t) - (top_at(t_end) - at) * pace
             if isinstance(rec, PauseRecord):
                 lost -= rec.seconds
             rec.lost_s = round(lost, 2)

@@ -121,6 +121,40 @@ def test_figures_lost_seconds_overhead_effective_ratio_and_targets(tmp_path):
     assert t["lost_hang_s"]["met"] is None                                # not measured: no flag either way
 
 
+def test_a_faults_loss_is_graded_by_the_pace_just_before_it_not_by_the_drift_since_the_start(tmp_path):
+    """The machine slows from 1.0 to 1.2 s a step before the fault; the heal costs one step of 3.5 s.
+    Graded by the steady step of the start over the 200 steps to the end, drift would be charged to
+    the fault (about 22 s); graded by the 30 steps before it, over 60 steps of progress, 2.3 s."""
+    g = _bench()
+    args = g.parse_args(["--steps", "300", "--fault-every-steps", "100", "--faults", "1", "--kinds", "crash",
+                         "--pause", "off"])
+    run = g.TorchrunRun(args, tmp_path, args.schedule, None)
+    run.t0 = 1000.0
+    rows = [(s, 0, 1000.0 + s) for s in range(1, 51)]
+    rows += [(s, 0, 1050.0 + 1.2 * (s - 50)) for s in range(51, 101)]           # step 100 at 1110
+    rows += [(s, 0, 1114.0 + 1.2 * (s - 101)) for s in range(101, 301)]         # healed in the job at 1114
+    run.steps.rows = rows
+    run.result.faults.append(g.FaultRecord(0, "crash", 1, 100, delivered_s=110.5, step_at_fault=100, gen_at_fault=0))
+    run.end_ts = rows[-1][2]
+    run._window_figures()
+    assert run.result.faults[0].lost_s == pytest.approx((1114.0 - 1110.5) - 1.2, abs=0.01)
+    assert (g.LOSS_STEPS, g.LOCAL_STEPS) == (60, 30)
+    # a straggler slows every step until its node is replaced: graded to 60 steps past the replacement
+    # (steps 101-130 at 2.4 s, replaced at step 130, then 1.2 s again); never replaced: to the end
+    slow = [(s, 0, 1110.0 + 2.4 * (s - 100)) for s in range(101, 131)]
+    slow += [(s, 0, slow[-1][2] + 1.2 * (s - 130)) for s in range(131, 301)]
+    run.steps.rows = rows[:100] + slow
+    run.end_ts = slow[-1][2]
+    straggler = g.FaultRecord(0, "straggler", 1, 100, delivered_s=110.0, step_at_fault=100, gen_at_fault=0,
+                              restarted=True, detected_s=slow[29][2] - 1000.0)
+    run.result.faults = [straggler]
+    run._window_figures()
+    assert straggler.lost_s == pytest.approx(30 * 1.2, abs=0.01)
+    straggler.restarted = False
+    run._window_figures()
+    assert straggler.lost_s == pytest.approx(30 * 1.2, abs=0.01)      # the same: it ended, and the end is graded
+
+
 def test_each_system_is_graded_against_the_plain_runs_that_bracket_it():
     """The machine drifts within one invocation (a plain step of 0.30 s at its start, 0.34-0.43 s half an
     hour later): each system's overhead and effective ratio use the mean of the plain steps right before
