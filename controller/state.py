@@ -14,7 +14,8 @@ Two recovery paths (``path`` in the lifecycle events ``healing``/``relaunching``
   too), its node cordoned when the policy evicts it (else it goes back to the spare pool), the spare
   takes its rank, and the survivors, who keep their processes and state, are told the new group
   (``reforming``: epoch, master, assignment). The first step after it ends the heal (``healed``, with
-  its cost in seconds). A survivor that fails meanwhile, or a group that has not stepped within
+  its cost in seconds). A survivor that fails meanwhile (it exits, or a fault event names its node:
+  a hang, an XID; its node evicted where the policy evicts), or a group that has not stepped within
   ``JobSpec.heal_timeout_s``, falls back to the relaunch (``relaunching`` with ``fallback``).
 - **relaunch**: the steps below, from the newest checkpoint.
 
@@ -553,6 +554,22 @@ def _heal(job: Job, rank: int, *, evict: bool, why: str, cause: Mapping[str, Any
     return Decision(new, actions, "healing", dict(cause), detail)
 
 
+def _fault_during_heal(job: Job, f: FaultEvent, now: float) -> Decision:
+    """A fault on a node of the group being re-formed: a rank that is lost or stuck never joins, so the
+    heal falls back to the relaunch now rather than after ``heal_timeout_s`` (evicting the node where the
+    policy evicts). A straggler, a warning or a fault decided before the heal started changes nothing."""
+    gen = f.evidence.get("generation") if isinstance(f.evidence, Mapping) else None
+    action = policy_for(f)
+    if (f.node not in job.nodes or f.fault_id in job.handled_faults or f.resolved or f.detected_ts < job.heal_ts
+            or (gen is not None and int(gen) != job.launched_generation)
+            or action == Action.OBSERVE or f.kind == FaultKind.STRAGGLER):
+        return Decision(job)
+    job = dataclasses.replace(job, handled_faults=(job.handled_faults + (f.fault_id,))[-200:])
+    why = f"{f.summary or f'{f.kind.value} on {f.node}'} (during in-job heal epoch {job.heal_epoch})"
+    cause = {"fault_id": f.fault_id, "kind": f.kind.value, "severity": f.severity.value, "node": f.node}
+    return _recover(job, evict=f.node if action == Action.EVICT else None, why=why, cause=cause, now=now)
+
+
 def _on_precheck(job: Job, ev: PrecheckDone) -> Decision:
     if ev.generation != job.generation or job.prechecked_generation >= ev.generation:
         return Decision(job)
@@ -719,6 +736,8 @@ def decide(job: Job, event: Event) -> Decision:
                                       handled_faults=(job.handled_faults + (f.fault_id,))[-200:])
             return Decision(new, (Cordon(f.node, why),), "spare_evicted",
                             {"fault_id": f.fault_id, "kind": f.kind.value, "node": f.node}, {"node": f.node, "reason": why})
+        if job.step == RecoveryStep.HEALING:
+            return _fault_during_heal(job, f, event.ts or f.detected_ts)
         live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
         if not live or f.fault_id in job.handled_faults or f.resolved:
             return Decision(job)

@@ -199,6 +199,23 @@ def test_policy_heals_in_the_job_only_with_a_warm_spare_and_falls_back_to_a_rela
     assert lost.actions == (Stop(0),) and lost.job.nodes == ("node0", "node4", "node2", "node3")
     late = decide(d.job, HealOverdue(1, 61.0, 171.0))
     assert late.name == "relaunching" and late.cause["kind"] == "heal_timeout"
+    # a survivor found hung, or its GPU lost, during the re-form never joins: the relaunch at once (the XID's
+    # node evicted), not after the heal's timeout; a straggler or a fault on a node out of the group waits
+    def at(f, ts=111.0):
+        return dataclasses.replace(f, detected_ts=ts)
+
+    hung = at(fault("j", "node2", c.FaultKind.HANG))
+    h = decide(d.job, FaultSeen(hung, 111.0))
+    assert h.name == "relaunching" and "fallback" in h.detail and h.cause["kind"] == "hang"
+    assert "during in-job heal epoch 1" in h.detail["reason"] and "node2" in h.job.nodes
+    e = decide(d.job, FaultSeen(at(fault("j", "node3", c.FaultKind.XID)), 111.0))
+    assert e.name == "relaunching" and e.detail["evicted"] == "node3" and "node3" not in e.job.nodes
+    seen = dataclasses.replace(d.job, handled_faults=h.job.handled_faults)
+    for quiet, job_ in ((hung, seen),                                                   # once
+                        (at(fault("j", "node2", c.FaultKind.STRAGGLER)), d.job),
+                        (at(fault("j", "node1", c.FaultKind.HANG)), d.job),             # the node it replaced
+                        (at(fault("j", "node2", c.FaultKind.HANG), 109.0), d.job)):     # before the heal began
+        assert decide(job_, FaultSeen(quiet, 111.0)).job.step == RecoveryStep.HEALING, quiet
     # an XID evicts: the node is cordoned and does not go back to the pool
     f = fault("j", "node2", c.FaultKind.XID)
     x = decide(job, FaultSeen(f, f.detected_ts))
