@@ -527,7 +527,7 @@ class Runner(abc.ABC):
             return max((st for st, _, t in rows if t <= ts), default=0)
 
         for i, (t, rec) in enumerate(marks):
-            t_prev = marks[i - 1][0] if i else warm
+            t_prev = marks[i - 1][0] if i else (warm if warm < t else -math.inf)
             t_next = marks[i + 1][0] if i + 1 < len(marks) else end
             # the pace just before it (the machine's speed drifts over minutes: a window of hundreds of
             # steps graded by the steady step at the start carried that drift into every fault's loss)
