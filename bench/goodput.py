@@ -53,8 +53,8 @@ __all__ = ["KINDS", "EvalPause", "ScheduledFault", "make_eval_pause", "make_sche
 KINDS = ("crash", "xid79", "hang", "straggler")
 RESTARTING = ("crash", "xid79", "hang")
 #: a fault's lost seconds: the wall time to LOSS_STEPS steps of new progress past the step it hit (a
-#: straggler: past its replacement), less that progress x the mean of the LOCAL_STEPS steps before it
-#: (the same for every system; Runner._window_figures)
+#: straggler: past its replacement), less that progress x the pace: the mean of the LOCAL_STEPS steps
+#: before it and of the last LOCAL_STEPS of the window (the same for every system; Runner._window_figures)
 LOSS_STEPS = 60
 LOCAL_STEPS = 30
 
@@ -494,8 +494,9 @@ class Runner(abc.ABC):
         """Steady step (before the first fault or pause), and each fault's lost seconds: the wall time
         from it until the job has made ``LOSS_STEPS`` steps of new progress past the step it hit (a
         straggler: past its node's replacement; one never replaced: to the next fault, the pause or the
-        end), or to the next fault, the pause or the end if sooner, less that progress x the mean step
-        of the ``LOCAL_STEPS`` steps before it (a pause's own seconds are not lost)."""
+        end), or to the next fault, the pause or the end if sooner, less that progress x the pace: the
+        mean step of the ``LOCAL_STEPS`` steps before it, averaged with that of the window's last
+        ``LOCAL_STEPS`` steps where it has them (a pause's own seconds are not lost)."""
         r, rows = self.result, self.steps.rows
         if not rows:
             return
@@ -543,6 +544,14 @@ class Runner(abc.ABC):
                 base = top_at(rec.detected_s + self.t0) if rec.restarted and rec.detected_s is not None else None
             t_end = t_next if base is None else \
                 min(min((ts for st, _, ts in rows if st >= base + LOSS_STEPS and ts > t), default=t_next), t_next)
+            if base is not None:
+                # and the pace at the end of the window, past the fault's own transient: the mean of the two
+                # brackets a drift that runs through the window
+                after = [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
+                         if g0 == g1 and s1 == s0 + 1 and s0 >= base + LOSS_STEPS - LOCAL_STEPS and t < t0
+                         and t1 <= t_end]
+                if len(after) >= 5 and len(before) >= 5:
+                    pace = (pace + statistics.fmean(after)) / 2
             lost = (t_end - t) - (top_at(t_end) - at) * pace
             if isinstance(rec, PauseRecord):
                 lost -= rec.seconds

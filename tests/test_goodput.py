@@ -139,6 +139,13 @@ def test_a_faults_loss_is_graded_by_the_pace_just_before_it_not_by_the_drift_sin
     run._window_figures()
     assert run.result.faults[0].lost_s == pytest.approx((1114.0 - 1110.5) - 1.2, abs=0.01)
     assert (g.LOSS_STEPS, g.LOCAL_STEPS) == (60, 30)
+    # the machine speeds up again after it (1.2 -> 1.0 s): graded by the mean of the paces on both sides
+    fast = [(s, 0, 1114.0 + 1.0 * (s - 101)) for s in range(101, 301)]
+    run.steps.rows = rows[:100] + fast
+    run.end_ts = fast[-1][2]
+    run._window_figures()
+    assert run.result.faults[0].lost_s == pytest.approx((1114.0 - 1110.5) + 59 * 1.0 - 60 * 1.1, abs=0.01)
+    run.steps.rows = rows
     # a straggler slows every step until its node is replaced: graded to 60 steps past the replacement
     # (steps 101-130 at 2.4 s, replaced at step 130, then 1.2 s again); never replaced: to the end
     slow = [(s, 0, 1110.0 + 2.4 * (s - 100)) for s in range(101, 131)]
