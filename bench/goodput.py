@@ -218,7 +218,7 @@ class FaultRecord:
     slowdown_s: float | None = None         # stragglers: extra time of the steps it slowed
     tee_event_s: float | None = None        # Transom: the TEE's fault event for this fault, if any
     restarted: bool = False                 # a straggler whose node the controller replaced
-    lost_s: float | None = None             # wall time to LOSS_STEPS of new progress - that progress x the pace before
+    lost_s: float | None = None             # wall time to LOSS_STEPS of new progress - that progress x the pace
     note: str = ""
     path: str = ""                          # Transom: how it recovered (in-job, relaunch, in-job -> relaunch)
     healed_at: float | None = None          # Transom, in-job: epoch time the new group was synced
@@ -527,13 +527,15 @@ class Runner(abc.ABC):
         def top_at(ts: float) -> int:
             return max((st for st, _, t in rows if t <= ts), default=0)
 
+        # each step that followed the one before it in the same generation: (step before, its time, this time)
+        stepped = [(s0, t0, t1) for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:]) if g0 == g1 and s1 == s0 + 1]
+
         for i, (t, rec) in enumerate(marks):
             t_prev = marks[i - 1][0] if i else (warm if warm < t else -math.inf)
             t_next = marks[i + 1][0] if i + 1 < len(marks) else end
             # the pace just before it (the machine's speed drifts over minutes: a window of hundreds of
             # steps graded by the steady step at the start carried that drift into every fault's loss)
-            before = [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
-                      if g0 == g1 and s1 == s0 + 1 and t_prev <= t0 and t1 <= t][-LOCAL_STEPS:]
+            before = [t1 - t0 for _, t0, t1 in stepped if t_prev <= t0 and t1 <= t][-LOCAL_STEPS:]
             pace = statistics.fmean(before) if len(before) >= 5 else r.steady_step_s
             at = top_at(t)
             # to LOSS_STEPS steps of new progress past the step it hit, or the next fault, pause or end; a
@@ -547,9 +549,8 @@ class Runner(abc.ABC):
             if base is not None:
                 # and the pace at the end of the window, past the fault's own transient: the mean of the two
                 # brackets a drift that runs through the window
-                after = [t1 - t0 for (s0, g0, t0), (s1, g1, t1) in zip(rows, rows[1:])
-                         if g0 == g1 and s1 == s0 + 1 and s0 >= base + LOSS_STEPS - LOCAL_STEPS and t < t0
-                         and t1 <= t_end]
+                after = [t1 - t0 for s0, t0, t1 in stepped
+                         if s0 >= base + LOSS_STEPS - LOCAL_STEPS and t < t0 and t1 <= t_end]
                 if len(after) >= 5 and len(before) >= 5:
                     pace = (pace + statistics.fmean(after)) / 2
             lost = (t_end - t) - (top_at(t_end) - at) * pace

@@ -554,6 +554,11 @@ def _heal(job: Job, rank: int, *, evict: bool, why: str, cause: Mapping[str, Any
     return Decision(new, actions, "healing", dict(cause), detail)
 
 
+def _handled(job: Job, f: FaultEvent) -> tuple[str, ...]:
+    """The job's handled fault ids with ``f``'s (the newest 200: a redelivered event is dropped by id)."""
+    return (job.handled_faults + (f.fault_id,))[-200:]
+
+
 def _fault_during_heal(job: Job, f: FaultEvent, now: float) -> Decision:
     """A fault on a node of the group being re-formed: a rank that is lost or stuck never joins, so the
     heal falls back to the relaunch now rather than after ``heal_timeout_s`` (evicting the node where the
@@ -564,7 +569,7 @@ def _fault_during_heal(job: Job, f: FaultEvent, now: float) -> Decision:
             or (gen is not None and int(gen) != job.launched_generation)
             or action == Action.OBSERVE or f.kind == FaultKind.STRAGGLER):
         return Decision(job)
-    job = dataclasses.replace(job, handled_faults=(job.handled_faults + (f.fault_id,))[-200:])
+    job = dataclasses.replace(job, handled_faults=_handled(job, f))
     why = f"{f.summary or f'{f.kind.value} on {f.node}'} (during in-job heal epoch {job.heal_epoch})"
     cause = {"fault_id": f.fault_id, "kind": f.kind.value, "severity": f.severity.value, "node": f.node}
     return _recover(job, evict=f.node if action == Action.EVICT else None, why=why, cause=cause, now=now)
@@ -733,7 +738,7 @@ def decide(job: Job, event: Event) -> Decision:
             why = f.summary or f"{f.kind.value} on {f.node}"
             new = dataclasses.replace(job, spares=tuple(n for n in job.spares if n != f.node),
                                       warm=tuple(n for n in job.warm if n != f.node), evicted=job.evicted + (f.node,),
-                                      handled_faults=(job.handled_faults + (f.fault_id,))[-200:])
+                                      handled_faults=_handled(job, f))
             return Decision(new, (Cordon(f.node, why),), "spare_evicted",
                             {"fault_id": f.fault_id, "kind": f.kind.value, "node": f.node}, {"node": f.node, "reason": why})
         if job.step == RecoveryStep.HEALING:
@@ -750,7 +755,7 @@ def decide(job: Job, event: Event) -> Decision:
         if gen is not None and int(gen) != job.launched_generation:
             return Decision(job)
         action = policy_for(f)
-        handled = (job.handled_faults + (f.fault_id,))[-200:]
+        handled = _handled(job, f)
         cause = {"fault_id": f.fault_id, "kind": f.kind.value, "severity": f.severity.value, "node": f.node}
         job = dataclasses.replace(job, handled_faults=handled)
         if action == Action.EVICT and f.kind == FaultKind.STRAGGLER and not job.spares:
