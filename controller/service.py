@@ -52,7 +52,7 @@ from .backend import Backend
 from .health import HealthBook
 from .lease import LEASE_KEY, Lease, LeaseLost
 from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, Cordon, Decision, ElasticJoined, ElasticSynced,
-                    FaultSeen, Heal,
+                    FaultSeen, Heal, Reconsider,
                     HealOverdue, HealStarted, Job, JobSpec, JobState, Launch, Launched, Precheck, PrecheckDone,
                     RanksExited, RecoveryStep, SpareReady, StartOverdue, StepDone, StepSeen, Stop, Submitted, decide,
                     pending_actions)
@@ -179,6 +179,8 @@ class Controller:
                     outcome.append(HealStarted(action.generation, action.epoch, master, time.time()))
             elif isinstance(action, Cordon):
                 self.backend.cordon(action.node, action.reason)
+            elif isinstance(action, Reconsider):
+                outcome.append(FaultSeen(action.fault, time.time(), deferred=True))
             elif isinstance(action, Precheck):
                 outcome.append(PrecheckDone(action.generation, self._precheck(job, action)))
             elif isinstance(action, Launch):

@@ -42,15 +42,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
-from transom.contracts import Action, CheckpointReady, FaultEvent, FaultKind, Severity, Tier
+from transom.contracts import Action, CheckpointReady, FaultEvent, FaultKind, Severity, Tier, encode
 
 __all__ = [
     "JobState", "RecoveryStep", "TRANSITIONS", "RECOVERY_STEPS", "IllegalTransition", "FAULT_POLICY",
     "policy_for", "IN_JOB_KINDS", "HEAL_PATHS", "JobSpec", "Job", "ElasticJoined", "SpareReady", "ElasticSynced", "HealStarted",
-    "HealOverdue", "Heal",
+    "HealOverdue", "Heal", "Reconsider",
     "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CheckpointSeen", "RanksExited", "StepSeen",
     "Cancel", "StartOverdue", "TERMINAL_STATES",
     "Precheck", "Launch", "Stop", "Cordon", "Decision", "decide", "pending_actions", "surviving_checkpoint",
@@ -207,6 +208,7 @@ class Job:
     heal_ts: float = 0.0                      # when it was decided
     healed_ts: float = 0.0                    # when it ended (faults detected before are about the old group)
     heals: int = 0
+    deferred: tuple[Mapping[str, Any], ...] = ()   # stragglers found during the heal (fault events as dicts)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -222,7 +224,7 @@ class Job:
         kw["state"] = JobState(d["state"])
         kw["step"] = RecoveryStep(d["step"]) if d.get("step") else None
         for name in ("nodes", "spares", "evicted", "to_evict", "evict_reasons", "handled_faults", "restart_times",
-                     "checkpoints", "joined", "warm"):
+                     "checkpoints", "joined", "warm", "deferred"):
             kw[name] = tuple(d.get(name, ()))
         return cls(**kw)
 
@@ -270,6 +272,7 @@ class Launched:
 class FaultSeen:
     fault: FaultEvent
     ts: float = 0.0             # when the controller saw it (for the restart window); 0: the fault's time
+    deferred: bool = False      # held back during an in-job heal, decided now that the heal ended
 
 
 @dataclass(frozen=True)
@@ -398,6 +401,14 @@ class Heal:
 
 
 @dataclass(frozen=True)
+class Reconsider:
+    """Decide ``fault`` again (as :class:`FaultSeen` with ``deferred``): a straggler found during an in-job
+    heal, held back until the new group trains."""
+
+    fault: FaultEvent
+
+
+@dataclass(frozen=True)
 class Decision:
     job: Job
     actions: tuple[Any, ...] = ()
@@ -503,7 +514,7 @@ def _recover(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any],
                     evict_reasons=(why,) if evict else (), resume_step=resume,
                     stop_generation=job.launched_generation, restarts=job.restarts + 1,
                     restart_times=recent + (now,), not_before=now + backoff, prev_last_step=job.last_step,
-                    joined=(), warm=())
+                    joined=(), warm=(), deferred=())
     out: dict[str, Any] = {"reason": why, "path": "relaunch"}
     if job.step == RecoveryStep.HEALING:
         out["fallback"] = f"in-job heal epoch {job.heal_epoch} did not complete"
@@ -559,20 +570,41 @@ def _handled(job: Job, f: FaultEvent) -> tuple[str, ...]:
     return (job.handled_faults + (f.fault_id,))[-200:]
 
 
+def _cause(f: FaultEvent) -> dict[str, Any]:
+    """A decision's cause when a fault event makes it."""
+    return {"fault_id": f.fault_id, "kind": f.kind.value, "severity": f.severity.value, "node": f.node}
+
+
+def _held_without(job: Job, f: FaultEvent) -> tuple[Mapping[str, Any], ...]:
+    """The job's deferred faults less ``f`` (the same tuple when ``f`` is not held)."""
+    return tuple(d for d in job.deferred if d.get("fault_id") != f.fault_id)
+
+
 def _fault_during_heal(job: Job, f: FaultEvent, now: float) -> Decision:
     """A fault on a node of the group being re-formed: a rank that is lost or stuck never joins, so the
     heal falls back to the relaunch now rather than after ``heal_timeout_s`` (evicting the node where the
-    policy evicts). A straggler, a warning or a fault decided before the heal started changes nothing."""
+    policy evicts). A straggler to evict is held back (``deferred``) and decided once the heal ends: the
+    group can re-form with a slow node, and the TEE reports an ongoing straggler once. A warning or a
+    fault decided before the heal started changes nothing."""
     gen = f.evidence.get("generation") if isinstance(f.evidence, Mapping) else None
     action = policy_for(f)
+    if f.kind == FaultKind.STRAGGLER and action == Action.EVICT:
+        held = _held_without(job, f)
+        if f.resolved:                                      # it ended before the heal did
+            return Decision(dataclasses.replace(job, deferred=held))
+        if (f.node not in job.nodes or f.fault_id in job.handled_faults or len(held) != len(job.deferred)
+                or (gen is not None and int(gen) != job.launched_generation)):
+            return Decision(job)
+        new = dataclasses.replace(job, deferred=job.deferred + (json.loads(encode(f)),))
+        return Decision(new, (), "fault_observed", _cause(f),
+                        {"summary": f.summary, "deferred": f"until in-job heal epoch {job.heal_epoch} ends"})
     if (f.node not in job.nodes or f.fault_id in job.handled_faults or f.resolved or f.detected_ts < job.heal_ts
             or (gen is not None and int(gen) != job.launched_generation)
             or action == Action.OBSERVE or f.kind == FaultKind.STRAGGLER):
         return Decision(job)
     job = dataclasses.replace(job, handled_faults=_handled(job, f))
     why = f"{f.summary or f'{f.kind.value} on {f.node}'} (during in-job heal epoch {job.heal_epoch})"
-    cause = {"fault_id": f.fault_id, "kind": f.kind.value, "severity": f.severity.value, "node": f.node}
-    return _recover(job, evict=f.node if action == Action.EVICT else None, why=why, cause=cause, now=now)
+    return _recover(job, evict=f.node if action == Action.EVICT else None, why=why, cause=_cause(f), now=now)
 
 
 def _on_precheck(job: Job, ev: PrecheckDone) -> Decision:
@@ -704,7 +736,8 @@ def decide(job: Job, event: Event) -> Decision:
                 or event.epoch != job.heal_epoch:
             return Decision(job)
         new = job.moved(JobState.RUNNING, healed_ts=event.ts)
-        return Decision(new, (), "healed", {}, {
+        again = tuple(Reconsider(FaultEvent.from_dict(d)) for d in job.deferred)
+        return Decision(new, again, "healed", {}, {
             "path": "in-job", "generation": job.launched_generation, "epoch": job.heal_epoch, "rank": job.heal_rank,
             "node": job.nodes[job.heal_rank], "step": event.step, "seconds": round(event.ts - job.heal_ts, 3),
             "steps_redone": 1})
@@ -743,20 +776,25 @@ def decide(job: Job, event: Event) -> Decision:
                             {"fault_id": f.fault_id, "kind": f.kind.value, "node": f.node}, {"node": f.node, "reason": why})
         if job.step == RecoveryStep.HEALING:
             return _fault_during_heal(job, f, event.ts or f.detected_ts)
+        if event.deferred:                 # a straggler held back during the heal: decided now, once
+            held = _held_without(job, f)
+            if len(held) == len(job.deferred):
+                return Decision(job)
+            job = dataclasses.replace(job, deferred=held)
         live = job.state == JobState.RUNNING or job.step == RecoveryStep.RESUMING
         if not live or f.fault_id in job.handled_faults or f.resolved:
             return Decision(job)
         # not this job's node any more, or decided before this generation was launched: the TEE's decision
         # time, not the sample's, which is the node's clock (one running 5 s behind would otherwise have
-        # its faults of a generation's first 5 s ignored)
-        if f.node not in job.nodes or f.detected_ts < max(job.launched_ts, job.healed_ts):
+        # its faults of a generation's first 5 s ignored); a deferred one was decided during the heal
+        if f.node not in job.nodes or (f.detected_ts < max(job.launched_ts, job.healed_ts) and not event.deferred):
             return Decision(job)
         gen = f.evidence.get("generation") if isinstance(f.evidence, Mapping) else None
         if gen is not None and int(gen) != job.launched_generation:
             return Decision(job)
         action = policy_for(f)
         handled = _handled(job, f)
-        cause = {"fault_id": f.fault_id, "kind": f.kind.value, "severity": f.severity.value, "node": f.node}
+        cause = _cause(f)
         job = dataclasses.replace(job, handled_faults=handled)
         if action == Action.EVICT and f.kind == FaultKind.STRAGGLER and not job.spares:
             # a slow node still trains: never shrink or fail a job for one, keep it until a spare is free

@@ -227,6 +227,32 @@ def test_policy_heals_in_the_job_only_with_a_warm_spare_and_falls_back_to_a_rela
     assert decide(job, FaultSeen(nan, nan.detected_ts)).name == "relaunching"
 
 
+def test_a_straggler_found_during_a_heal_is_decided_once_the_heal_ends():
+    from transom.controller.state import (ElasticSynced, FaultSeen, Heal, HealStarted, JobState, RanksExited,
+                                          Reconsider, RecoveryStep, SpareReady, decide)
+    d = decide(_running(), RanksExited(0, {1: -9}, ts=110.0))
+    d = decide(d.job, HealStarted(0, 1, "127.0.0.1:5", 110.1))
+    slow = dataclasses.replace(fault("j", "node2", c.FaultKind.STRAGGLER), detected_ts=111.0)
+    held = decide(d.job, FaultSeen(slow, 111.0))
+    assert held.name == "fault_observed" and held.detail["deferred"] == "until in-job heal epoch 1 ends"
+    assert held.job.step == RecoveryStep.HEALING and held.actions == ()
+    assert decide(held.job, FaultSeen(slow, 111.5)).job == held.job            # redelivered: held once
+    warm = decide(held.job, SpareReady(0, "node1")).job                         # the pool's spare is warm again
+    healed = decide(warm, ElasticSynced(0, 1, 6, 112.0))
+    assert healed.name == "healed" and healed.job.state == JobState.RUNNING
+    assert healed.actions == (Reconsider(slow),)
+    again = decide(healed.job, FaultSeen(slow, 112.1, deferred=True))
+    assert again.name == "healing" and again.cause["kind"] == "straggler" and again.job.deferred == ()
+    assert again.actions[-1] == Heal(0, 2, 2, "node1", ("node0", "node4", "node1", "node3"))
+    assert decide(again.job, FaultSeen(slow, 112.2, deferred=True)).job == again.job    # decided once
+    # without a free spare it is kept and observed, as any straggler is
+    kept = decide(dataclasses.replace(healed.job, spares=(), warm=()), FaultSeen(slow, 112.1, deferred=True))
+    assert kept.name == "fault_observed" and kept.detail["kept"] == "no spare node"
+    # one that ended before the heal did is forgotten
+    over = decide(held.job, FaultSeen(dataclasses.replace(slow, resolved=True), 111.8))
+    assert over.job.deferred == () and decide(over.job, ElasticSynced(0, 1, 6, 112.0)).actions == ()
+
+
 def test_report_lists_each_recovery_with_its_path_and_cost():
     from transom.report import RunData, recoveries
 
