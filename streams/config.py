@@ -99,6 +99,10 @@ class TEEConfig:
     #: suggested action evict (the controller replaces it when it has a spare); a smaller drop is a
     #: WARNING to observe.
     straggler_evict_drop: float = 0.2
+    #: Windows in a row before a soft fault of a window whose SM clock is ``straggler_evict_drop`` or more
+    #: below the job's median (a physical fact about one GPU against its peers, the median of a whole
+    #: window, whichever detector hit); every other soft fault needs ``soft_consecutive``.
+    straggler_evict_windows: int = 1
     #: TEE workers: a job's window is judged once every node of the job sent it, or once another node of
     #: the job is this many windows further (a node gone silent is not waited for longer); see
     #: :mod:`.jobwindows`. 0: 3 windows on the wall clock; 60 on the event clock, where a replay read at
@@ -144,7 +148,7 @@ class TEEConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive number")
         for f in ("soft_history", "soft_min_history", "soft_refit_every", "soft_consecutive", "soft_clear",
-                  "link_flap_count"):
+                  "link_flap_count", "straggler_evict_windows"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive integer")

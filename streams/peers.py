@@ -53,10 +53,12 @@ detector is split: the worker reading a node's metrics builds its windows and, w
 reasons, error rate: what the features are made of) instead of deciding it; the worker that owns the
 job (``transom.peer-windows`` is keyed by job) feeds the summaries to :meth:`PeerDetector.take`,
 which keeps the per-node baselines and runs and decides exactly as here.
-``soft_consecutive`` anomalous windows make a fault; ``soft_clear`` clean windows after it make a
-resolution event (``resolved=True``, same fault id). The class comes from the evidence: NIC
-features -> link_degraded; a hot GPU -> thermal; a slow GPU whose clock-event reasons show a power
-cap -> power_cap; a thermal slowdown reason -> thermal; otherwise -> straggler. A straggler whose SM
+``soft_consecutive`` anomalous windows make a fault (``straggler_evict_windows``, default one, when the
+window's SM clock is ``straggler_evict_drop`` or more below the job's median, whichever detector hit);
+``soft_clear`` clean windows after it make a resolution event (``resolved=True``, same fault id). The
+class comes from the evidence: NIC features -> link_degraded; a hot GPU -> thermal; a slow GPU whose
+clock-event reasons show a power cap -> power_cap; a thermal slowdown reason -> thermal; otherwise ->
+straggler. A straggler whose SM
 clock is ``straggler_evict_drop`` or more below the job's median is CRITICAL with the suggested
 action evict (kind ``straggler``: the controller replaces the node when it has a spare); other soft
 faults are WARNINGs to observe.
@@ -189,6 +191,7 @@ class _NodeSoft:
     open_fault: FaultEvent | None = None
     last_features: np.ndarray | None = None
     waited: int = 0                  # windows in a row not learned because the node waited
+    base_job: str | None = None      # the job ``base`` was learned in
 
 
 class PeerDetector:
@@ -300,6 +303,9 @@ class PeerDetector:
         return x, worst, medians
 
     def _close(self, state: NodeState, ns: _NodeSoft, job: str, now: float) -> list[FaultEvent]:
+        if ns.base_job != job:          # a node's normal is what it runs in its job: a spare that idled
+            ns.base.clear()             # outside any job (low clocks, no load) starts its baselines afresh
+            ns.base_job, ns.waited = job, 0
         steps = ns.window.steps
         if not (steps and min(steps) == max(steps)):   # a window without a step (a pause, a hang) is not judged,
             x, worst, medians = self._raw_features(ns)  # nor learned from: a slowdown needs a running job
@@ -409,8 +415,8 @@ class PeerDetector:
             # a GPU clocked straggler_evict_drop or more below its job's median is slow, whatever a model
             # fitted on this job's history says (history that may hold such windows already)
             drop = float(row[_CLOCK])
-            if len(peers) >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop \
-                    and (fam_hit is None or fam_hit[0] == "nic"):
+            evident = len(peers) >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop
+            if evident and (fam_hit is None or fam_hit[0] == "nic"):
                 fam_hit = ("gpu", drop, float(z[_CLOCK]), float(cfg.straggler_evict_drop), "rule")
             if fam_hit is not None and fam_hit[4] not in ("rule", "reason", "slows") and self._waiting(x, worst, fam_hit[0]):
                 fam_hit = None          # a node whose GPUs wait on a slow peer suffers the slowdown, it is no cause
@@ -420,7 +426,7 @@ class PeerDetector:
             scores[node] = fam_hit
             if fam_hit is not None:
                 flagged.add(node)
-            out += self._advance(state, ns, win, row, z, worst, fam_hit, len(peers), now)
+            out += self._advance(state, ns, win, row, z, worst, fam_hit, len(peers), now, evident)
         for row, (node, (x, worst, medians, ns, state, _)) in zip(rel, peers.items()):
             if node in flagged or ns.open_fault is not None:
                 continue
@@ -506,8 +512,10 @@ class PeerDetector:
             return FaultClass.POWER_CAP
         return FaultClass.STRAGGLER
 
-    def _advance(self, state: NodeState, ns: _NodeSoft, win: _Window, row, z, worst, hit, n_peers, now) -> list[FaultEvent]:
-        """One decided window of a node (``win``, the window judged: the node may have opened its next one)."""
+    def _advance(self, state: NodeState, ns: _NodeSoft, win: _Window, row, z, worst, hit, n_peers, now,
+                 evident: bool = False) -> list[FaultEvent]:
+        """One decided window of a node (``win``, the window judged: the node may have opened its next one);
+        ``evident``: its SM clock is ``straggler_evict_drop`` or more below its job's median."""
         cfg = self.config
         if hit is None:
             ns.run = 0
@@ -525,7 +533,7 @@ class PeerDetector:
         if ns.run == 0:
             ns.run_start = win.first_ts
         ns.run += 1
-        if ns.run < cfg.soft_consecutive:
+        if ns.run < (cfg.straggler_evict_windows if evident else cfg.soft_consecutive):
             return []
         fam, score, zmax, threshold, mode = hit
         cls = self._classify(fam, worst)
