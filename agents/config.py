@@ -32,7 +32,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from transom.config import ConfigError
+from transom.config import ConfigError, parse_bool
 
 from .collectors import COMMON_KEYS, collector_names, registration
 
@@ -120,8 +120,8 @@ def coerce(value: Any, kind: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a table of strings, got {value!r}")
         return {str(k).strip(): str(v).strip() for k, v in value.items()}
     if kind is bool:
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
+        if isinstance(value, str) and parse_bool(value) is not None:
+            return parse_bool(value)
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{key}: expected true or false, got {value!r}")

@@ -34,6 +34,14 @@ host is shared and noisy), after ``--warm`` saves that bring the daemons to thei
   receives the raw socket into new memory, as a plain ``load()`` does (the kernel faults in and
   zeroes its pages while the bytes arrive); another restores with a plain ``load()``.
 
+With ``--cuda GIB`` (a GPU host) a state of that size on the GPU is saved in copy mode: ``save()``'s
+blocking time with the engine's default (its segment page-locked for CUDA, ``pin_memory``) and with
+``pin_memory=False``, beside the physical limit, a device-to-host copy of the same tensors into
+torch's pinned memory; the training time lost per save by a loop of in-place updates on the GPU
+(each step waits for the device) stepping through a save until it is ready, and the blocking time
+of DCP ``async_save`` and of a durable ``torch.save`` of the same GPU state: ratios as the targets
+above, printed as information (the graded rows are the CPU state's).
+
 Three ``transom ckpt-server`` daemons run as processes (node0 saves, node1 is its neighbour,
 node2 restores). Big buffers are freed between cases (the host has other users). Prints a table,
 then one JSON line with the figures, the targets and whether each is met.
@@ -393,10 +401,13 @@ def peer_restores(eng: CheckpointEngine, nbytes: int, args: argparse.Namespace) 
 
 
 def inplace_update(state: dict) -> float:
-    """Seconds for one in-place update of every tensor (what an optimizer step does to the weights)."""
+    """Seconds for one in-place update of every tensor (what an optimizer step does to the weights);
+    on the GPU the step ends when the device is done, as a loop reading its loss waits for it."""
     t0 = time.perf_counter()
     for v in state.values():
         v.add_(1.0)
+    if next(iter(state.values())).is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -699,6 +710,61 @@ def sharded_bench(world: int, nbytes: int, daemons: "Daemons", root: Path) -> di
     return r
 
 
+def cuda_bench(nbytes: int, args: argparse.Namespace, daemons: "Daemons", root: Path) -> dict:
+    """``save()`` of a state on the GPU (copy mode): the engine's default, which page-locks its segment
+    (``pin_memory``), against ``pin_memory=False`` (a copy into pageable memory) and against the
+    physical limit, a device-to-host copy of the same tensors into a page-locked buffer of torch's."""
+    state = {k: v.cuda() for k, v in make_state(nbytes, args.tensor_mib).items()}
+    torch.cuda.synchronize()
+
+    def best_copy(pinned: bool) -> float:
+        dst = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pinned) for k, v in state.items()}
+        best = float("inf")
+        for _ in range(max(args.repeat, 2) + 1):          # the first pass faults pageable memory in
+            t0 = time.perf_counter()
+            for k, v in state.items():
+                dst[k].copy_(v, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        del dst
+        return best
+
+    r: dict = {"bytes": nbytes, "pinned_copy_s": best_copy(True), "pageable_copy_s": best_copy(False)}
+    r["async_save_block_s"] = dcp_async_save(state, root / "dcp-cuda")
+    r["durable_torch_save_s"] = durable_torch_save(state, root / "cuda.pt")
+    (root / "cuda.pt").unlink()
+    gc.collect()
+    for tag, pin in (("save_block_s", True), ("save_block_unpinned_s", False)):
+        eng = CheckpointEngine(root / f"ckpt-cuda-{tag}", f"cuda-{tag}", 0, 1, "node0", runtime=daemons.runtime,
+                               shared=False, pin_memory=pin)
+        try:
+            stalls = []
+            for step in range(1, args.warm + max(args.repeat, 2) + 1):
+                eng.save(step, state)
+                stalls.append(eng.last_snapshot_s)
+                eng.wait()
+            r[tag] = min(stalls[args.warm:])
+            if pin:
+                r["pinned_bytes"] = eng.pinned_bytes
+                got = eng.load()[1]             # before the loop below changes the state
+                r["load_ok"] = all(torch.equal(got[k], v.cpu()) for k, v in state.items())
+                del got
+                # a GPU loop stepping through a save until it is ready
+                runs = [loop_through_save(state, eng, 100 + i) for i in range(max(args.repeat, 2))]
+                r["lost_s"] = min(x["lost_s"] for x in runs)
+                r["ready_s"] = min(x["ready_s"] for x in runs)
+        finally:
+            eng.close()
+    del state
+    torch.cuda.empty_cache()
+    r["save_block_vs_pinned_copy"] = r["save_block_s"] / r["pinned_copy_s"]
+    r["lost_per_save_vs_pinned_copy"] = r["lost_s"] / r["pinned_copy_s"]
+    r["async_save_vs_lost_per_save"] = r["async_save_block_s"] / r["lost_s"]
+    r["durable_save_vs_lost_per_save"] = r["durable_torch_save_s"] / r["lost_s"]
+    r["unpinned_vs_pinned_save"] = r["save_block_unpinned_s"] / r["save_block_s"]
+    return r
+
+
 def _or_nan(v) -> float:
     return float("nan") if v is None else v
 
@@ -738,6 +804,10 @@ def main() -> int:
     p.add_argument("--quick", action="store_true",
                    help="a run of about 2-3 minutes: --sizes 0.25 --warm 2 --repeat 3 --sharded 0 (flags given "
                         "after it still win)")
+    p.add_argument("--cuda", type=float, default=0.0, metavar="GIB",
+                   help="also save a state of GIB GiB on the GPU: save() blocking with the default page-locked "
+                        "segment, with pin_memory=False, and a device-to-host copy into torch's pinned memory "
+                        "(needs CUDA; default 0: skip)")
     p.add_argument("--services-priority", default=None, metavar="PRIO",
                    help="CPU priority of the daemons (TRANSOM_SERVICE_PRIORITY: batch:N, nice:N, idle, normal; "
                         "default: the product's default, %s, or the variable when set)" % _default_priority())
@@ -753,7 +823,9 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.role:
         return {"saver": role_saver, "restorer": role_restorer, "sink": role_sink}[args.role](args)
-    results, sharded = {}, None
+    if args.cuda and not torch.cuda.is_available():
+        p.error("--cuda: no CUDA device here")
+    results, sharded, cuda = {}, None, None
     if args.hosts:
         results, where = hosts_bench(args)
     else:
@@ -769,6 +841,10 @@ def main() -> int:
                 say(f"sharded state (DTensor, Shard(0)) on {args.sharded} ranks: TCE against "
                     f"torch.distributed.checkpoint")
                 sharded = sharded_bench(args.sharded, int(float(args.sharded_gib) * GiB), daemons, root)
+            if args.cuda:
+                say(f"{args.cuda:g} GiB on the GPU: save() into a page-locked segment, a pageable one, and "
+                    f"a plain copy into pinned memory")
+                cuda = cuda_bench(int(args.cuda * GiB), args, daemons, root)
         finally:
             daemons.close()
             shutil.rmtree(root, ignore_errors=True)
@@ -812,6 +888,13 @@ def main() -> int:
             if k in sharded:
                 print(f"  {k:<34}{sharded[k]:>12.3f}")
 
+    if cuda:
+        print(f"state on the GPU, {cuda['bytes'] / GiB:g} GiB (copy mode; load verified: {cuda['load_ok']})")
+        for k in ("pinned_copy_s", "pageable_copy_s", "save_block_s", "save_block_unpinned_s", "lost_s", "ready_s",
+                  "async_save_block_s", "durable_torch_save_s", "save_block_vs_pinned_copy", "unpinned_vs_pinned_save",
+                  "lost_per_save_vs_pinned_copy", "async_save_vs_lost_per_save", "durable_save_vs_lost_per_save"):
+            print(f"  {k:<34}{cuda[k]:>12.3f}")
+
     def rounded(v):
         if isinstance(v, float):
             return round(v, 4)
@@ -825,7 +908,8 @@ def main() -> int:
     print(json.dumps({"bench": "tce", "where": where, "hosts": bool(args.hosts), "default_mode": DEFAULT_MODE,
                       "services_priority": _default_priority(), "figures": figures, "ratios": ratios,
                       "info_ratios": info, "targets": {k: f"{op} {t}" for k, (op, t) in TARGETS.items()},
-                      "met": met_all, "sharded_vs_dcp": sharded and rounded(sharded), "all_met": all(all(v.values()) for v in met_all.values())}))
+                      "met": met_all, "sharded_vs_dcp": sharded and rounded(sharded),
+                      "cuda": cuda and rounded(cuda), "all_met": all(all(v.values()) for v in met_all.values())}))
     return 0
 
 

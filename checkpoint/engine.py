@@ -51,7 +51,7 @@ from typing import Any, Callable
 from transom import contracts
 from transom.agents.intake import phase as declare_phase
 from transom.agents.intake import report_event
-from transom.config import ConfigError, env_float, env_int, env_str
+from transom.config import ConfigError, env_bool, env_float, env_int, env_str
 from transom.log import get
 
 from . import layout, restore, segments, shardfmt, snapshot, store
@@ -107,7 +107,7 @@ class CheckpointEngine:
                  policy: SavePolicy | str = SavePolicy.WAIT, runtime: str | os.PathLike | None = None,
                  disk: bool = True, shared: bool = True, wait_timeout: float = 600.0,
                  snapshot: SnapshotMode | str = SnapshotMode.COPY, stop_grace: float | None = None,
-                 mtbf_s: float = DEFAULT_MTBF_S) -> None:
+                 mtbf_s: float = DEFAULT_MTBF_S, pin_memory: bool = True) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep < 1:
@@ -128,6 +128,10 @@ class CheckpointEngine:
         self.last_snapshot_mode: SnapshotMode | None = None
         self.snapshot_child: int | None = None     # pid of the fork snapshot in flight
         self._said_cuda = False
+        #: page-lock a segment before CUDA tensors are copied into it (once per segment; see
+        #: :meth:`.Segment.pin_for_cuda`); off after CUDA refuses once
+        self.pin_memory = bool(pin_memory)
+        self._pin_next = False                # the last save had CUDA tensors: pin the next segment ahead
         self.disk, self.shared, self.wait_timeout = disk, shared, wait_timeout
         self.runtime = segments.runtime_dir(runtime, bootstrap)
         self.last_snapshot_s = 0.0
@@ -235,6 +239,7 @@ class CheckpointEngine:
         """Build from the launcher's environment (TRANSOM_CKPT_DIR, RANK, WORLD_SIZE, TRANSOM_JOB,
         TRANSOM_NODE, TRANSOM_GENERATION, TRANSOM_BOOTSTRAP, TRANSOM_CKPT_RUNTIME, TRANSOM_CKPT_SNAPSHOT,
         TRANSOM_CKPT_STOP_S: seconds a SIGTERM waits for the in-flight save, ``stop_grace``;
+        TRANSOM_CKPT_PIN: 0 copies CUDA tensors into pageable memory, ``pin_memory``;
         TRANSOM_CKPT_MTBF_S: mean seconds between faults, ``mtbf_s``, for :meth:`due`, which learns the share
         of them that roll the job back);
         ``kwargs`` override."""
@@ -247,11 +252,17 @@ class CheckpointEngine:
             generation=env_int("TRANSOM_GENERATION", 0), bootstrap=env_str("TRANSOM_BOOTSTRAP"),
             runtime=env_str("TRANSOM_CKPT_RUNTIME"), snapshot=env_str("TRANSOM_CKPT_SNAPSHOT", "copy"),
             stop_grace=float(env_str("TRANSOM_CKPT_STOP_S", "8")),
-            mtbf_s=env_float("TRANSOM_CKPT_MTBF_S", DEFAULT_MTBF_S))
+            mtbf_s=env_float("TRANSOM_CKPT_MTBF_S", DEFAULT_MTBF_S),
+            pin_memory=env_bool("TRANSOM_CKPT_PIN", True))
         args.update(kwargs)
         return cls(directory, **args)
 
     # ------------------------------------------------------------------ save
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of this rank's mapped segments that are page-locked for CUDA copies."""
+        return sum(seg.capacity for seg in list(self._maps.values()) if seg.pinned)
+
     @property
     def next_segment_ready(self) -> bool:
         """The next save's segment is acquired already (that save will not ask the daemon)."""
@@ -318,6 +329,9 @@ class CheckpointEngine:
             seg = self._segment(self._conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": step,
                                                  "size": plan.size, "ckpt_dir": str(self.directory),
                                                  "generation": self.generation})["path"])
+        self._pin_next = self.pin_memory and plan.on_cuda
+        if self._pin_next:
+            self._pin(seg)
         msg = {"op": "staged", "path": str(seg.path), "job": self.job, "rank": self.rank, "step": step,
                "size": plan.size, "world_size": self.world_size, "generation": self.generation,
                "ckpt_dir": str(self.directory), "bootstrap": self.bootstrap, "keep": self.keep,
@@ -388,7 +402,10 @@ class CheckpointEngine:
                 got = conn.call({"op": "acquire", "job": self.job, "rank": self.rank, "step": None, "size": size,
                                  "ckpt_dir": str(self.directory), "generation": self.generation})
                 if got.get("path"):       # None: no segment to spare yet
-                    self._ahead = self._segment(got["path"])
+                    seg = self._segment(got["path"])
+                    if self._pin_next:
+                        self._pin(seg)    # before save() can take it: off the training thread
+                    self._ahead = seg
                     return
                 # backing off: each ask lists the job's checkpoint directory (a shared file system's
                 # metadata server serves every rank of the job)
@@ -404,7 +421,7 @@ class CheckpointEngine:
         parent, child = snapshot.partition(plan.tensors, plan.offsets, seg.addr)
         if not child:
             return None                      # nothing big on the CPU: a fork would only cost
-        if any(t.is_cuda for t in plan.tensors) and not self._said_cuda:
+        if plan.on_cuda and not self._said_cuda:
             self._said_cuda = True
             log.info("rank %d: fork snapshot: CUDA tensors are copied to the staging memory before the "
                      "fork (a child cannot see device memory); CPU tensors are snapshotted copy-on-write",
@@ -428,9 +445,11 @@ class CheckpointEngine:
     def reserve(self, state: Any) -> int:
         """Have the daemon create (and this rank map) a segment big enough for ``state`` now, so
         that the first ``save()`` already copies into warm memory; return its size in bytes."""
-        size = shardfmt.plan(state).size
-        got = self._conn.call({"op": "reserve", "job": self.job, "rank": self.rank, "size": size})
-        self._segment(got["path"])
+        plan = shardfmt.plan(state)
+        got = self._conn.call({"op": "reserve", "job": self.job, "rank": self.rank, "size": plan.size})
+        seg = self._segment(got["path"])
+        if plan.on_cuda:
+            self._pin(seg)
         return got["capacity"]
 
     def _segment(self, path: str) -> Segment:
@@ -438,6 +457,20 @@ class CheckpointEngine:
         if seg is None:
             seg = self._maps[path] = Segment.open(path)
         return seg
+
+    def _pin(self, seg: Segment) -> None:
+        """Page-lock ``seg`` for the device-to-host copies of CUDA tensors; where CUDA refuses, say so
+        once and copy into pageable memory from then on (slower, never wrong)."""
+        if not self.pin_memory or seg.pinned:
+            return
+        try:
+            t0 = time.perf_counter()
+            seg.pin_for_cuda()
+            log.debug("rank %d: %s page-locked in %.3f s", self.rank, seg.path, time.perf_counter() - t0)
+        except (OSError, RuntimeError) as exc:
+            self.pin_memory = self._pin_next = False
+            log.warning("rank %d: cannot page-lock the checkpoint segment for CUDA copies (%s): copying "
+                        "CUDA tensors into pageable memory (about 3x slower)", self.rank, exc)
 
     def _work(self) -> None:
         while (item := self._jobs.get()) is not None:

@@ -28,10 +28,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from transom.log import get
+
 from .wire import pid_alive
 
 __all__ = ["alloc_buffer", "default_runtime", "default_local_dir", "stack_tag", "runtime_dir",
            "registry_path", "register", "unregister", "registered", "neighbour", "ring", "Segment", "safe_name"]
+
+log = get("checkpoint")
 
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
@@ -159,12 +163,16 @@ def neighbour(runtime: Path, node: str) -> dict[str, Any] | None:
     return order[0] if order else None
 
 
+_CUDA_HOST_REGISTER_PORTABLE = 1      # cudaHostRegisterPortable
+
+
 class Segment:
     """One file on tmpfs, mapped shared; ``create`` sizes and pre-faults it."""
 
     def __init__(self, path: Path, capacity: int, mm: mmap.mmap) -> None:
         self.path, self.capacity, self.mm = path, capacity, mm
         self._addr: int | None = None
+        self.pinned = False           # page-locked for CUDA copies (:meth:`pin_for_cuda`)
 
     @classmethod
     def create(cls, path: Path, capacity: int) -> "Segment":
@@ -210,7 +218,30 @@ class Segment:
     def view(self, size: int | None = None) -> memoryview:
         return memoryview(self.mm)[: self.capacity if size is None else size]
 
+    def pin_for_cuda(self) -> None:
+        """Page-lock the mapping for CUDA (``cudaHostRegister``, portable to every device's context):
+        a device-to-host copy into pinned memory runs at the copy engines' speed (on an H200, 55 GB/s
+        against 15 GB/s into pageable memory). Costs about 40 ms per GiB, once per mapping; raises
+        ``OSError`` when CUDA refuses (the caller copies into pageable memory instead)."""
+        if self.pinned:
+            return
+        import torch
+        err = torch.cuda.cudart().cudaHostRegister(self.addr, max(self.capacity, 1), _CUDA_HOST_REGISTER_PORTABLE)
+        if int(getattr(err, "value", err)) != 0:
+            raise OSError(f"cudaHostRegister of {self.path} ({self.capacity} bytes) failed: {err}")
+        self.pinned = True
+
+    def unpin(self) -> None:
+        if self.pinned:
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self.addr)
+            self.pinned = False
+
     def close(self, unlink: bool = False) -> None:
+        try:
+            self.unpin()
+        except Exception as exc:       # a CUDA runtime torn down at exit: the mapping goes anyway
+            log.debug("%s: cudaHostUnregister: %s", self.path, exc)
         try:
             self.mm.close()
         except BufferError:

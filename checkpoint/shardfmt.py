@@ -88,6 +88,11 @@ class ShardPlan:
     def tensor_bytes(self) -> int:
         return self.size - len(self.header)
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether any tensor lives on a CUDA device (copied with a device-to-host copy)."""
+        return any(t.is_cuda for t in self.tensors)
+
 
 def _dtensor_ref(obj: Any, tensors: list[torch.Tensor]) -> DTensorRef:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -271,6 +271,32 @@ def test_tensors_changed_after_save_returns_do_not_reach_the_checkpoint(tmp_path
     assert torch.equal(eng.load(2)[1]["w"], torch.full((256, 256), 42.0))
 
 
+def test_cpu_state_never_page_locks_a_segment(tmp_path, cluster):
+    eng = one(cluster, tmp_path)
+    eng.save(1, {"w": torch.ones(1000)})
+    eng.wait()
+    assert eng.pin_memory and eng.pinned_bytes == 0, "page-locking is for CUDA copies only"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run it on a GPU host)")
+def test_cuda_state_is_copied_into_a_page_locked_segment_and_loads_bit_for_bit(tmp_path, cluster):
+    state = {"w": torch.randn(1 << 22, device="cuda"), "b": torch.arange(1000, device="cuda"),
+             "cpu": torch.ones(10), "step": 3}
+    eng = one(cluster, tmp_path)
+    for step in (1, 2, 3):             # the second and third saves copy into segments pinned ahead
+        assert eng.save(step, state)
+        eng.wait()
+        assert eng.pinned_bytes >= (1 << 24), f"save {step}: the segment it copied into is page-locked"
+    got = eng.load()[1]
+    assert torch.equal(got["w"], state["w"].cpu()) and torch.equal(got["b"], state["b"].cpu())
+    assert got["step"] == 3 and torch.equal(got["cpu"], torch.ones(10))
+    eng.close()
+    plain = one(cluster, tmp_path / "plain", pin_memory=False)
+    plain.save(1, state)
+    plain.wait()
+    assert plain.pinned_bytes == 0 and torch.equal(plain.load()[1]["w"], state["w"].cpu())
+
+
 def test_segments_are_reused_across_saves(tmp_path, cluster):
     eng = one(cluster, tmp_path, keep=2)
     for step in range(1, 6):
@@ -590,6 +616,14 @@ def test_from_env_reads_the_launcher_environment(tmp_path, monkeypatch, cluster)
         (tmp_path, 2, 4, "j1", "node2", 5, None)
     assert eng.cadence.relaunches == 5, "generation 5: the job was relaunched five times (the cadence's rollbacks)"
     assert eng.daemon_addr == segments.registered(cluster.runtime)["node2"]["addr"]
+    assert eng.pin_memory, "CUDA tensors are copied into page-locked memory unless told otherwise"
+    monkeypatch.setenv("TRANSOM_CKPT_PIN", "0")
+    unpinned = CheckpointEngine.from_env()
+    cluster.engines.append(unpinned)
+    assert not unpinned.pin_memory
+    monkeypatch.setenv("TRANSOM_CKPT_PIN", "sometimes")
+    with pytest.raises(ConfigError, match="TRANSOM_CKPT_PIN='sometimes': expected 1 or 0"):
+        CheckpointEngine.from_env()
     monkeypatch.delenv("TRANSOM_CKPT_DIR")
     with pytest.raises(ConfigError, match="TRANSOM_CKPT_DIR"):
         CheckpointEngine.from_env()

@@ -10,7 +10,7 @@ import os
 
 from typing import Mapping
 
-__all__ = ["ConfigError", "ENV", "env_str", "env_float", "env_int", "kafka_security"]
+__all__ = ["ConfigError", "ENV", "env_str", "env_float", "env_int", "env_bool", "parse_bool", "kafka_security"]
 
 
 class ConfigError(ValueError):
@@ -78,6 +78,8 @@ ENV: Mapping[str, str] = {
     "TRANSOM_CLUSTER_KEY_FILE": "file whose first line is the cluster key (instead of TRANSOM_CLUSTER_KEY)",
     "TRANSOM_RUN_DIR": "controller and launcher: directory for rank logs and launch records (default: runs)",
     "TRANSOM_CKPT_STOP_S": "rank: seconds a SIGTERM waits for the in-flight checkpoint save (default 8)",
+    "TRANSOM_CKPT_PIN": "rank: 1 (default) page-locks the checkpoint segment before CUDA tensors are copied into "
+                        "it; 0 copies them into pageable memory",
     "TRANSOM_CKPT_SECRET": "checkpoint daemons and ranks: shared secret (at least 16 characters); set: every "
                            "connection to a TCE daemon is authenticated (HMAC challenge); unset: OFF",
     "TRANSOM_CKPT_SECRET_FILE": "file whose first line is the checkpoint secret (instead of TRANSOM_CKPT_SECRET)",
@@ -97,6 +99,22 @@ def env_float(key: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ConfigError(f"{key}={raw!r}: expected a number") from None
+
+
+def parse_bool(raw: str) -> bool | None:
+    """``1/true/yes/on`` -> True, ``0/false/no/off`` -> False (any case); anything else -> None."""
+    return {"1": True, "true": True, "yes": True, "on": True,
+            "0": False, "false": False, "no": False, "off": False}.get(raw.lower())
+
+
+def env_bool(key: str, default: bool) -> bool:
+    raw = env_str(key)
+    if raw is None:
+        return default
+    value = parse_bool(raw)
+    if value is None:
+        raise ConfigError(f"{key}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+    return value
 
 
 def env_int(key: str, default: int) -> int:
