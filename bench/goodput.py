@@ -131,6 +131,14 @@ def make_schedule(seed: int, every_steps: float, count: int, world: int, kinds: 
     return out
 
 
+def spares_needed(schedule: list[ScheduledFault], steps: int, floor: int = 1) -> int:
+    """Transom's warm spares for a run: one per XID 79 and straggler that comes (each takes a spare) plus
+    one, at least ``floor``. Faults scheduled after the last step never come: a spare kept warm for one
+    would only load the machine (each is an agent, a checkpoint daemon and a built job beside the ranks)."""
+    taken = sum(1 for f in schedule if f.kind in ("xid79", "straggler") and f.after_step < steps)
+    return max(floor, taken + 1)
+
+
 def make_eval_pause(seed: int, steps: int, schedule: list[ScheduledFault], low_s: float = 30.0,
                     high_s: float = 60.0) -> EvalPause:
     """One evaluation pause of ``low_s``-``high_s`` seconds (from the seed) half way between the two
@@ -824,10 +832,9 @@ class TransomRun(Runner):
         from transom import contracts as c
         from transom.stack import LocalStack, Monitor, train_command
         a = self.args
-        replaced = sum(1 for f in self.schedule if f.kind in ("xid79", "straggler"))   # each takes a spare
         kw = {"hosts": True} if a.hosts else {}
         self._agent_config()
-        self._spares, self._warm = max(a.spares, replaced + 1), 0
+        self._spares, self._warm = spares_needed(self.schedule, a.steps, a.spares), 0
         self.stack = LocalStack(self.work / "stack", nodes=a.world + self._spares, **kw)
         self.stack.start_broker()
         self.stack.start_agents()
@@ -1279,8 +1286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step (default 2)")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
     p.add_argument("--world", type=int, default=4, help="ranks (nodes, TorchFT replica groups) of the job (default 4)")
-    p.add_argument("--spares", type=int, default=1, help="Transom spare nodes (at least one per scheduled XID 79 "
-                                                         "and straggler, plus one; default 1)")
+    p.add_argument("--spares", type=int, default=1, help="Transom spare nodes (at least one per XID 79 and straggler "
+                                                         "scheduled before the last step, plus one; default 1)")
     p.add_argument("--fault-every-steps", type=int, default=None,
                    help="steps between faults (default: --fault-every seconds of the plain run's step time)")
     p.add_argument("--fault-every", type=float, default=120.0,

@@ -69,6 +69,17 @@ def test_evaluation_pause_lies_between_faults_and_lasts_30_to_60s():
     assert g.make_eval_pause(1, 100, []).after_step == 50
 
 
+def test_spares_are_kept_warm_only_for_the_faults_that_come():
+    g = _bench()
+    schedule = [g.ScheduledFault(0, 100, "xid79", 1), g.ScheduledFault(1, 200, "crash", 0),
+                g.ScheduledFault(2, 300, "straggler", 2), g.ScheduledFault(3, 400, "xid79", 3),
+                g.ScheduledFault(4, 500, "straggler", 0)]
+    assert g.spares_needed(schedule, 350) == 3          # the XID 79 and the straggler before step 350, plus one
+    assert g.spares_needed(schedule, 600) == 5
+    assert g.spares_needed(schedule, 50) == 1           # nothing comes: the one spare a job keeps
+    assert g.spares_needed(schedule, 350, floor=4) == 4
+
+
 def test_bad_flags_name_what_is_wrong(capsys):
     g = _bench()
     with pytest.raises(SystemExit):
