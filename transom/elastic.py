@@ -189,9 +189,10 @@ class ElasticGroup:
         self._consumer.assign(parts)
         self._events: "queue.Queue[dict[str, Any]]" = queue.Queue()
         self._pg: Any = None               # the group a step runs in
-        self._in_step = False
         self._in_init = False              # in the rendezvous of a re-formed group
-        self._abandon = threading.Event()  # set by the reader: a new group was named during a step
+        # the newest epoch the controller named for this generation (set by the reader): a collective of an
+        # older group is given up, whether the rank was in it or between steps when the news came
+        self._named = 0
         # groups left with a pending collective: (epoch, group, that work). Destroying one would wait for the work;
         # each is dropped (its gloo threads and sockets go with it) once its work has ended (:meth:`_bury`)
         self._graveyard: list[tuple[int, Any, Any]] = []
@@ -232,9 +233,10 @@ class ElasticGroup:
         self._producer.flush(10)
 
     def _read(self) -> None:
-        """Reader thread: the job's timeline into ``_events``. A new group named while this rank is still
-        blocked in a collective of the old one (a peer that left it without closing its connections) sets
-        ``_abandon``: :meth:`all_reduce_mean_` gives the collective up and the rank re-forms."""
+        """Reader thread: the job's timeline into ``_events``. A new group named for this generation raises
+        ``_named``: a collective of an older group, one this rank is blocked in (a peer that left it without
+        closing its connections) or one it starts later (it was between steps when the news came: in its
+        data loader, a pause, a save), is given up by :meth:`all_reduce_mean_` and the rank re-forms."""
         while not self._closed.is_set():
             try:
                 msg = self._consumer.poll(0.5)     # a message returns at once; 0.5 s: how soon close() is seen
@@ -252,9 +254,8 @@ class ElasticGroup:
             except ValueError:
                 continue
             d = ev.get("detail") or {}
-            if (ev.get("name") == "reforming" and int(d.get("generation", -1)) == self.generation
-                    and int(d.get("epoch", 0)) > self.epoch and self._in_step):
-                self._abandon.set()        # all_reduce_mean_ gives up its collective of the old group
+            if ev.get("name") == "reforming" and int(d.get("generation", -1)) == self.generation:
+                self._named = max(self._named, int(d.get("epoch", 0)))
             if ev.get("name") in _GIVE_UP and ev.get("name") != "completed" and self._in_init:
                 # relaunched (or ended) while this rank waits in a rendezvous that will never complete: it
                 # is to be stopped, and a wait in C++ would not see the stop's SIGTERM; go now
@@ -300,7 +301,6 @@ class ElasticGroup:
             dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=self.rank, world_size=self.world,
                                     timeout=timeout)
         self._pg = dist.group.WORLD
-        self._abandon.clear()
         self._pending = None
 
     def _take(self, d: dict[str, Any]) -> None:
@@ -430,9 +430,10 @@ class ElasticGroup:
         done = threading.Event()           # set by gloo's thread when the work ends: no polling latency
         work.get_future().add_done_callback(lambda _fut: done.set())
         while not done.wait(0.05):
-            if self._abandon.is_set() or time.monotonic() > deadline:
+            superseded = self._named > self.epoch
+            if superseded or time.monotonic() > deadline:
                 self._pending = work
-                why = "a new group was named" if self._abandon.is_set() else \
+                why = f"group epoch {self._named} was named" if superseded else \
                     f"no answer within {self.pg_timeout_s:.0f}s"
                 raise CollectiveAbandoned(f"all-reduce of rank {self.rank} given up: {why}")
         work.wait()                        # raises what failed it
@@ -464,11 +465,9 @@ class ElasticGroup:
         for attempt in range(retries + 1):
             before, pos = replica.step, replica.position()
             self._timeout(self.step_timeout_s)
-            self._in_step = True
             try:
                 out = fn()
             except RuntimeError as exc:
-                self._in_step = False
                 if attempt == retries or not dist.is_initialized() or not collective_failure(exc):
                     raise
                 self._reform(exc, replica)
@@ -483,7 +482,6 @@ class ElasticGroup:
                     return None          # a survivor had finished this step: its state is ours now
                 replica.rewind(pos)
                 continue
-            self._in_step = False
             self._timeout(self.pg_timeout_s)
             replica.step = before + 1
             return out
