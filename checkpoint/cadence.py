@@ -18,15 +18,17 @@ Only a fault that relaunches the job rolls it back: one healed in the job (the s
 state, a spare takes it from them, :mod:`transom.elastic`) recomputes nothing. With faults every
 ``M`` seconds (``TRANSOM_CKPT_MTBF_S``, any kind) of which a share ``p`` needs a relaunch, rollbacks
 come every ``M / p`` and the interval is ``sqrt(2 C M / p)``. The cadence learns ``p`` from the job
-itself, starting where nothing is known at ``p = 1`` (every fault rolls back, as in a job without
-in-job recovery)::
+itself. A job that cannot heal in place (no elastic group: ``due()`` is called without an ``epoch``,
+as a torchrun retry loop's) has ``p = 1``: every fault rolls it back. One that can (its ranks pass their
+group's ``epoch``) starts from Laplace's rule of succession, one heal and one relaunch counted before
+anything is seen (``p = 1/2``; until 4 December it started at 1, as if nothing healed)::
 
-    p = (relaunches + 1) / (relaunches + heals + 1)
+    p = (relaunches + 1) / (relaunches + heals + 2)        (elastic; without a group: 1)
 
 relaunches: the job's generation (each relaunch starts a new one); heals: the groups this process
 saw re-formed (each new ``epoch``). A job that heals every fault in place saves less and less often
-(after four heals, at sqrt(5) x the first interval); one whose heals fall back to relaunches keeps
-the short interval. The ``max_interval_s`` bound (30 min) still holds.
+(after four heals, at sqrt(3) x the first interval); one whose heals fall back to relaunches returns
+to the short interval. The ``max_interval_s`` bound (30 min) still holds.
 
 Every rank saves the same steps without a collective per step (on a host whose cores the ranks share,
 one more tiny all-reduce per step cost 4.5-5 % of the step, docs/checkpoint.md "When to save"):
@@ -110,6 +112,7 @@ class Cadence:
         self.mtbf_s, self.first, self.max_interval_s = mtbf_s, first, max_interval_s
         self.relaunches = relaunches                         # the job's generation: relaunches so far
         self.heals = 0                                       # groups re-formed (epochs) this process saw
+        self.in_job = False                                  # the job heals in place (due() got an epoch)
         self._clock = clock
         self._last_tick: float | None = None
         self._quiet: deque[float] = deque(maxlen=window)     # step times with no save in flight
@@ -132,8 +135,9 @@ class Cadence:
 
     @property
     def rollback_share(self) -> float:
-        """The share of the job's faults that roll it back (a relaunch), as far as this process knows."""
-        return (self.relaunches + 1) / (self.relaunches + self.heals + 1)
+        """The share of the job's faults that roll it back (a relaunch), as far as this process knows: 1 for a
+        job that cannot heal in place, else Laplace's estimate from its relaunches and heals."""
+        return (self.relaunches + 1) / (self.relaunches + self.heals + 1 + int(self.in_job))
 
     def tick(self, step: int, busy: bool) -> None:
         """Step ``step`` just ended; ``busy``: a save's background work ran during it."""
@@ -153,10 +157,15 @@ class Cadence:
             else:
                 self._quiet.append(dt)
 
-    def due(self, step: int, agree: Callable[[int], int], epoch: int = 0) -> bool:
+    def due(self, step: int, agree: Callable[[int], int], epoch: int | None = None) -> bool:
         """Whether to save ``step``. ``agree(vote)`` returns the largest vote of the job's ranks (a
         collective): it is called only where every rank calls it, at the first step of each ``epoch``
-        (of the group: a heal changes it) and at each save step."""
+        (of the group: a heal changes it; None: the job has no elastic group, a fault relaunches it) and at
+        each save step."""
+        if epoch is not None and not self.in_job:
+            self.in_job = True
+            if self.interval is not None:
+                self._replan()
         if self.next_save is None or epoch != self._epoch:
             if self._epoch is not None and epoch != self._epoch:
                 self.heals += 1                  # the group was re-formed: a fault healed without a rollback

@@ -280,14 +280,16 @@ class CheckpointEngine:
             self._thread.join(timeout)
             self._hurry.clear()
 
-    def due(self, step: int, agree: Callable[[int], int] | None = None, epoch: int = 0) -> bool:
+    def due(self, step: int, agree: Callable[[int], int] | None = None, epoch: int | None = None) -> bool:
         """Whether to save ``step``, which just ended, by the job's cadence (:mod:`.cadence`: Young's interval
         from the measured cost of this job's saves, ``mtbf_s`` and the share of faults that relaunched the
         job rather than healed in it). Call it once per step on every rank; at
         each save step and at the first step of each ``epoch`` of the group (a heal changes it) it agrees the
         next save step across the ranks with ``agree`` (an all-reduce MAX of an int: inside an elastic step
         :meth:`transom.elastic.ElasticGroup.agree_max`, with ``epoch=group.epoch``; default:
-        ``torch.distributed``'s default group when one is initialized), so every rank answers alike."""
+        ``torch.distributed``'s default group when one is initialized), so every rank answers alike. An
+        ``epoch`` also tells the cadence that the job heals in place (fewer faults roll it back); without
+        one every fault is taken to relaunch it."""
         self.cadence.tick(step, busy=self.in_flight())
         return self.cadence.due(step, agree or agree_max, epoch)
 

@@ -773,8 +773,9 @@ class _Clock:
         return self.t
 
 
-def _train(cad: "cadence.Cadence", clock: _Clock, steps: range, agree, epoch: int = 0) -> list[int]:
-    """Steps of 0.1 s; a save stalls 0.05 s and slows the 3 steps while it is in flight by 0.05 s each."""
+def _train(cad: "cadence.Cadence", clock: _Clock, steps: range, agree, epoch: int | None = None) -> list[int]:
+    """Steps of 0.1 s; a save stalls 0.05 s and slows the 3 steps while it is in flight by 0.05 s each;
+    ``epoch``: the elastic group's (None: a job without one, every fault relaunches it)."""
     saves, busy_left = [], 0
     for step in steps:
         clock.t += 0.1 + (0.05 if busy_left else 0.0)
@@ -822,11 +823,11 @@ class _MaxAllReduce:
 def test_cadence_a_spare_that_joins_keeps_the_jobs_schedule():
     """Rank 1 dies after step 200; a fresh spare takes its place in the group of epoch 1: both save the
     same steps from then on, the survivor's schedule, not the newcomer's first 10: the save already
-    agreed (63 steps after the last), then 89 apart, since the fault healed in the job (half the faults
-    seen rolled back: sqrt(2 x 0.2 x 100 / 0.5) = 8.9 s)."""
+    agreed (89 steps after the last: an elastic job starts at half the faults rolling back, sqrt(2 x 0.2
+    x 100 / 0.5) = 8.9 s), then 110 apart, since the fault healed in the job (a third: 11.0 s)."""
     c0, c1 = _Clock(), _Clock()
     survivor, spare = cadence.Cadence(100.0, first=10, clock=c0), cadence.Cadence(100.0, first=10, clock=c1)
-    before = _train(survivor, c0, range(1, 201), lambda v: v)
+    before = _train(survivor, c0, range(1, 201), lambda v: v, epoch=0)
     group, out = _MaxAllReduce(2), {}
 
     def rank(r: int, cad, clock) -> None:
@@ -838,30 +839,36 @@ def test_cadence_a_spare_that_joins_keeps_the_jobs_schedule():
     for t in threads:
         t.join(30)
     assert out[0] == out[1], out
-    assert out[0][0] == before[-1] + 63 and [b - a for a, b in zip(out[0], out[0][1:])] == [89] * (len(out[0]) - 1)
+    assert out[0][0] == before[-1] + 89 and [b - a for a, b in zip(out[0], out[0][1:])] == [110] * (len(out[0]) - 1)
     assert (survivor.heals, spare.heals) == (1, 0)
 
 
 def test_cadence_saves_less_often_as_faults_heal_in_the_job_and_not_after_relaunches():
-    """Only a relaunch rolls the job back: each group re-formed in the job (a new epoch) lowers the share
-    of faults that roll back, (relaunches + 1) / (relaunches + heals + 1), and stretches the interval to
-    sqrt(2 C M / share); a job relaunched as often as it healed keeps saving often."""
+    """Only a relaunch rolls the job back. A job without an elastic group (no epoch) takes every fault to
+    roll it back; an elastic one starts at half (Laplace), and each group re-formed in the job (a new
+    epoch) lowers the share, (relaunches + 1) / (relaunches + heals + 2), stretching the interval to
+    sqrt(2 C M / share); a job relaunched as often as it healed keeps saving more often."""
+    clock = _Clock()
+    plain = cadence.Cadence(100.0, first=10, relaunches=2, clock=clock)
+    _train(plain, clock, range(1, 201), lambda v: v)
+    assert plain.rollback_share == 1 and plain.interval.steps == 63
+
     clock = _Clock()
     healing = cadence.Cadence(100.0, first=10, clock=clock)
-    _train(healing, clock, range(1, 101), lambda v: v)
-    assert healing.rollback_share == 1 and healing.interval.steps == 63
+    _train(healing, clock, range(1, 101), lambda v: v, epoch=0)
+    assert healing.rollback_share == 0.5 and healing.interval.steps == 89
     for epoch in range(1, 5):
         _train(healing, clock, range(100 * epoch + 1, 100 * epoch + 101), lambda v: v, epoch=epoch)
-    assert healing.heals == 4 and healing.rollback_share == pytest.approx(1 / 5)
-    assert healing.interval.steps == round((2 * 0.2 * 100 * 5) ** 0.5 / 0.1) == 141
-    assert healing.interval.rollback_fraction == pytest.approx(14.1 / (2 * 500))
+    assert healing.heals == 4 and healing.rollback_share == pytest.approx(1 / 6)
+    assert healing.interval.steps == round((2 * 0.2 * 100 * 6) ** 0.5 / 0.1) == 155
+    assert healing.interval.rollback_fraction == pytest.approx(15.5 / (2 * 600))
 
     clock = _Clock()
     relaunched = cadence.Cadence(100.0, first=10, relaunches=4, clock=clock)
     for epoch in range(5):
         _train(relaunched, clock, range(100 * epoch + 1, 100 * epoch + 101), lambda v: v, epoch=epoch)
-    assert relaunched.rollback_share == pytest.approx(5 / 9)
-    assert relaunched.interval.steps == round((2 * 0.2 * 100 * 9 / 5) ** 0.5 / 0.1) == 85
+    assert relaunched.rollback_share == pytest.approx(5 / 10)
+    assert relaunched.interval.steps == round((2 * 0.2 * 100 * 10 / 5) ** 0.5 / 0.1) == 89
 
 
 def test_cadence_interval_bounds_and_youngs_formula():
