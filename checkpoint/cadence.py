@@ -112,7 +112,6 @@ class Cadence:
         self.mtbf_s, self.first, self.max_interval_s = mtbf_s, first, max_interval_s
         self.relaunches = relaunches                         # the job's generation: relaunches so far
         self.heals = 0                                       # groups re-formed (epochs) this process saw
-        self.in_job = False                                  # the job heals in place (due() got an epoch)
         self._clock = clock
         self._last_tick: float | None = None
         self._quiet: deque[float] = deque(maxlen=window)     # step times with no save in flight
@@ -137,7 +136,8 @@ class Cadence:
     def rollback_share(self) -> float:
         """The share of the job's faults that roll it back (a relaunch), as far as this process knows: 1 for a
         job that cannot heal in place, else Laplace's estimate from its relaunches and heals."""
-        return (self.relaunches + 1) / (self.relaunches + self.heals + 1 + int(self.in_job))
+        in_job = self._epoch is not None                     # due() was given the group's epoch
+        return (self.relaunches + 1) / (self.relaunches + self.heals + 1 + int(in_job))
 
     def tick(self, step: int, busy: bool) -> None:
         """Step ``step`` just ended; ``busy``: a save's background work ran during it."""
@@ -162,10 +162,6 @@ class Cadence:
         collective): it is called only where every rank calls it, at the first step of each ``epoch``
         (of the group: a heal changes it; None: the job has no elastic group, a fault relaunches it) and at
         each save step."""
-        if epoch is not None and not self.in_job:
-            self.in_job = True
-            if self.interval is not None:
-                self._replan()
         if self.next_save is None or epoch != self._epoch:
             if self._epoch is not None and epoch != self._epoch:
                 self.heals += 1                  # the group was re-formed: a fault healed without a rollback
