@@ -192,6 +192,12 @@ class TrainingCollector:
     def collect(self) -> list[contracts.Sample]:
         now = time.time()
         with self._lock:
+            if not self._ranks and self._job is not None:
+                # no rank of any job left here since the last batch (the one that said its last rank was
+                # gone, in its job): the node's metrics go out without a job from now on, so a node
+                # replaced and cordoned is no longer judged among its old job's peers
+                log.info("no training rank left on this node: its metrics no longer carry job %s", self._job)
+                self._job = None
             ranks = list(self._ranks.items())
             events, self._events = self._events, []
             dropped, self._dropped_events = self._dropped_events, 0

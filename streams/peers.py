@@ -94,6 +94,7 @@ _CLOCK = 1                           # FEATURES.index("clock_drop")
 _WAIT_UTIL = 0.1                     # a utilisation drop of this share (of its own baseline) is waiting
 _WAIT_PEERS = 0.15                   # peers whose utilisation fell this much wait for the one that did not
 _WAIT_LEARN = 90                     # windows of waiting (15 min at 10 s) before they become the baseline
+_WORKING_UTIL = 0.9                  # a GPU at this share of its job's median utilisation works (_below_job)
 _EXPECT_WINDOWS = 2                  # a window waits for the job's nodes that closed one of the last 2
 
 
@@ -152,6 +153,7 @@ class _Window:
     steps: list = field(default_factory=list)      # training steps seen (none: no training reports)
     first_ts: float = 0.0
     last_ts: float = 0.0
+    job: str = ""                                  # the job of the batch that opened it
 
     def summary(self, node: str, job: str, now: float) -> PeerWindow:
         """What the features of this window are made of (medians, reasons, mean error rate)."""
@@ -166,7 +168,7 @@ class _Window:
     @classmethod
     def of(cls, w: PeerWindow) -> "_Window":
         """The window a summary stands for (each median as its one value: the features come out the same)."""
-        win = cls(index=w.index, first_ts=w.first_ts, last_ts=w.last_ts)
+        win = cls(index=w.index, first_ts=w.first_ts, last_ts=w.last_ts, job=w.job)
         for gi, f in w.gpu.items():
             win.gpu[int(gi)].update({k: [v] for k, v in f.items()})
         win.reasons.update({int(gi): r for gi, r in w.reasons.items()})
@@ -226,12 +228,15 @@ class PeerDetector:
         out: list[FaultEvent] = []
         if ns.window.index != index:
             if ns.window.index >= 0 and ns.window.gpu:
-                job = batch.job or state.job or batch.node
+                # judged in the job it opened in: a spare's last idle window is not its first in the job
+                # it joins (that window's idle clocks and temperatures would become its baselines there)
                 if self.outbox is not None:
-                    self.outbox.append(ns.window.summary(state.node, job, now))
+                    self.outbox.append(ns.window.summary(state.node, ns.window.job, now))
                 else:
-                    out += self._close(state, ns, job, now)
-            ns.window = _Window(index=index, first_ts=batch.ts)
+                    out += self._close(state, ns, ns.window.job, now)
+            # a batch without a job is a node outside any (a spare, one cordoned after it was replaced): its
+            # window is judged alone, not in the last job it trained in
+            ns.window = _Window(index=index, first_ts=batch.ts, job=batch.job or batch.node)
         win = ns.window
         win.last_ts = batch.ts
         gpus, reasons = win.gpu, win.reasons
@@ -303,6 +308,11 @@ class PeerDetector:
         return x, worst, medians
 
     def _close(self, state: NodeState, ns: _NodeSoft, job: str, now: float) -> list[FaultEvent]:
+        if job == state.node and ns.base_job not in (None, state.node):
+            # a window outside any job of a node that trained in one: its ranks are gone (a relaunch's gap,
+            # a node replaced and cordoned): neither judged (it has no peers) nor learned from (it idles),
+            # and its baselines wait for its job to come back
+            return []
         if ns.base_job != job:          # a node's normal is what it runs in its job: a spare that idled
             ns.base.clear()             # outside any job (low clocks, no load) starts its baselines afresh
             ns.base_job, ns.waited = job, 0
@@ -381,6 +391,7 @@ class PeerDetector:
         # cold start: no model yet, but a job of 3+ nodes gives a median to stand out from
         cold = not ready and cfg.soft_cold_z > 0 and len(peers) >= 3
         culprit, culprit_gap = self._keeps_working(peers)
+        below = self._below_job(peers) if len(peers) >= 3 and cfg.straggler_evict_drop > 0 else {}
         for j, (row, (node, (x, worst, medians, ns, state, win))) in enumerate(zip(rel, peers.items())):
             z = Z[j]
             fam_hit = None
@@ -414,7 +425,15 @@ class PeerDetector:
                 fam_hit = ("gpu", float(z[_CLOCK]), float(z[_CLOCK]), float(cfg.soft_min_z), "slows")
             # a GPU clocked straggler_evict_drop or more below its job's median is slow, whatever a model
             # fitted on this job's history says (history that may hold such windows already)
+            # its clock drop: against its own baseline relative to the job's, or its working GPU's clock against
+            # the job's working GPUs' now, whichever is larger (a GPU slow since it joined, or since the job
+            # began, has no healthy baseline of its own to drop from)
             drop = float(row[_CLOCK])
+            slowest = below.get(node)
+            if slowest is not None and slowest["below"] > drop:
+                drop = slowest["below"]
+                worst["clock"] = {"gpu": slowest["gpu"], "value": slowest["value"], "job_median": slowest["job"],
+                                  "below_job": round(drop, 4), "reasons": win.reasons.get(slowest["gpu"], 0)}
             evident = len(peers) >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop
             if evident and (fam_hit is None or fam_hit[0] == "nic"):
                 fam_hit = ("gpu", drop, float(z[_CLOCK]), float(cfg.straggler_evict_drop), "rule")
@@ -426,7 +445,7 @@ class PeerDetector:
             scores[node] = fam_hit
             if fam_hit is not None:
                 flagged.add(node)
-            out += self._advance(state, ns, win, row, z, worst, fam_hit, len(peers), now, evident)
+            out += self._advance(state, ns, win, row, z, worst, fam_hit, len(peers), now, evident, drop)
         for row, (node, (x, worst, medians, ns, state, _)) in zip(rel, peers.items()):
             if node in flagged or ns.open_fault is not None:
                 continue
@@ -450,6 +469,28 @@ class PeerDetector:
         if drop < _WAIT_UTIL or x[_CLOCK] >= _WAIT_UTIL or fam == "thermal":
             return False
         return fam == "gpu" or x[3] < _FLOOR[3]
+
+    @staticmethod
+    def _below_job(peers: dict) -> dict[str, dict]:
+        """Per node of a job of 3+, its slowest working GPU against the median SM clock of the job's working
+        GPUs in this window: ``{"gpu", "value", "job", "below"}`` (``below`` a share of ``job``). A GPU works
+        when its utilisation is at least ``_WORKING_UTIL`` of the job's median: a GPU the job leaves unused
+        idles at a fraction of its clock, and a spare's first window in a job, half of it idle, is not a slow
+        GPU; a slow one is as busy as its peers or busier (they wait for it). Assumes one GPU model per job."""
+        gpus = {node: [(gi, m, p[2].get((gi, DCGM.GPU_UTIL))) for (gi, name), m in p[2].items() if name == DCGM.SM_CLOCK]
+                for node, p in peers.items()}
+        utils = [u for g in gpus.values() for _, _, u in g if u is not None]
+        floor = _WORKING_UTIL * _median(utils) if utils else 0.0
+        working = {node: [(m, gi) for gi, m, u in g if u is None or u >= floor] for node, g in gpus.items()}
+        working = {node: g for node, g in working.items() if g}
+        if len(working) < 3:
+            return {}
+        job = _median([m for g in working.values() for m, _ in g])
+        out = {}
+        for node, g in working.items():
+            m, gi = min(g)
+            out[node] = {"gpu": gi, "value": m, "job": job, "below": (job - m) / max(job, 1.0)}
+        return out
 
     @staticmethod
     def _job_waits(peers: dict, node: str) -> float:
@@ -513,9 +554,10 @@ class PeerDetector:
         return FaultClass.STRAGGLER
 
     def _advance(self, state: NodeState, ns: _NodeSoft, win: _Window, row, z, worst, hit, n_peers, now,
-                 evident: bool = False) -> list[FaultEvent]:
+                 evident: bool = False, clock_drop: float = 0.0) -> list[FaultEvent]:
         """One decided window of a node (``win``, the window judged: the node may have opened its next one);
-        ``evident``: its SM clock is ``straggler_evict_drop`` or more below its job's median."""
+        ``evident``: its SM clock is ``straggler_evict_drop`` or more below its job's median; ``clock_drop``:
+        how far (``_decide``)."""
         cfg = self.config
         if hit is None:
             ns.run = 0
@@ -538,7 +580,6 @@ class PeerDetector:
         fam, score, zmax, threshold, mode = hit
         cls = self._classify(fam, worst)
         severity, action = Severity.WARNING, Action.OBSERVE
-        clock_drop = float(row[_CLOCK])
         if cls == FaultClass.STRAGGLER and clock_drop >= cfg.straggler_evict_drop:
             severity, action = Severity.CRITICAL, Action.EVICT    # a whole job waits on it: replace it
         feats = {name: {"value": round(float(row[i]), 4), "z": round(float(z[i]), 2)} for i, name in enumerate(FEATURES)}
@@ -564,9 +605,12 @@ class PeerDetector:
                     "slows": "peers.slows"}[mode]
         f = fault(KIND_OF[cls], severity, action,
                   fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
-                  job=state.job, detector=detector, observed_ts=win.last_ts, now=now,
+                  job=None if win.job == state.node else (win.job or state.job), detector=detector,
+                  observed_ts=win.last_ts, now=now,
                   score=score, threshold=threshold, evidence=evidence,
-                  summary=(f"{cls.value} on {state.node} {where}: {top[0]} {feats[top[0]]['value']:g} "
+                  summary=(f"{cls.value} on {state.node} {where}: SM clock {dev['value']:.0f} MHz, {clock_drop:.0%} "
+                           f"below the job's median, for {ns.run} windows" if mode == "rule" else
+                           f"{cls.value} on {state.node} {where}: {top[0]} {feats[top[0]]['value']:g} "
                            f"({feats[top[0]]['z']:.1f} spreads from the clean median) for {ns.run} windows"))
         ns.open_fault = f
         return [f]

@@ -87,10 +87,11 @@ def test_short_outages_are_a_flap_not_a_link_down(engine):
     assert f.evidence["class"] == "link_flap" and f.evidence["downs"] == 3 and f.observed_ts == T0 + 9
 
 
-def _job_minutes(engine, seconds, slow=None, at=60, clock=0.7, gone=None, **slow_fields):
+def _job_minutes(engine, seconds, slow=None, at=60, clock=0.7, gone=None, unused=None, **slow_fields):
     """4 nodes of one job, 2 GPUs each, 1 Hz with a little noise; from ``at`` on node ``slow``'s GPU 0
     runs at ``clock`` of its SM clock and power (plus ``slow_fields``); ``gone`` = (node, t): that node
-    stops reporting at t. Returns every fault event."""
+    stops reporting at t; node ``unused``'s GPU 1 is one the job does not use (idle clocks, no load).
+    Returns every fault event."""
     rng = np.random.default_rng(5)
     out = []
     for t in range(seconds):
@@ -106,38 +107,102 @@ def _job_minutes(engine, seconds, slow=None, at=60, clock=0.7, gone=None, **slow
                     f[c.DCGM.SM_CLOCK] *= clock
                     f[c.DCGM.POWER_USAGE] = 90 + (f[c.DCGM.POWER_USAGE] - 90) * clock
                     f.update(slow_fields)
+                if node == unused and i == 1:
+                    f.update({c.DCGM.SM_CLOCK: 345.0, c.DCGM.POWER_USAGE: 81.0, c.DCGM.GPU_TEMP: 38.0,
+                              c.DCGM.GPU_UTIL: 0.0})
                 gpus.append(gpu(i, **f))
             out += engine.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
     return out
 
 
-def test_a_spare_that_joins_a_job_is_judged_against_its_clocks_in_the_job_not_while_it_idled(engine):
-    """A warm spare idles at low clocks outside any job, then takes node3's place; when its GPU later
-    runs 30 % below what it ran in the job, that is a straggler to evict, as on any node of the job."""
+def _spare_joins(engine, seconds, slowed_at, idle_in_job=0):
+    """node0-3 train in job1; node4, a warm spare, idles outside any job (low clocks, no load) until
+    t=300, when node3 is gone and node4 trains in its place (its GPUs still idle for ``idle_in_job`` s:
+    it loads the state, the group forms); from ``slowed_at`` on node4's GPU 0 runs at 70 % of its clock.
+    Returns the fault events that are not resolutions."""
     rng = np.random.default_rng(7)
     out = []
-    for t in range(600):
+    for t in range(seconds):
         for n in range(5):
             node = f"node{n}"
             if node == "node3" and t >= 300:          # node3 is gone, node4 trains in its place
                 continue
             spare = node == "node4" and t < 300
+            idle = spare or (node == "node4" and t < 300 + idle_in_job)
             gpus = []
             for i in range(2):
-                f = {c.DCGM.SM_CLOCK: (1400.0 if spare else 1980.0) - abs(rng.normal(0, 20)),
-                     c.DCGM.POWER_USAGE: (90 if spare else 560) + rng.normal(0, 12),
-                     c.DCGM.GPU_TEMP: (40 if spare else 62) + rng.normal(0, 0.7),
-                     c.DCGM.GPU_UTIL: 0.0 if spare else 95.0}
-                if node == "node4" and i == 0 and t >= 480:
+                f = {c.DCGM.SM_CLOCK: (1400.0 if idle else 1980.0) - abs(rng.normal(0, 20)),
+                     c.DCGM.POWER_USAGE: (90 if idle else 560) + rng.normal(0, 12),
+                     c.DCGM.GPU_TEMP: (40 if idle else 62) + rng.normal(0, 0.7),
+                     c.DCGM.GPU_UTIL: 0.0 if idle else 95.0}
+                if node == "node4" and i == 0 and t >= slowed_at:
                     f[c.DCGM.SM_CLOCK] *= 0.7
                     f[c.DCGM.POWER_USAGE] = 90 + (f[c.DCGM.POWER_USAGE] - 90) * 0.7
                 gpus.append(gpu(i, **f))
             out += engine.process(batch(T0 + t, *gpus, node=node, job=None if spare else "job1"), now=T0 + t + 0.05)
-    found = [(f.node, f.kind, f.severity, f.action) for f in out if not f.resolved]
+    return [f for f in out if not f.resolved]
+
+
+def test_a_spare_that_joins_a_job_is_judged_against_its_clocks_in_the_job_not_while_it_idled(engine):
+    """A warm spare idles at low clocks outside any job, then takes node3's place; when its GPU later
+    runs 30 % below what it ran in the job, that is a straggler to evict, as on any node of the job."""
+    found = _spare_joins(engine, 600, slowed_at=480)
     # no false thermal for the joined spare's GPUs running hotter than they idled
-    assert found == [("node4", c.FaultKind.STRAGGLER, c.Severity.CRITICAL, c.Action.EVICT)]
-    [f] = [f for f in out if f.node == "node4" and not f.resolved]
+    assert [(f.node, f.kind, f.severity, f.action) for f in found] == \
+        [("node4", c.FaultKind.STRAGGLER, c.Severity.CRITICAL, c.Action.EVICT)]
+    [f] = found
     assert f.evidence["top_features"]["clock_drop"]["value"] > 0.25 and f.detected_ts <= T0 + 480 + 15
+
+
+def test_a_spare_slowed_in_its_first_seconds_in_the_job_is_replaced_all_the_same():
+    """Slowed 6 s after it joined (its GPUs idle its first 4 s in the job), before it has any baseline of
+    its own in the job: its working GPU 30 % below the job's working GPUs is a straggler to evict. Joined
+    and never slowed, its half-idle first window is no straggler."""
+    found = _spare_joins(TEEEngine(TEEConfig(soft_detectors=("peers",))), 400, slowed_at=306, idle_in_job=4)
+    assert [(f.node, f.kind, f.severity, f.action, f.detector) for f in found] == \
+        [("node4", c.FaultKind.STRAGGLER, c.Severity.CRITICAL, c.Action.EVICT, "peers.rule")]
+    assert found[0].evidence["devices"]["clock"]["below_job"] > 0.25 and found[0].detected_ts <= T0 + 306 + 25
+    assert "below the job's median" in found[0].summary
+    for idle in (4, 5, 6):
+        assert _spare_joins(TEEEngine(TEEConfig(soft_detectors=("peers",))), 400, slowed_at=10**9,
+                            idle_in_job=idle) == [], idle
+
+
+def test_a_gpu_slow_since_the_job_began_is_a_straggler_and_an_unused_gpu_is_not(engine):
+    """No baseline of its own to drop from: its clock against its peers' is the evidence. A GPU the job
+    leaves idle on one node (a fraction of the clock, no load) raises nothing."""
+    found = [f for f in _job_minutes(engine, 120, slow="node2", at=0) if not f.resolved]
+    assert [(f.node, f.kind, f.action, f.detector) for f in found] == \
+        [("node2", c.FaultKind.STRAGGLER, c.Action.EVICT, "peers.rule")]
+    assert found[0].detected_ts <= T0 + 25          # the first window waits for the second (who reports)
+    assert _job_minutes(TEEEngine(TEEConfig(soft_detectors=("peers",))), 240, unused="node1") == []
+
+
+def test_between_generations_a_node_keeps_its_baselines_and_a_cordoned_node_is_not_judged_in_its_old_job(engine):
+    """At t=300 the job's ranks are gone for 30 s (a relaunch: the agents' batches carry no job, the GPUs
+    idle); node0-2 come back in job1, node3 does not (replaced, cordoned: no job) and is slowed. node1 runs
+    12 C hotter after the gap: a thermal fault against the baselines it had before it. Nothing on node3."""
+    rng = np.random.default_rng(13)
+    out = []
+    for t in range(420):
+        for n in range(4):
+            node = f"node{n}"
+            gap, cordoned = 300 <= t < 330, node == "node3" and t >= 300
+            idle = gap or cordoned
+            gpus = []
+            for i in range(2):
+                f = {c.DCGM.SM_CLOCK: (1400.0 if idle else 1980.0) - abs(rng.normal(0, 20)),
+                     c.DCGM.POWER_USAGE: (90 if idle else 560) + rng.normal(0, 12),
+                     c.DCGM.GPU_TEMP: (40 if idle else 62) + rng.normal(0, 0.7), c.DCGM.GPU_UTIL: 0.0 if idle else 95.0}
+                if node == "node1" and i == 0 and t >= 330:
+                    f[c.DCGM.GPU_TEMP] += 12
+                if cordoned and i == 0:
+                    f[c.DCGM.SM_CLOCK] *= 0.6
+                gpus.append(gpu(i, **f))
+            out += engine.process(batch(T0 + t, *gpus, node=node, job=None if idle else "job1"), now=T0 + t + 0.05)
+    found = [(f.node, f.evidence["class"], f.job) for f in out if not f.resolved]
+    assert found == [("node1", "thermal", "job1")]
+    assert [f.detected_ts for f in out][0] <= T0 + 330 + 25
 
 
 def test_a_straggler_in_a_jobs_first_minutes_is_caught_before_any_model_is_fitted(engine):
