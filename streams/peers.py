@@ -154,6 +154,7 @@ class _Window:
     first_ts: float = 0.0
     last_ts: float = 0.0
     job: str = ""                                  # the job of the batch that opened it
+    outside: bool = False                          # that batch had no job, the node's last one is ``job``
 
     def summary(self, node: str, job: str, now: float) -> PeerWindow:
         """What the features of this window are made of (medians, reasons, mean error rate)."""
@@ -163,12 +164,12 @@ class _Window:
                           reasons={str(gi): r for gi, r in self.reasons.items()},
                           nic_err=sum(self.nic_err) / len(self.nic_err) if self.nic_err else None,
                           nic_bw={dev: _median(v) for dev, v in self.nic_bw.items()},
-                          steps=(min(self.steps), max(self.steps)) if self.steps else ())
+                          steps=(min(self.steps), max(self.steps)) if self.steps else (), outside=self.outside)
 
     @classmethod
     def of(cls, w: PeerWindow) -> "_Window":
         """The window a summary stands for (each median as its one value: the features come out the same)."""
-        win = cls(index=w.index, first_ts=w.first_ts, last_ts=w.last_ts, job=w.job)
+        win = cls(index=w.index, first_ts=w.first_ts, last_ts=w.last_ts, job=w.job, outside=w.outside)
         for gi, f in w.gpu.items():
             win.gpu[int(gi)].update({k: [v] for k, v in f.items()})
         win.reasons.update({int(gi): r for gi, r in w.reasons.items()})
@@ -234,9 +235,11 @@ class PeerDetector:
                     self.outbox.append(ns.window.summary(state.node, ns.window.job, now))
                 else:
                     out += self._close(state, ns, ns.window.job, now)
-            # a batch without a job is a node outside any (a spare, one cordoned after it was replaced): its
-            # window is judged alone, not in the last job it trained in
-            ns.window = _Window(index=index, first_ts=batch.ts, job=batch.job or batch.node)
+            # a batch without a job after the node trained in one: its ranks are gone (a relaunch's gap, a node
+            # replaced and cordoned); the window still closes in that job, so the job's windows do not wait
+            # for it as for a node gone silent, but it is neither judged nor learned from (``_close``)
+            ns.window = _Window(index=index, first_ts=batch.ts, job=batch.job or state.job or batch.node,
+                                outside=not batch.job and bool(state.job))
         win = ns.window
         win.last_ts = batch.ts
         gpus, reasons = win.gpu, win.reasons
@@ -308,17 +311,15 @@ class PeerDetector:
         return x, worst, medians
 
     def _close(self, state: NodeState, ns: _NodeSoft, job: str, now: float) -> list[FaultEvent]:
-        if job == state.node and ns.base_job not in (None, state.node):
-            # a window outside any job of a node that trained in one: its ranks are gone (a relaunch's gap,
-            # a node replaced and cordoned): neither judged (it has no peers) nor learned from (it idles),
-            # and its baselines wait for its job to come back
-            return []
-        if ns.base_job != job:          # a node's normal is what it runs in its job: a spare that idled
-            ns.base.clear()             # outside any job (low clocks, no load) starts its baselines afresh
+        # a window outside its job (the node's ranks are gone: a relaunch's gap, a node replaced and cordoned)
+        # is neither judged nor learned from (it idles), and the baselines wait for the job to come back
+        judged = not ns.window.outside
+        if judged and ns.base_job != job:   # a node's normal is what it runs in its job: a spare that idled
+            ns.base.clear()                 # outside any job (low clocks, no load) starts its baselines afresh
             ns.base_job, ns.waited = job, 0
         steps = ns.window.steps
-        if not (steps and min(steps) == max(steps)):   # a window without a step (a pause, a hang) is not judged,
-            x, worst, medians = self._raw_features(ns)  # nor learned from: a slowdown needs a running job
+        if judged and not (steps and min(steps) == max(steps)):   # a window without a step (a pause, a hang) is
+            x, worst, medians = self._raw_features(ns)           # not judged, nor learned from either
             self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state, ns.window)
         # peers: decide a window once every node of the job that closed one of its last windows has closed
         # it too; a node that stopped reporting holds it until a later window of the job closes (then it
@@ -605,7 +606,7 @@ class PeerDetector:
                     "slows": "peers.slows"}[mode]
         f = fault(KIND_OF[cls], severity, action,
                   fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
-                  job=None if win.job == state.node else (win.job or state.job), detector=detector,
+                  job=None if win.job == state.node else win.job, detector=detector,
                   observed_ts=win.last_ts, now=now,
                   score=score, threshold=threshold, evidence=evidence,
                   summary=(f"{cls.value} on {state.node} {where}: SM clock {dev['value']:.0f} MHz, {clock_drop:.0%} "

@@ -178,31 +178,37 @@ def test_a_gpu_slow_since_the_job_began_is_a_straggler_and_an_unused_gpu_is_not(
     assert _job_minutes(TEEEngine(TEEConfig(soft_detectors=("peers",))), 240, unused="node1") == []
 
 
-def test_between_generations_a_node_keeps_its_baselines_and_a_cordoned_node_is_not_judged_in_its_old_job(engine):
+@pytest.mark.parametrize("split", [False, True], ids=["one-engine", "split"])
+def test_between_generations_a_node_keeps_its_baselines_and_a_cordoned_node_is_not_judged_in_its_old_job(split):
     """At t=300 the job's ranks are gone for 30 s (a relaunch: the agents' batches carry no job, the GPUs
-    idle); node0-2 come back in job1, node3 does not (replaced, cordoned: no job) and is slowed. node1 runs
-    12 C hotter after the gap: a thermal fault against the baselines it had before it. Nothing on node3."""
+    idle), then all four train again; at t=340 node3 is replaced and cordoned (no job) and is slowed.
+    node1 runs 12 C hotter from t=342: a thermal fault against the baselines it had before the gap,
+    decided as soon as its window closes (node3 still closes the job's windows: they do not wait for it
+    as for a node gone silent). Nothing on node3. Split: the node side's feeds go through the contract."""
+    engine = TEEEngine(TEEConfig(soft_detectors=("peers",)), split_peers=split)
     rng = np.random.default_rng(13)
     out = []
     for t in range(420):
         for n in range(4):
             node = f"node{n}"
-            gap, cordoned = 300 <= t < 330, node == "node3" and t >= 300
+            gap, cordoned = 300 <= t < 330, node == "node3" and t >= 340
             idle = gap or cordoned
             gpus = []
             for i in range(2):
                 f = {c.DCGM.SM_CLOCK: (1400.0 if idle else 1980.0) - abs(rng.normal(0, 20)),
                      c.DCGM.POWER_USAGE: (90 if idle else 560) + rng.normal(0, 12),
                      c.DCGM.GPU_TEMP: (40 if idle else 62) + rng.normal(0, 0.7), c.DCGM.GPU_UTIL: 0.0 if idle else 95.0}
-                if node == "node1" and i == 0 and t >= 330:
+                if node == "node1" and i == 0 and t >= 342:
                     f[c.DCGM.GPU_TEMP] += 12
                 if cordoned and i == 0:
                     f[c.DCGM.SM_CLOCK] *= 0.6
                 gpus.append(gpu(i, **f))
             out += engine.process(batch(T0 + t, *gpus, node=node, job=None if idle else "job1"), now=T0 + t + 0.05)
+        for feed in engine.feeds() if split else ():
+            out += engine.job_feed(c.decode(c.PEER_WINDOWS, c.encode(feed)), now=T0 + t + 0.1)
     found = [(f.node, f.evidence["class"], f.job) for f in out if not f.resolved]
     assert found == [("node1", "thermal", "job1")]
-    assert [f.detected_ts for f in out][0] <= T0 + 330 + 25
+    assert out[0].detected_ts - out[0].observed_ts < 2 and out[0].detected_ts <= T0 + 342 + 25
 
 
 def test_a_straggler_in_a_jobs_first_minutes_is_caught_before_any_model_is_fitted(engine):

@@ -3,6 +3,7 @@ from three real workers as from one (the real broker, the labelled corpus on the
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,10 @@ def test_a_job_feed_round_trips_and_refuses_a_bad_window_or_rank():
                     tags={"generation": "0", "stack": "train.py:80 step"})
     feed = c.JobFeed(job="j", windows=(w,), ranks=(c.RankReport("n1", 81.0, 93.5, (rank,)), c.RankReport("n2", 81.0)))
     assert c.decode(c.PEER_WINDOWS, c.encode(feed)) == feed
+    out = c.JobFeed(job="j", windows=(dataclasses.replace(w, outside=True),))       # a node whose ranks are gone
+    assert c.decode(c.PEER_WINDOWS, c.encode(out)).windows[0].outside is True
+    with pytest.raises(c.ContractError, match="outside"):
+        c.decode(c.PEER_WINDOWS, c.encode(out).replace(b'"outside":true', b'"outside":1'))
     bad = c.encode(feed).replace(b"61.5", b'"hot"')
     with pytest.raises(c.ContractError, match=r"peer window: gpu\['0'\] must map field names to numbers"):
         c.decode(c.PEER_WINDOWS, bad)

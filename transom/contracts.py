@@ -712,7 +712,10 @@ class PeerWindow:
     ``nic_bw``: port device -> median receive rate; ``closed_ts``: the node worker's clock when the
     window closed; ``hard_ts``: trigger time of the node's last hard fault, if any (it explains soft
     symptoms that begin while it goes on); ``steps``: the lowest and highest training step the window
-    saw (empty: no training reports; equal: the job did not move, the window is not judged)."""
+    saw (empty: no training reports; equal: the job did not move, the window is not judged);
+    ``outside``: the node's batches carried no job, after it trained in ``job`` (its ranks are gone: a
+    relaunch's gap, a node replaced and cordoned): the window counts as closed for the job's windows
+    and is neither judged nor learned from."""
 
     node: str
     job: str
@@ -726,6 +729,7 @@ class PeerWindow:
     nic_bw: Mapping[str, float] = field(default_factory=dict)
     hard_ts: float | None = None
     steps: tuple[float, ...] = ()
+    outside: bool = False
     v: int = SCHEMA_VERSION
 
     @classmethod
@@ -752,7 +756,8 @@ class PeerWindow:
                    nic_bw={str(k): float(v) for k, v in _get(d, "nic_bw", Mapping, what=what, optional=True,
                                                               default={}).items()},
                    hard_ts=_get(d, "hard_ts", _NUM, what=what, optional=True),
-                   steps=tuple(float(v) for v in steps))
+                   steps=tuple(float(v) for v in steps),
+                   outside=_get(d, "outside", bool, what=what, optional=True, default=False))
 
 
 @dataclass(frozen=True)
