@@ -35,7 +35,9 @@ the model says (detector ``peers.rule``): a model refitted on history that alrea
 windows can learn to accept them.
 A window in which the node's training step did not move (a checkpoint, a pause, a hang) is neither
 judged nor added to the baselines: soft faults are slowdowns of a running job, and a long pause
-would otherwise teach the baselines idle temperatures and power.
+would otherwise teach the baselines idle temperatures and power. Nor is a window a node closed
+outside its job (``PeerWindow.outside``: its batches carried no job after it trained in one, its ranks
+gone); it still counts as closed for the job's windows, so they do not wait for it.
 
 Waiting is not a cause: in a synchronous job one slow node makes every other node idle at the
 all-reduce, so their utilisation (and power) fall while their clocks hold. A hit on a node whose
