@@ -158,9 +158,9 @@ class _Window:
     job: str = ""                                  # the job of the batch that opened it
     outside: bool = False                          # that batch had no job, the node's last one is ``job``
 
-    def summary(self, node: str, job: str, now: float) -> PeerWindow:
+    def summary(self, node: str, now: float) -> PeerWindow:
         """What the features of this window are made of (medians, reasons, mean error rate)."""
-        return PeerWindow(node=node, job=job, index=self.index, first_ts=self.first_ts, last_ts=self.last_ts,
+        return PeerWindow(node=node, job=self.job, index=self.index, first_ts=self.first_ts, last_ts=self.last_ts,
                           closed_ts=now, gpu={str(gi): {k: _median(v) for k, v in f.items()}
                                               for gi, f in self.gpu.items()},
                           reasons={str(gi): r for gi, r in self.reasons.items()},
@@ -234,9 +234,9 @@ class PeerDetector:
                 # judged in the job it opened in: a spare's last idle window is not its first in the job
                 # it joins (that window's idle clocks and temperatures would become its baselines there)
                 if self.outbox is not None:
-                    self.outbox.append(ns.window.summary(state.node, ns.window.job, now))
+                    self.outbox.append(ns.window.summary(state.node, now))
                 else:
-                    out += self._close(state, ns, ns.window.job, now)
+                    out += self._close(state, ns, now)
             # a batch without a job after the node trained in one: its ranks are gone (a relaunch's gap, a node
             # replaced and cordoned); the window still closes in that job, so the job's windows do not wait
             # for it as for a node gone silent, but it is neither judged nor learned from (``_close``)
@@ -312,7 +312,8 @@ class PeerDetector:
         x[~np.isfinite(x)] = 0.0
         return x, worst, medians
 
-    def _close(self, state: NodeState, ns: _NodeSoft, job: str, now: float) -> list[FaultEvent]:
+    def _close(self, state: NodeState, ns: _NodeSoft, now: float) -> list[FaultEvent]:
+        job = ns.window.job
         # a window outside its job (the node's ranks are gone: a relaunch's gap, a node replaced and cordoned)
         # is neither judged nor learned from (it idles), and the baselines wait for the job to come back
         judged = not ns.window.outside
@@ -352,7 +353,7 @@ class PeerDetector:
         for k in sorted(k for k in self.pending if k[0] == w.job and k[1] < w.index):
             out += self._decide(k, self.pending.pop(k), now)
         ns.window = _Window.of(w)
-        return out + self._close(state, ns, w.job, now)
+        return out + self._close(state, ns, now)
 
     def forget_jobs(self, jobs) -> None:
         """Job side: these jobs are judged by another worker now (their partition moved)."""

@@ -51,7 +51,7 @@ def test_a_window_summary_gives_the_features_of_its_window_and_whether_the_job_m
     from transom.streams.config import TEEConfig
     from transom.streams.peers import PeerDetector, _NodeSoft, _Window
 
-    win = _Window(index=3, first_ts=30.0, last_ts=39.0)
+    win = _Window(index=3, first_ts=30.0, last_ts=39.0, job="j")
     for gi, clock in ((0, (1900.0, 1980.0, 1950.0)), (1, (1700.0, 1690.0, 1720.0, 1710.0))):
         win.gpu[gi][c.DCGM.SM_CLOCK] += clock
         win.gpu[gi][c.DCGM.GPU_TEMP] += [60.0 + gi, 61.0 + gi]
@@ -60,7 +60,7 @@ def test_a_window_summary_gives_the_features_of_its_window_and_whether_the_job_m
     win.nic_err += [0.1, 0.4]
     win.nic_bw["mlx5_0"] += [4e10, 3e10, 3.5e10]
     win.steps += [7.0, 7.0, 7.0]
-    back = _Window.of(c.decode(c.PEER_WINDOWS, c.encode(c.JobFeed("j", (win.summary("n1", "j", 40.0),)))).windows[0])
+    back = _Window.of(c.decode(c.PEER_WINDOWS, c.encode(c.JobFeed("j", (win.summary("n1", 40.0),)))).windows[0])
     detector = PeerDetector(TEEConfig())
     here, there = _NodeSoft(window=win), _NodeSoft(window=back)
     for ns in (here, there):      # the same history of clean windows behind both
@@ -68,7 +68,7 @@ def test_a_window_summary_gives_the_features_of_its_window_and_whether_the_job_m
     (x1, worst1, med1), (x2, worst2, med2) = detector._raw_features(here), detector._raw_features(there)
     assert x1.tolist() == x2.tolist() and worst1 == worst2 and med1 == med2
     assert min(back.steps) == max(back.steps) == 7.0 and dict(back.reasons) == {1: 4}
-    bad = c.encode(c.JobFeed("j", (win.summary("n1", "j", 40.0),))).replace(b'"steps":[7.0,7.0]', b'"steps":["x"]')
+    bad = c.encode(c.JobFeed("j", (win.summary("n1", 40.0),))).replace(b'"steps":[7.0,7.0]', b'"steps":["x"]')
     with pytest.raises(c.ContractError, match="peer window: steps must be a list of numbers"):
         c.decode(c.PEER_WINDOWS, bad)
 
