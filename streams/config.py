@@ -33,8 +33,10 @@ class TEEConfig:
     #: longer, instead of the step limit: a stopped process cannot be in a pause of its own.
     hang_stopped_s: float = 3.0
     #: Pause limit: a job standing still as a whole with no rank standing out is paused for up to
-    #: ``max(hang_pause_floor_s, hang_pause_margin * the longest pause it survived)`` seconds ...
-    hang_pause_floor_s: float = 180.0
+    #: ``max(hang_pause_floor_s, hang_pause_margin * the longest pause it survived)`` seconds (the
+    #: floor: a synchronous save to slow storage, or a pause followed by a restore's first slow steps,
+    #: stands still for minutes; NVRx's own defaults wait 45-60 min) ...
+    hang_pause_floor_s: float = 300.0
     hang_pause_margin: float = 1.5
     #: ... or, while a rank declares a phase (``report(phase=...)``), that phase's ceiling
     #: (``default`` for phases not named). A mapping in YAML, pairs here.

@@ -205,7 +205,9 @@ class HangDetector:
             if r is None:
                 r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen)
             elif step != r.step:
-                stalled = ts - r.since
+                # the time it was seen standing still: a node silent for a while (its agent down, the node
+                # lost and back) comes back at a new step, and that gap is no pause the job survived
+                stalled = r.last_seen - r.since
                 median = r.median_step() or 0.0
                 if (node, key[1], key[2], r.since) not in job.reported and stalled > max(_PAUSE_MIN * median, 1.0):
                     job.longest_pause = max(job.longest_pause, stalled)
@@ -262,7 +264,10 @@ class HangDetector:
             return None
         if self._seeded.get((node, job_id, generation, rank)) == r.step:     # an earlier worker reported it
             return None
-        peers = [(k, v) for k, v in job.ranks.items() if k != key and k[1] == generation]
+        # its peers: the ranks of its generation seen within a step limit of it; one silent longer (its node
+        # lost, its agent down) says nothing about this stall, and would hold every rule below for good
+        gone = r.last_seen - limit
+        peers = [(k, v) for k, v in job.ranks.items() if k != key and k[1] == generation and v.last_seen >= gone]
         cause = None
         if self.stuck(r) and not (peers and all(self.stuck(v) for _, v in peers)):
             cause = "stuck"           # (every rank stuck at once is the whole job frozen: a pause, below)

@@ -138,14 +138,14 @@ def test_hangs_are_judged_with_every_node_of_the_job_whatever_the_workers():
                                else {"step": min(t, 30), "util": 100.0})
     for feed, seconds, expected in ((stepping, 60, [("node0", 0, "behind")]),
                                     (idle, 80, [("node2", 2, "not in the collective")]),
-                                    (paused, 260, [("node0", 0, "pause ceiling")]),
+                                    (paused, 380, [("node0", 0, "pause ceiling")]),
                                     (stopped, 90, [("node1", 1, "stuck")])):
         assert _hangs_on(1, feed, seconds) == expected
         assert _hangs_on(3, feed, seconds) == expected
         assert _hangs_on(1, feed, seconds, split=False) == expected      # one process, the offline engine
     assert _hangs_on(3, stepping, 60, split=False) == []
     assert _hangs_on(3, idle, 80, split=False) == []
-    assert len(_hangs_on(3, paused, 260, split=False)) == 3
+    assert len(_hangs_on(3, paused, 380, split=False)) == 3
 
 
 @pytest.mark.integration
