@@ -62,6 +62,9 @@ __all__ = ["HangDetector", "RankView", "JobView"]
 
 _UTIL = DCGM.GPU_UTIL
 _FORGET_AFTER = 3600.0    # drop ranks not seen for this long (sample time)
+#: a rank not heard from for this many heartbeat timeouts (30 s by default; the TEE has found its node
+#: lost by then) is no peer of the ranks still reporting
+_SILENT_PEER_TIMEOUTS = 5.0
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 
 
@@ -73,6 +76,7 @@ class RankView:
     step: float
     since: float                       # ts of the first sample that showed ``step``
     last_seen: float
+    heard: float = 0.0                 # the detector's clock when its last report was taken
     step_times: deque = field(default_factory=lambda: deque(maxlen=20))
     heartbeat_age: float | None = None
     stopped: bool = False
@@ -203,7 +207,7 @@ class HangDetector:
             seen = max(ts, report.ts)
             r = job.ranks.get(key)
             if r is None:
-                r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen)
+                r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen, heard=now)
             elif step != r.step:
                 # the time it was seen standing still: a node silent for a while (its agent down, the node
                 # lost and back) comes back at a new step, and that gap is no pause the job survived
@@ -217,6 +221,7 @@ class HangDetector:
                     r.step_times.append(float(step_time))
             else:
                 r.last_seen = max(r.last_seen, seen)
+            r.heard = now
             r.heartbeat_age = s.fields.get("heartbeat_age_s")
             r.stopped = s.fields.get("stopped") == 1
             r.phase, r.stack, r.state, r.pid = (s.tags.get("phase", ""), s.tags.get("stack", ""),
@@ -264,10 +269,11 @@ class HangDetector:
             return None
         if self._seeded.get((node, job_id, generation, rank)) == r.step:     # an earlier worker reported it
             return None
-        # its peers: the ranks of its generation seen within a step limit of it; one silent longer (its node
-        # lost, its agent down) says nothing about this stall, and would hold every rule below for good
-        gone = r.last_seen - limit
-        peers = [(k, v) for k, v in job.ranks.items() if k != key and k[1] == generation and v.last_seen >= gone]
+        # its peers: the ranks of its generation heard from lately, on this detector's clock (node clocks
+        # skew: sample times of two nodes are not comparable); one silent longer (its node lost, its agent
+        # down) says nothing about this stall, and would hold every rule below for good
+        heard = now - _SILENT_PEER_TIMEOUTS * self.config.heartbeat_timeout
+        peers = [(k, v) for k, v in job.ranks.items() if k != key and k[1] == generation and v.heard >= heard]
         cause = None
         if self.stuck(r) and not (peers and all(self.stuck(v) for _, v in peers)):
             cause = "stuck"           # (every rank stuck at once is the whole job frozen: a pause, below)

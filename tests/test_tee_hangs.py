@@ -193,3 +193,15 @@ def test_a_nodes_silent_gap_is_not_learned_as_a_pause_the_job_survived(engine):
     job = engine._hang.jobs["j"]
     assert job.longest_pause < 5
     assert engine._hang.pause_limit(job, "") == 300.0
+
+
+def test_peers_are_told_by_when_the_tee_heard_them_not_by_their_skewed_clocks(engine):
+    # node0's clock runs 15 s behind, node2's 15 s ahead; node2's rank stops at t=30 while the others step
+    # on: it is behind its peers, although their sample times lie 15-30 s before its own
+    skew = {"node0": -15.0, "node1": 0.0, "node2": 15.0}
+    out = []
+    for t in range(80):
+        for node in NODES:
+            step = min(t, 30) if node == "node2" else t
+            out += engine.process(_batch(node, T0 + t + skew[node], step=step, hb=0.0), now=T0 + t + 0.1)
+    assert [(f.node, f.evidence["cause"]) for f in out if f.kind == c.FaultKind.HANG] == [("node2", "behind")]
