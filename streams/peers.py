@@ -92,6 +92,7 @@ _TEMP = DCGM.GPU_TEMP
 _GPU_FIELDS = (DCGM.GPU_TEMP, DCGM.SM_CLOCK, DCGM.POWER_USAGE, DCGM.GPU_UTIL)
 _POWER_CAP_BITS = 0x4 | 0x8 | 0x100
 _THERMAL_BITS = 0x20 | 0x40          # SW and HW thermal slowdown
+_RISE = 0                            # FEATURES.index of the temperature rise
 _CLOCK = 1                           # FEATURES.index("clock_drop")
 _WAIT_UTIL = 0.1                     # a utilisation drop of this share (of its own baseline) is waiting
 _WAIT_PEERS = 0.15                   # peers whose utilisation fell this much wait for the one that did not
@@ -441,6 +442,9 @@ class PeerDetector:
             evident = len(peers) >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop
             if evident and (fam_hit is None or fam_hit[0] == "nic"):
                 fam_hit = ("gpu", drop, float(z[_CLOCK]), float(cfg.straggler_evict_drop), "rule")
+            if fam_hit is not None and fam_hit[0] == "thermal" and float(x[_RISE]) < cfg.soft_min_z * _FLOOR[_RISE]:
+                fam_hit = None          # hotter than its peers only because they cooled (they wait on a slow node
+                                        # and kept their busy baselines): a hot GPU is also hotter than its own normal
             if fam_hit is not None and fam_hit[4] not in ("rule", "reason", "slows") and self._waiting(x, worst, fam_hit[0]):
                 fam_hit = None          # a node whose GPUs wait on a slow peer suffers the slowdown, it is no cause
                 self.waiting += 1

@@ -453,3 +453,32 @@ def test_the_engine_runs_the_benchs_temporal_scorer_on_the_live_stream():
     opened = [f for f in found if not f.resolved]
     assert [(f.kind, f.action, f.detector) for f in opened] == [(c.FaultKind.ANOMALY, c.Action.OBSERVE, "scorer.temporal")]
     assert 560 <= opened[0].observed_ts - T0 <= 600 and "temp" in opened[0].evidence["top_columns"]
+
+
+def test_a_node_is_not_hot_because_its_waiting_peers_cooled(engine):
+    """Seed 1001's false thermal: 8 nodes; the job waits on a slow node elsewhere (every GPU's utilisation
+    falls 12 %, so the waiting nodes keep their busy baselines and run 2.5 C under them), while node7's
+    baselines were learned at that lighter load (84 %, 59 C) and it runs 1 C over them: 3.5 C above the
+    job's median rise, past a model fitted on 40 minutes of history, but a GPU is hot only when it is
+    also hotter than its own normal. A GPU 9 C over its own baseline in the same job is still found."""
+    rng = np.random.default_rng(7)
+
+    def run(eng, seconds, hot_at=None):
+        out = []
+        for t in range(seconds):
+            wait = t >= 2500
+            for n in range(8):
+                node = f"node{n}"
+                light = node == "node7"
+                util, temp = (84.0, 59.0 + (1.0 if wait else 0.0)) if light else ((84.0, 59.5) if wait else (95.0, 62.0))
+                if hot_at is not None and node == "node1" and t >= hot_at:
+                    temp += 9.0
+                gpus = [gpu(i, **{c.DCGM.GPU_UTIL: util + rng.normal(0, 0.5), c.DCGM.GPU_TEMP: temp + rng.normal(0, 0.5),
+                                  c.DCGM.POWER_USAGE: 90 + util / 100 * 480 + rng.normal(0, 8),
+                                  c.DCGM.SM_CLOCK: 1980.0 - abs(rng.normal(0, 20))}) for i in range(2)]
+                out += eng.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
+        return [f for f in out if not f.resolved]
+
+    assert run(engine, 2600) == []
+    hot = run(TEEEngine(TEEConfig(soft_detectors=("peers",))), 2700, hot_at=2600)
+    assert [(f.node, f.evidence["class"]) for f in hot] == [("node1", "thermal")]
