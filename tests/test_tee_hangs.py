@@ -24,18 +24,20 @@ def _batch(node: str, ts: float, step: int, *, util: float = 95.0, hb: float = 0
     if stack:
         tags["stack"] = stack
     gpus = tuple(c.Sample(c.Source.GPU, {c.DCGM.GPU_UTIL: util, c.DCGM.SM_CLOCK: 1980.0}, index=i) for i in range(2))
-    rank = NODES.index(node) if rank is None else rank
+    rank = int(node.removeprefix("node")) if rank is None else rank
     return c.MetricBatch(node=node, ts=ts, seq=int(ts - T0), job="j",
                          samples=gpus + (c.Sample(c.Source.TRAIN, fields, index=rank, tags=tags),))
 
 
-def _run(engine: TEEEngine, seconds: range, per_node) -> list[c.FaultEvent]:
-    """Feed one batch per node per second; ``per_node(node, t)`` gives _batch's keywords (with ``step``)."""
+def _run(engine: TEEEngine, seconds: range, per_node, nodes=NODES) -> list[c.FaultEvent]:
+    """Feed one batch per node per second; ``per_node(node, t)`` gives _batch's keywords (with ``step``),
+    or None: that node sends nothing that second."""
     out = []
     for t in seconds:
-        for node in NODES:
+        for node in nodes:
             kw = per_node(node, t)
-            out += engine.process(_batch(node, T0 + t, **kw), now=T0 + t + 0.1)
+            if kw is not None:
+                out += engine.process(_batch(node, T0 + t, **kw), now=T0 + t + 0.1)
     return out
 
 
@@ -150,19 +152,6 @@ def test_a_one_node_hiccup_right_after_a_job_wide_checkpoint_is_not_a_hang(engin
     assert _run(engine, range(90), feed) == []
 
 
-def _feed_nodes(engine: TEEEngine, nodes, seconds: range, per_node) -> list[c.FaultEvent]:
-    """As _run, over ``nodes``; ``per_node(node, t)`` None: that node sends nothing that second."""
-    out = []
-    for t in seconds:
-        for node in nodes:
-            kw = per_node(node, t)
-            if kw is not None:
-                rank = kw.pop("rank", int(node[-1]))
-                b = _batch(node, T0 + t, rank=rank, **kw)
-                out += engine.process(b, now=T0 + t + 0.1)
-    return out
-
-
 def test_a_node_gone_silent_does_not_hide_a_later_hang_of_its_job(engine):
     # node3 stops reporting at t=20 (its node lost, or its agent down) while the job steps on; at t=120
     # node2's GPUs idle while node0 and node1 spin (no heartbeat evidence): node2 is not in the collective.
@@ -176,7 +165,7 @@ def test_a_node_gone_silent_does_not_hide_a_later_hang_of_its_job(engine):
             return {"step": t, "hb": 0.0}
         return {"step": 120, "util": 0.0 if node == "node2" else 100.0, "hb": 0.0}
 
-    found = [f for f in _feed_nodes(engine, nodes, range(200), feed) if f.kind == c.FaultKind.HANG]
+    found = [f for f in _run(engine, range(200), feed, nodes) if f.kind == c.FaultKind.HANG]
     assert [(f.node, f.evidence["cause"]) for f in found] == [("node2", "not in the collective")]
     assert found[0].detected_ts - T0 <= 120 + 2 * 10 + 2        # idle alone for the step limit, after the stall's
 
@@ -189,7 +178,7 @@ def test_a_nodes_silent_gap_is_not_learned_as_a_pause_the_job_survived(engine):
             return None
         return {"step": t, "hb": 0.0}
 
-    assert [f for f in _feed_nodes(engine, NODES, range(360), feed) if f.kind == c.FaultKind.HANG] == []
+    assert [f for f in _run(engine, range(360), feed) if f.kind == c.FaultKind.HANG] == []
     job = engine._hang.jobs["j"]
     assert job.longest_pause < 5
     assert engine._hang.pause_limit(job, "") == 300.0
