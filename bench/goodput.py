@@ -1032,7 +1032,8 @@ class TransomRun(Runner):
 
     def _bed_rank_pid(self, rank: int) -> int | None:
         """The rank's PID as this machine sees it: its host's launcher records it in the host's own
-        PID namespace (RUN_DIR/hosts/NODE/JOB/gen-G/rank-R.pid), the bed maps it to ours."""
+        PID namespace (RUN_DIR/hosts/NODE/JOB/gen-G/rank-R.pid; a warm spare that took the rank, in
+        its own directory there, named in the host's host.json), the bed maps it to ours."""
         key = (self.gen, rank)
         pid = self._pids.get(key)
         if pid is not None:
@@ -1040,14 +1041,20 @@ class TransomRun(Runner):
                 os.kill(pid, 0)
                 return pid
             except ProcessLookupError:
-                del self._pids[key]
-                return None
+                del self._pids[key]           # gone: a spare may hold the rank now (looked up below)
         node = self.slot_of(rank)
         bed = self.stack.bed
         try:
             if node not in bed.addresses() or not bed.is_up(node):
                 return None
-            pid_file = self.stack.run_dir / "hosts" / node / self.job / f"gen-{self.gen}" / f"rank-{rank}.pid"
+            gen_dir = self.stack.run_dir / "hosts" / node / self.job / f"gen-{self.gen}"
+            pid_file = gen_dir / f"rank-{rank}.pid"
+            try:
+                dirs = json.loads((gen_dir / "host.json").read_text()).get("dirs") or {}
+            except (OSError, ValueError):
+                dirs = {}
+            if str(rank) in dirs:             # the host's path: the spare's directory lies in gen_dir here too
+                pid_file = gen_dir / Path(dirs[str(rank)]).name / "rank-0.pid"
             host_pid = int(pid_file.read_text().split()[1])
             pid = next((p["pid"] for p in bed.processes(node) if p["host_pid"] == host_pid), None)
         except (OSError, IndexError, ValueError, KeyError, RuntimeError):

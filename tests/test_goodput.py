@@ -328,7 +328,7 @@ def test_hosts_mode_reaches_ranks_on_their_bed_host(tmp_path):
     (gen_dir / "launch.json").write_text(json.dumps({"nodes": ["node0"]}))
     rank_dir = shared / "hosts" / "node0" / run.job / "gen-0"
     rank_dir.mkdir(parents=True)
-    with testbed.Bed(["node0"], share=[shared]) as bed:
+    with testbed.Bed(["node0", "node1"], share=[shared]) as bed:
         # the stack's parts the bench uses, around a real bed (a full LocalStack takes a minute)
         run.stack = SimpleNamespace(bed=bed, run_dir=shared, agents={}, kill_host=bed.kill)
         rank = bed.run("node0", ["/bin/sh", "-c", f'echo "$$ $$" > {rank_dir}/rank-0.pid; exec sleep 120'])
@@ -346,3 +346,20 @@ def test_hosts_mode_reaches_ranks_on_their_bed_host(tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
         assert run.rank_pid(0) is None
+        # an in-job heal: node1's warm spare takes rank 0 (the launcher's host.json names its directory,
+        # a path on node1); the next fault on rank 0 reaches the spare's training process
+        spare_dir = shared / "hosts" / "node1" / run.job / "gen-0" / "spare-0"
+        spare_dir.mkdir(parents=True)
+        (spare_dir.parent / "host.json").write_text(json.dumps(
+            {"node": "node1", "pids": {"0": 4242}, "dirs": {"0": f"/run/elsewhere/{run.job}/gen-0/spare-0"}}))
+        spare = bed.run("node1", ["/bin/sh", "-c", f'echo "1 $$" > {spare_dir}/rank-0.pid; exec sleep 120'])
+        wait_until(lambda: (spare_dir / "rank-0.pid").exists(), 30, "the spare's pid file")
+        run.nodes_of[0] = ["node1"]              # what the controller's "healing" event tells the bench
+        assert run.rank_pid(0) == spare.root_pid
+        run._deliver(g.ScheduledFault(2, 7, "crash", 0), time.time())
+        def gone(p: int) -> bool:
+            try:
+                return open(f"/proc/{p}/status").read().split("State:")[1].split()[0] in ("Z", "X")
+            except (OSError, IndexError):
+                return True
+        wait_until(lambda: gone(spare.root_pid), 10, "the spare's process killed")
