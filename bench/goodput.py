@@ -24,6 +24,11 @@ plain step (+ the pause) / wall; lost seconds per fault (the wall time to the ne
 or the end, less the net new steps x the steady step) with its detection, recovery and
 recomputation parts; issue 17's targets with met flags in the one JSON line at the end. Method and
 figures: docs/goodput.md.
+
+``--combine OUTPUT...`` runs nothing: it pools the faults of saved runs (each output ends in its JSON
+line) and grades the per-kind targets on the pool. Stragglers are graded that way, one per run: once a
+system that never replaces a straggler has one, a synchronous job is slow at its pace, and a later
+straggler of the same run costs that system next to nothing (docs/goodput.md, "Targets").
 """
 
 from __future__ import annotations
@@ -1175,18 +1180,24 @@ def totals(r: RunResult) -> dict[str, float]:
 
 def per_kind(r: RunResult) -> dict[str, dict]:
     """Median lost seconds per fault kind (and of its detection, recovery, recomputation parts)."""
+    return kind_medians([asdict(f) for f in r.faults])
+
+
+def kind_medians(faults: list[dict]) -> dict[str, dict]:
+    """Per kind of ``faults`` (a run's ``per_fault`` rows, or the rows of several runs pooled): their
+    number, the median of their lost seconds and of its parts, and the paths their heals took."""
     out: dict[str, dict] = {}
     for kind in KINDS:
-        fs = [f for f in r.faults if f.kind == kind]
+        fs = [f for f in faults if f["kind"] == kind]
         if not fs:
             continue
 
-        def med(attr: str):
-            vals = [getattr(f, attr) for f in fs if getattr(f, attr) is not None]
+        def med(key: str):
+            vals = [f[key] for f in fs if f.get(key) is not None]
             return round(statistics.median(vals), 2) if vals else None
         out[kind] = {"n": len(fs), "lost_s": med("lost_s"), "detect_s": med("detect_s"),
                      "recover_s": med("recover_s"), "recompute_s": med("recompute_s")}
-        paths = [f.path for f in fs if f.path]
+        paths = [f["path"] for f in fs if f.get("path")]
         if paths:
             out[kind]["paths"] = {p: paths.count(p) for p in dict.fromkeys(paths)}
     return out
@@ -1237,15 +1248,10 @@ def paired_overhead(pairs: list) -> float | None:
     return round(statistics.median(ratios), 3) if ratios else None
 
 
-def targets(results: dict[str, RunResult], fault_rate_s: float | None, paired: dict | None = None) -> dict:
-    """Issue 17's targets for Transom, each with its value and a met flag (None: not measured); ``paired``:
-    the fault-free pairs' overhead (``--overhead-pairs``), which grades the overhead when given."""
-    t = results.get("transom")
-    base = results.get("torchrun")
+def loss_targets(tk: dict[str, dict], bk: dict[str, dict]) -> dict:
+    """Issue 17's lost-seconds targets from Transom's (``tk``) and the retry loop's (``bk``) medians per
+    kind (:func:`kind_medians`), each with its value and a met flag (None: not measured)."""
     out: dict[str, dict] = {}
-    if t is None:
-        return out
-    tk, bk = per_kind(t), per_kind(base) if base else {}
     for kind in KINDS:
         v = (tk.get(kind) or {}).get("lost_s")
         b = (bk.get(kind) or {}).get("lost_s")
@@ -1254,6 +1260,18 @@ def targets(results: dict[str, RunResult], fault_rate_s: float | None, paired: d
                                      "met": None if v is None else v <= TARGET_LOSS[kind]}
         out[f"lost_{kind}_vs_retry_loop"] = {"target": 0.25, "value": None if v is None or not b else round(v / b, 3),
                                              "met": None if v is None or not b else v <= 0.25 * b}
+    return out
+
+
+def targets(results: dict[str, RunResult], fault_rate_s: float | None, paired: dict | None = None) -> dict:
+    """Issue 17's targets for Transom, each with its value and a met flag (None: not measured); ``paired``:
+    the fault-free pairs' overhead (``--overhead-pairs``), which grades the overhead when given."""
+    t = results.get("transom")
+    base = results.get("torchrun")
+    out: dict[str, dict] = {}
+    if t is None:
+        return out
+    out.update(loss_targets(per_kind(t), per_kind(base) if base else {}))
     if paired and paired.get("value") is not None:
         out["overhead"] = {"target": 0.05, "value": paired["value"], "met": paired["value"] <= 0.05,
                            "method": f"median of {len(paired['pairs'])} fault-free plain/Transom pairs, the "
@@ -1354,6 +1372,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="where runs write (default: a new temp dir, removed at the end "
                                                     "unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, checkpoints, steps files)")
+    p.add_argument("--combine", nargs="+", metavar="OUTPUT", default=None,
+                   help="grade the per-kind targets on the faults of several saved runs pooled (each file: a "
+                        "run's output, ending in its JSON line) and run nothing; how stragglers are graded, "
+                        "one per run (docs/goodput.md)")
     p.add_argument("--print-schedule", action="store_true",
                    help="print the fault schedule and the pause as JSON and exit (needs --fault-every-steps)")
     args = p.parse_args(argv)
@@ -1440,8 +1462,73 @@ def overhead_pairs(args: argparse.Namespace, work: Path) -> dict:
     return {"value": value, "pairs": pairs, "mtbf": mtbf}
 
 
+def last_json_line(path: str) -> dict:
+    """The last goodput JSON line of a saved run's output (``goodput.py ... > FILE``)."""
+    found = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith("{") and '"bench": "goodput"' in line:
+                try:
+                    found = json.loads(line)
+                except ValueError:
+                    continue
+    if found is None or "runs" not in found:
+        raise ValueError(f"{path}: no goodput JSON line (the one a run prints last); was the run cut short?")
+    return found
+
+
+def combine(paths: list[str]) -> int:
+    """``--combine``: pool the faults of several saved runs and grade the per-kind targets on the pool.
+
+    Each run gave every system the same faults at the same steps; the medians per kind are over the
+    pooled faults of each system, and each fault's row shows what it cost every system in its own run.
+    Runs of one straggler each are how stragglers are graded (docs/goodput.md): in a synchronous job
+    the slowest rank sets the step, so against a system that never replaces a straggler every later
+    straggler of the same run lands on a job its first one already slowed and costs that system
+    next to nothing by any per-fault measure."""
+    try:
+        runs = [last_json_line(p) for p in paths]
+    except (OSError, ValueError) as exc:
+        print(f"goodput --combine: {exc}", file=sys.stderr)
+        return 2
+    setup = {(r["world"], r["straggler_factor"], r["width"], r["layers"], r["batch_size"]) for r in runs}
+    if len(setup) > 1:
+        print("goodput --combine: the runs differ in world, straggler factor or model "
+              f"({sorted(setup)}): their faults are not comparable", file=sys.stderr)
+        return 2
+    systems = [n for n in RUNS if any(n in r["runs"] for r in runs)]
+    rows: dict[tuple, dict[str, dict]] = {}
+    for i, r in enumerate(runs):
+        for n in systems:
+            for f in (r["runs"].get(n) or {}).get("per_fault") or []:
+                rows.setdefault((i, r["seed"], f["after_step"], f["kind"]), {})[n] = f
+    print(f"{'run':>3} {'seed':>4} {'after':>5} {'kind':<9}  "
+          + "  ".join(f"{n + ' lost':>16}" for n in systems))
+    for (i, seed, after, kind), by in sorted(rows.items()):
+        print(f"{i:>3} {seed:>4} {after:>5} {kind:<9}  "
+              + "  ".join(f"{_fmt((by.get(n) or {}).get('lost_s'), 's'):>16}" for n in systems))
+    pooled = {n: kind_medians([by[n] for by in rows.values() if n in by]) for n in systems}
+    print("\nmedian lost per kind  " + "  ".join(f"{k:>9}" for k in KINDS))
+    for n in systems:
+        print(f"{n:<20}  " + "  ".join(f"{_fmt((pooled[n].get(k) or {}).get('lost_s')):>9}" for k in KINDS))
+    tg = loss_targets(pooled.get("transom") or {}, pooled.get("torchrun") or {}) if "transom" in pooled else {}
+    print(json.dumps({
+        "bench": "goodput", "combined": [{"file": p, "seed": r["seed"], "steps": r["steps"], "kinds": r["kinds"],
+                                          "fault_every_steps": r["fault_every_steps"],
+                                          "effective_ratio": {n: (r["runs"].get(n) or {}).get("effective_ratio")
+                                                              for n in systems}}
+                                         for p, r in zip(paths, runs)],
+        "world": runs[0]["world"], "straggler_factor": runs[0]["straggler_factor"],
+        "per_kind": pooled, "targets": tg,
+        "met": all(v["met"] for v in tg.values() if v["met"] is not None) if tg else None,
+    }), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        return combine(args.combine)
     if args.print_schedule:
         if args.schedule is None:
             print("--print-schedule needs --fault-every-steps (otherwise the plain run decides)", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -223,6 +224,50 @@ def test_overhead_pairs_grade_the_median_ratio_of_fault_free_pairs():
         ["--ckpt-every", "auto", "--mtbf", "123.0"]
     assert out["overhead"]["in_the_fault_run"] == 0.20
     assert g.targets({"transom": t}, 120.0)["overhead"]["met"] is False
+
+
+def _saved_run(g, path, seed, stragglers, world=4):
+    """A run's output as a user saves it (progress text, then the JSON line), with one straggler per
+    entry of ``stragglers``: (after step, retry loop's lost s, Transom's lost s)."""
+    runs = {}
+    for name, col, target in (("torchrun", 1, "slot"), ("transom", 2, "node")):
+        r = g.RunResult(name, 900, completed=True, effective_ratio=0.9)
+        r.faults = [g.FaultRecord(i, "straggler", 1, s[0], target=f"{target}1", lost_s=s[col])
+                    for i, s in enumerate(stragglers)]
+        runs[name] = g.summary(r)
+    line = {"bench": "goodput", "seed": seed, "world": world, "steps": 900, "width": 384, "layers": 4,
+            "batch_size": 2, "fault_every_steps": 450, "kinds": ["straggler"], "straggler_factor": 0.7,
+            "runs": runs, "targets": {}, "met": None}
+    path.write_text("== run torchrun ==\n  progress ...\n" + json.dumps(line) + "\n")
+    return str(path)
+
+
+def test_combine_pools_the_faults_of_saved_runs_and_grades_them(tmp_path, capsys):
+    g = _bench()
+    files = [_saved_run(g, tmp_path / f"s{seed}.log", seed, [(400 + seed, base, mine)])
+             for seed, base, mine in ((1, 40.0, 4.0), (2, 50.0, 6.0), (3, 8.0, 5.0))]
+    assert g.main(["--combine", *files]) == 0
+    out = capsys.readouterr().out
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["per_kind"]["torchrun"]["straggler"] == {"n": 3, "lost_s": 40.0, "detect_s": None,
+                                                        "recover_s": None, "recompute_s": None}
+    assert got["per_kind"]["transom"]["straggler"]["lost_s"] == 5.0
+    assert got["targets"]["lost_straggler_vs_retry_loop"] == {"target": 0.25, "value": 0.125, "met": True}
+    assert [c["seed"] for c in got["combined"]] == [1, 2, 3]
+    row = next(line.split() for line in out.splitlines() if line.split()[:4] == ["2", "3", "403", "straggler"])
+    assert row[4:] == ["8.0s", "5.0s"]                    # each fault's row: what it cost each system
+
+
+def test_combine_refuses_a_cut_short_run_or_runs_of_another_setup(tmp_path, capsys):
+    g = _bench()
+    good = _saved_run(g, tmp_path / "good.log", 1, [(401, 40.0, 4.0)])
+    cut = tmp_path / "cut.log"
+    cut.write_text("== run torchrun ==\n  [ 15.0s] torchrun: step 31/900\n")
+    assert g.main(["--combine", good, str(cut)]) == 2
+    assert "cut.log: no goodput JSON line" in capsys.readouterr().err
+    other = _saved_run(g, tmp_path / "other.log", 2, [(402, 40.0, 4.0)], world=8)
+    assert g.main(["--combine", good, other]) == 2
+    assert "not comparable" in capsys.readouterr().err
 
 
 def test_a_false_restart_during_the_pause_is_counted(tmp_path):
