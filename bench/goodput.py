@@ -20,8 +20,9 @@ evaluation pause of 30-60 s (``make_eval_pause``): every rank sleeps until a tim
 to ``slow/pause``, with no phase marker; a restart during it is a false restart.
 
 Figures: steady step and overhead against the plain step; effective training time ratio = steps x
-plain step (+ the pause) / wall; lost seconds per fault (the wall time to the next fault, the pause
-or the end, less the net new steps x the steady step) with its detection, recovery and
+plain step (+ the pause) / wall; lost seconds per fault (the wall time until the job has made
+``LOSS_STEPS`` steps of new progress past the step it hit, or to the next fault, the pause or the
+end if sooner, less that progress x the pace around it) with its detection, recovery and
 recomputation parts; issue 17's targets with met flags in the one JSON line at the end. Method and
 figures: docs/goodput.md.
 
