@@ -49,6 +49,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
+    return value
+
+
 def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=5, help="relaunches allowed per --restart-window (default 5)")
     p.add_argument("--restart-window", type=float, default=3600.0, metavar="S",
@@ -111,6 +121,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job-id", help="submit this job")
     p.add_argument("--world-size", type=int, default=None, help="ranks of the submitted job (default: all but one node)")
     _policy_args(p)
+    p.add_argument("--poll-interval", type=_seconds, default=0.5, metavar="S",
+                   help="seconds between looks at the backend for ranks that exited (default 0.5; on Kubernetes "
+                        "or Slurm each look is API or scheduler calls); a rank whose collective failed says so, "
+                        "and the controller looks at once whatever this is")
     p.add_argument("--precheck", default="full", choices=["full", "health", "off"],
                    help="before every launch: full = agent health + a gloo all-reduce across the nodes; "
                         "health = agent health only; off (default full)")
@@ -245,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     with bootstrap_or_embedded(args.bootstrap, args.embedded_broker) as bootstrap:
         backend = _make_backend(args, bootstrap, nodes)
         precheck = PrecheckConfig(metrics=args.precheck != "off", collective=args.precheck == "full")
-        ctl = Controller(bootstrap, backend, precheck=precheck,
+        ctl = Controller(bootstrap, backend, precheck=precheck, poll_interval=args.poll_interval,
                          health=HealthBook(stale_s=args.heartbeat_stale, require_gpus=not args.allow_no_gpus),
                          lease=Lease(bootstrap, duration_s=args.lease, renew_s=max(args.lease / 3, 0.2)))
         signal.signal(signal.SIGTERM, lambda *_: ctl.stop())

@@ -13,10 +13,12 @@ node-health view warm from ``transom.metrics`` and takes over when the lease lap
 
 Inputs: ``transom.faults`` and ``transom.checkpoints`` from their beginning (decisions are
 idempotent by fault id and checkpoint step), ``transom.metrics`` from now on (training steps and
-node health for the pre-check), rank exits polled from the backend, and the ranks' words of the
-elastic API on ``transom.lifecycle`` (key ``__elastic__JOB``: ``elastic_joined``, ``spare_ready``,
-``elastic_synced``; :mod:`transom.elastic`). While a job that heals in the job runs, the service keeps
-a warm spare on each of its spare nodes (:meth:`Controller._keep_spares`).
+node health for the pre-check), rank exits polled from the backend (every ``poll_interval``, and at
+once, then every :data:`HURRY_EVERY_S` for :data:`HURRY_FOR_S`, when a rank says its collective
+failed: a peer is gone), and the ranks' words of the elastic API on ``transom.lifecycle`` (key
+``__elastic__JOB``: ``elastic_joined``, ``spare_ready``, ``elastic_synced``, ``collective_failed``;
+:mod:`transom.elastic`). While a job that heals in the job runs, the service keeps a warm spare on
+each of its spare nodes (:meth:`Controller._keep_spares`); a rank's word is also when it looks.
 
 Fault events are checked before anything is done with them (:meth:`Controller._on_fault`): with
 fault authentication on (``TRANSOM_FAULT_PRINCIPALS``, :mod:`transom.security`) a fault whose
@@ -63,6 +65,10 @@ log = get("controller")
 TERMINAL = TERMINAL_STATES
 CRASH_ENV = "TRANSOM_TEST_CRASH_AT"
 EXIT_LEASE_LOST = 3
+#: after a rank's ``collective_failed``: look at the ranks every HURRY_EVERY_S for HURRY_FOR_S seconds (a
+#: backend may record the exit a moment after the survivors saw their peer go)
+HURRY_EVERY_S = 0.05
+HURRY_FOR_S = 2.0
 
 
 #: Lifecycle key of the node view the controller publishes and of the operators' node requests.
@@ -121,6 +127,8 @@ class Controller:
                      ", ".join(sorted(self.verifier.principals)))
         self.backend = backend
         self.poll_interval = poll_interval
+        self._look_now = False            # a rank's word came: look at the ranks (and the spares) now
+        self._hurry_until = 0.0           # a collective failed: look every HURRY_EVERY_S until then
         self.precheck = precheck or PrecheckConfig()
         self.health = health or HealthBook()
         self.lease = lease or Lease(bootstrap, holder)
@@ -350,10 +358,16 @@ class Controller:
             return
         if ev.name in contracts.RANK_LIFECYCLE_EVENTS:
             # a rank's word on the control channel (transom.elastic): it can re-form its group, waits as a
-            # spare, or its new group holds one state
+            # spare, its new group holds one state, or its collective failed (a peer is gone)
             if ev.job in self.jobs and self.jobs[ev.job].state not in TERMINAL:
                 gen, d = int(ev.detail.get("generation", -1)), ev.detail
-                if ev.name == "elastic_joined":
+                self._look_now = True     # the job changed: its spares, or a rank that exited
+                if ev.name == "collective_failed":
+                    # the backend may record the exit a moment after the survivors see it: look again, briefly
+                    self._hurry_until = time.monotonic() + HURRY_FOR_S
+                    log.info("job %s: rank %s's collective failed at step %s (generation %d): looking at the "
+                             "ranks now", ev.job, d.get("rank"), d.get("step"), gen)
+                elif ev.name == "elastic_joined":
                     self.apply(ev.job, ElasticJoined(gen, int(d.get("rank", -1))))
                 elif ev.name == "spare_ready":
                     self.apply(ev.job, SpareReady(gen, str(d.get("node", ""))))
@@ -523,12 +537,14 @@ class Controller:
                     msg, handled = events.poll(0), handled + 1
                 self._pump_metrics(0.05)
                 now = time.monotonic()
-                if now >= next_poll:
+                if now >= next_poll or self._look_now:
+                    self._look_now = False
                     self._poll_ranks()
                     self._keep_spares()
                     self._start_queued()
                     self._publish_nodes()
-                    next_poll = now + self.poll_interval
+                    next_poll = now + (min(HURRY_EVERY_S, self.poll_interval) if now < self._hurry_until
+                                       else self.poll_interval)
                     if exit_when_done and self._watched() and all(j.state in TERMINAL for j in self._watched()):
                         break
         except LeaseLost as exc:

@@ -41,13 +41,13 @@ def stack(broker, tmp_path_factory):
             LocalBackend(gen_dir.parents[1], {}).stop(gen_dir.parent.name, int(gen_dir.name.split("-")[1]), 5)
 
 
-def start(stack: LocalStack, job: str, steps: int, hold: Path) -> tuple:
+def start(stack: LocalStack, job: str, steps: int, hold: Path, extra: tuple = ()) -> tuple:
     hold.mkdir(parents=True, exist_ok=True)
     (hold / "pause").write_text(f"{time.time() + 3600} 6\n")   # every rank stops after step 6 (saved step 5)
     run_dir = stack.run_dir / "runs" / job
     proc = stack.start_controller(job, train_command(steps, 5, "--slowdown-dir", str(hold), *TINY), world_size=4,
                                   name=job, extra=["--exit-when-done", "--run-dir", str(run_dir), "--precheck",
-                                                   "health", "--heal-timeout", "40"])
+                                                   "health", "--heal-timeout", "40", *extra])
     return proc.popen, run_dir / job
 
 
@@ -189,6 +189,44 @@ def test_a_survivor_lost_during_the_reform_falls_back_to_a_relaunch(broker, stac
     assert "healed" not in [e.name for e in events]
     assert "resumed from step 5 gen 1" in (jobdir / "gen-1" / "rank-0.log").read_text()
     assert "done: 12 steps" in (jobdir / "gen-1" / "rank-0.log").read_text()
+
+
+def test_a_failed_collective_makes_the_controller_look_at_the_ranks_at_once(broker, stack):
+    """The controller looks at the backend for exited ranks every --poll-interval, here an hour, so it
+    sees the crash only because the survivors, whose all-reduce failed, said so on the control channel."""
+    job, bs = "heal-d", broker.bootstrap
+    hold = stack.run_dir / "hold-d"
+    proc, jobdir = start(stack, job, 12, hold, extra=("--poll-interval", "3600"))
+    gen = jobdir / "gen-0"
+    try:
+        # the ranks' own words (joined) are also when it looks: the warm spare starts without a poll
+        until_alive(proc, lambda: at_step(gen, 5) and "spare_ready" in names(bs, job), 60,
+                    "step 5 and a warm spare on node4")
+        before = pids(gen)
+        os.kill(before[1], signal.SIGKILL)
+        release(hold)
+        wait_for(stack, bs, job, jobdir, proc, lambda: "healed" in names(bs, job), 60, "the in-job heal of the crash")
+    finally:
+        release(hold)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)         # it would not look at the ranks again to see them finish
+        from transom.controller.local import LocalBackend
+        LocalBackend(jobdir.parent, {}).stop(job, 0, 5)
+    heal = next(e for e in decisions(bs, job) if e.name == "healing")
+    assert (heal.detail["rank"], heal.cause["kind"]) == (1, "rank_exit")
+    words = [e for e in lifecycle(bs, job) if e.state == "request" and e.name == "collective_failed"]
+    assert words and {w.detail["rank"] for w in words} <= {0, 2, 3}
+    assert all(w.detail["epoch"] == 0 and w.detail["generation"] == 0 for w in words)
+    assert "collective failed at step" in (stack.run_dir / "logs" / f"{job}.log").read_text()
+
+
+def test_a_poll_interval_that_is_not_seconds_is_refused_with_the_flag_named():
+    import subprocess
+    import sys
+    for bad in ("0", "-1", "abc", "inf"):
+        done = subprocess.run([sys.executable, "-m", "transom.cli", "controller", "--poll-interval", bad],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and f"--poll-interval: expected seconds > 0, got {bad}" in done.stderr
 
 
 # --------------------------------------------------------------------------- the policy, driven directly

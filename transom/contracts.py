@@ -57,7 +57,8 @@ CHECKPOINTS = "transom.checkpoints"
 LIFECYCLE = "transom.lifecycle"
 #: Events a rank's elastic API (transom.elastic) sends the controller on LIFECYCLE under the key
 #: ``__elastic__JOB``: not steps of the controller's timeline (their seq is not the job's).
-RANK_LIFECYCLE_EVENTS = frozenset({"elastic_joined", "spare_ready", "elastic_synced"})
+#: ``collective_failed``: a rank's collective failed (a peer gone); the controller looks at the ranks at once.
+RANK_LIFECYCLE_EVENTS = frozenset({"elastic_joined", "spare_ready", "elastic_synced", "collective_failed"})
 HISTORY = "transom.history"
 DEADLETTER = "transom.deadletter"
 REGISTRY = "transom.registry"

@@ -30,8 +30,10 @@ Control channel (across hosts: the broker is what every host reaches; the rendez
 the one the controller's backend gives for rank 0's node, never one a rank made up):
 
 - rank -> controller: ``transom.lifecycle`` under the key ``__elastic__JOB``, events ``elastic_joined``
-  (rank, node, generation, pid), ``spare_ready`` (node, generation, pid) and ``elastic_synced``
-  (epoch, step: the new group holds one state; the heal is done);
+  (rank, node, generation, pid), ``spare_ready`` (node, generation, pid), ``collective_failed`` (rank,
+  epoch, step: a collective of this rank failed, so a peer is likely gone; the controller looks at the
+  ranks at once instead of at its next poll) and ``elastic_synced`` (epoch, step: the new group holds
+  one state; the heal is done);
 - controller -> ranks: the job's timeline ``transom.history``: ``reforming`` (generation, epoch,
   master ``HOST:PORT``, world, ``assign`` node -> rank) names the new group; ``relaunching``,
   ``failed``, ``cancelled`` or ``completed`` of the job tell a waiting rank to give up.
@@ -222,7 +224,7 @@ class ElasticGroup:
             return None
 
     # ------------------------------------------------------------------ control channel
-    def _tell(self, name: str, **detail: Any) -> None:
+    def _tell(self, name: str, *, wait: float = 10.0, **detail: Any) -> None:
         from transom.kafka import publish
 
         c = self._contracts
@@ -230,7 +232,7 @@ class ElasticGroup:
                               detail={"node": self.node, "generation": self.generation, "pid": os.getpid(), **detail})
         # a key of its own: the topic is compacted by key, and `transom run`'s requests must not be replaced
         publish(self._producer, c.LIFECYCLE, f"__elastic__{self.job}", ev)
-        self._producer.flush(10)
+        self._producer.flush(wait)
 
     def _read(self) -> None:
         """Reader thread: the job's timeline into ``_events``. A new group named for this generation raises
@@ -362,6 +364,12 @@ class ElasticGroup:
         t0 = time.monotonic()
         _log(f"rank {self.rank}: collective failed at step {replica.step + 1} "
              f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); dropping the group")
+        try:
+            # the survivors see a peer go within milliseconds; the controller would see its exit only at its
+            # next look at the ranks (every 0.5 s by default)
+            self._tell("collective_failed", wait=1.0, rank=self.rank, epoch=self.epoch, step=replica.step + 1)
+        except Exception as err:          # noqa: BLE001 - the controller's own poll finds the exit all the same
+            _log(f"rank {self.rank}: could not tell the controller that the collective failed: {err}")
         try:
             from transom.agents.intake import phase
             phase("restore")              # a rank waiting for its group is not hung
