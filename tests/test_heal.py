@@ -77,11 +77,13 @@ def at_step(gen: Path, step: int) -> bool:
 
 
 def sync_hashes(logs: list[Path], epoch: int) -> dict[int, str]:
+    """Per rank, the digests of its parameters and of its optimizer state after the sync of ``epoch``."""
     out = {}
     for log in logs:
-        for m in re.finditer(r"elastic: rank (\d+) epoch (\d+) step \d+ params sha256 ([0-9a-f]+)", log.read_text()):
+        for m in re.finditer(r"elastic: rank (\d+) epoch (\d+) step \d+ params sha256 ([0-9a-f]+) "
+                             r"optimizer xxh3 ([0-9a-f]+)", log.read_text()):
             if int(m.group(2)) == epoch:
-                out[int(m.group(1))] = m.group(3)
+                out[int(m.group(1))] = m.group(3) + " " + m.group(4)
     return out
 
 
@@ -147,7 +149,7 @@ def test_crash_and_hang_are_healed_in_the_job_survivors_keep_their_processes(bro
         assert "restored step" not in (gen / f"rank-{r}.log").read_text()      # no checkpoint loaded
     assert "done: 30 steps" in (gen / "rank-0.log").read_text()
     assert "all-reduce of rank 3 given up: group epoch 1 was named" in (gen / "rank-3.log").read_text()
-    # (b) each spare's parameters equal the survivors' bit for bit after it joined
+    # (b) each spare's parameters and optimizer state equal the survivors' bit for bit after it joined
     logs = [gen / f"rank-{r}.log" for r in range(4)] + sorted(gen.glob("spare-*/rank-0.log"))
     for epoch in (1, 2):
         hashes = sync_hashes(logs, epoch)
