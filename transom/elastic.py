@@ -119,12 +119,17 @@ class Replica:
         """A spare that took over a rank: bring the rank's own position (data, RNG) to ``step``."""
 
 
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes as it holds them (a 0-dim tensor too), for a digest."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
 def params_sha256(model: torch.nn.Module) -> str:
     """sha256 of the model's parameters and buffers, in order, as bytes: equal iff bit for bit equal."""
     h = hashlib.sha256()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(_tensor_bytes(t))
     return h.hexdigest()
 
 
@@ -137,8 +142,7 @@ def optimizer_digest(state: dict) -> str:
     for key in sorted(state.get("state", {}), key=str):
         for name, v in state["state"][key].items():
             h.update(f"{key}.{name}".encode())
-            h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-                     if torch.is_tensor(v) and v.numel() else repr(v).encode())
+            h.update(_tensor_bytes(v) if torch.is_tensor(v) else repr(v).encode())
     h.update(repr(state.get("param_groups")).encode())
     return h.hexdigest()
 
@@ -171,7 +175,6 @@ def _broadcast_optimizer_state(state: dict | None, src: int) -> dict:
     of Adam state on 4 ranks here, the buffers 0.04 s)."""
     mine = dist.get_rank() == src
     if mine:
-        tensors = [v for st in state["state"].values() for v in st.values() if torch.is_tensor(v)]
         layout = {"state": {k: {n: _Spec(v) if torch.is_tensor(v) else v for n, v in st.items()}
                             for k, st in state["state"].items()},
                   "param_groups": state["param_groups"]}
@@ -182,8 +185,7 @@ def _broadcast_optimizer_state(state: dict | None, src: int) -> dict:
         state = {"state": {k: {n: torch.empty(v.shape, dtype=v.dtype) if isinstance(v, _Spec) else v
                                for n, v in st.items()} for k, st in layout["state"].items()},
                  "param_groups": layout["param_groups"]}
-        tensors = [v for st in state["state"].values() for v in st.values() if torch.is_tensor(v)]
-    _broadcast_flat(tensors, src)
+    _broadcast_flat([v for st in state["state"].values() for v in st.values() if torch.is_tensor(v)], src)
     return state
 
 
