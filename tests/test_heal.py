@@ -355,3 +355,41 @@ def test_a_rank_whose_rank_was_given_to_a_spare_leaves_instead_of_joining_twice(
     group._events.put({**reform, "detail": {**reform["detail"], "epoch": 2, "assign": {"node5": 2}}})
     with pytest.raises(ReformFailed, match="given to the spare on node5"):
         group._wait_group(5)                                            # its own rank healed: a stale process
+
+
+def test_a_rank_connects_to_the_new_groups_store_only_once_rank_0_listens():
+    """A rank that reaches the rendezvous before rank 0 has started its store waits for the store to listen
+    (else torch's client backs off ~0.5 s and the whole group waits for it); nothing listening: it gives up
+    at the timeout without raising, and the rendezvous reports its own error."""
+    import socket
+    import threading
+
+    from transom.elastic import _await_listener
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    listening, accepted = threading.Event(), []
+
+    def rank0() -> None:
+        time.sleep(0.3)                                   # rank 0 arrives late
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", port))
+        srv.listen()
+        listening.set()
+        srv.settimeout(10)
+        conn, _ = srv.accept()
+        accepted.append(conn)
+        srv.close()
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    _await_listener(f"127.0.0.1:{port}", 30)
+    assert listening.is_set(), "returned before rank 0's store listened"
+    t.join(10)
+    assert accepted, "the store never saw the waiting rank connect"
+    accepted[0].close()
+    _await_listener(f"127.0.0.1:{port}", 0.2)            # no store at all: returns at the timeout
+    _await_listener("no-port-here", 30)                   # not HOST:PORT: nothing to wait for
