@@ -169,6 +169,27 @@ def test_collective_precheck_runs_a_gloo_all_reduce_in_forks_of_one_zygote(tmp_p
     assert cold.collective_test("j", 0, NODES[:2], 20) == {} and cold._zygote is None     # fresh interpreters
 
 
+def test_a_forked_rank_finds_what_its_optimizer_imports_already_imported(tmp_path):
+    """The zygote's default preload covers what a training script's optimizer imports (torch._dynamo: over
+    a second of CPU that each rank and each warm spare would otherwise pay after its fork)."""
+    import sys
+
+    from transom.controller.local import LocalBackend
+
+    backend = LocalBackend(tmp_path, {"node0": "127.0.0.1:9"})
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nhad = 'torch._dynamo' in sys.modules\nimport torch\n"
+                      "torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())\n"
+                      "print('preloaded', had, flush=True)\n")
+    try:
+        backend.launch("j", 0, ("node0",), (sys.executable, str(script)), None)
+        wait_until(lambda: not any(s.running for s in backend.status("j", 0)), 60, "the rank to end")
+        assert [s.exit_code for s in backend.status("j", 0)] == [0]
+        assert "preloaded True" in (tmp_path / "j" / "gen-0" / "rank-0.log").read_text()
+    finally:
+        backend.close()
+
+
 def test_warm_ranks_are_forks_of_the_zygote(tmp_path):
     """A rank is a fork of the zygote (torch already imported) with the launch's environment, argv,
     log, pid and exit files; a command the zygote cannot run starts cold under rankwrap."""
