@@ -897,6 +897,7 @@ class TransomRun(Runner):
     def tick(self, now: float) -> None:
         from transom import contracts as c
         self._renice(now)
+        reformed = False
         while True:
             got = self.monitor.poll(0)
             if got is None:
@@ -918,6 +919,8 @@ class TransomRun(Runner):
                     if rec is not None:
                         rec.path = "in-job"
                     self.nodes_of[self.gen] = list(ev.detail.get("nodes") or self._nodes())
+                elif ev.name == "reforming":
+                    reformed = True
                 elif ev.name == "healed":
                     rec = next((r for r in reversed(self.result.faults) if r.path == "in-job" and r.healed_at is None),
                                None)
@@ -964,6 +967,11 @@ class TransomRun(Runner):
                         if rec.kind == "straggler":
                             rec.detected_s, rec.detector = ev.detected_ts - self.t0, f"TEE {cls}"
                         break
+        if reformed:
+            # the spare that took the rank is a rank from now on: at the ranks' priority for its rendezvous and
+            # sync, not up to a second later at the next periodic renice (on a cluster it has its host to itself)
+            self._reniced = 0.0
+            self._renice(time.time())
         self._kill_hosts(time.time())
         if self.ctl.popen.poll() is not None and self.end is None:
             self.end = "controller exited"
