@@ -203,22 +203,27 @@ def collective_failure(exc: BaseException) -> bool:
     return any(mark in text for mark in _COLLECTIVE_MARKS)
 
 
-def _await_listener(address: str, timeout: float, every: float = 0.01) -> None:
+def _await_listener(address: str, timeout: float, every: float = 0.01, most: float = 0.05) -> None:
     """Return once ``HOST:PORT`` accepts a TCP connection (or after ``timeout``; the rendezvous then fails
     with its own error). Rank 0 starts the rendezvous store in its ``init_process_group``; a rank that
     reaches the store before it listens backs off for ~0.5 s (torch's client retries with jittered
     exponential backoff), and the whole group waits for it: measured on 4 gloo ranks with rank 0 0.1 s
-    late, the group formed 0.63 s after the start, 0.13 s with this wait."""
+    late, the group formed 0.63 s after the start, 0.13 s with this wait. Tries every ``every`` seconds,
+    growing to ``most`` (a large job's ranks knock on rank 0's port at most 1/``most`` times a second
+    each); a name that does not resolve yet (a Kubernetes Service before its pod is ready) every 0.5 s."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         return
-    deadline = time.monotonic() + timeout
+    deadline, delay = time.monotonic() + timeout, every
     while time.monotonic() < deadline:
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=max(every, 1.0)).close()
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
             return
+        except socket.gaierror:
+            time.sleep(0.5)
         except OSError:
-            time.sleep(every)
+            time.sleep(delay)
+            delay = min(delay * 1.5, most)
 
 
 def _log(msg: str) -> None:
