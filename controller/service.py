@@ -367,6 +367,11 @@ class Controller:
                     self._hurry_until = time.monotonic() + HURRY_FOR_S
                     log.info("job %s: rank %s's collective failed at step %s (generation %d): looking at the "
                              "ranks now", ev.job, d.get("rank"), d.get("step"), gen)
+                    job, done = self.jobs[ev.job], int(d.get("step", 0) or 0) - 1
+                    if gen == job.launched_generation and done > (job.resume_step or 0):
+                        # the rank finished steps of this generation: it trains, whether or not the agents'
+                        # reports of its steps have come yet (a crash seconds after a launch heals in the job)
+                        self.apply(ev.job, StepSeen(gen, done, ev.ts))
                 elif ev.name == "elastic_joined":
                     self.apply(ev.job, ElasticJoined(gen, int(d.get("rank", -1))))
                 elif ev.name == "spare_ready":

@@ -490,7 +490,8 @@ def _replace(job: Job, bad: Mapping[str, str]) -> tuple[list[str], list[str], di
     return nodes, spares, detail
 
 
-def _recover(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any], now: float) -> Decision:
+def _recover(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any], now: float,
+             not_in_job: str = "") -> Decision:
     recent = tuple(t for t in job.restart_times if now - t < job.spec.restart_window_s)
     if len(recent) >= job.spec.max_restarts:
         return _fail(job, f"restart budget of {job.spec.max_restarts} per {job.spec.restart_window_s:.0f}s "
@@ -516,6 +517,8 @@ def _recover(job: Job, *, evict: str | None, why: str, cause: Mapping[str, Any],
                     restart_times=recent + (now,), not_before=now + backoff, prev_last_step=job.last_step,
                     joined=(), warm=(), deferred=())
     out: dict[str, Any] = {"reason": why, "path": "relaunch"}
+    if not_in_job:
+        out["not_in_job"] = not_in_job          # why the in-job path could not take this fault
     if job.step == RecoveryStep.HEALING:
         out["fallback"] = f"in-job heal epoch {job.heal_epoch} did not complete"
     if evict:
@@ -802,11 +805,12 @@ def decide(job: Job, event: Event) -> Decision:
         if action == Action.OBSERVE:
             return Decision(job, (), "fault_observed", cause, {"summary": f.summary})
         why = f.summary or f"{f.kind.value} on {f.node}"
-        if not can_heal(job, f.kind, job.nodes.index(f.node)):
+        blocked = can_heal(job, f.kind, job.nodes.index(f.node))
+        if not blocked:
             return _heal(job, job.nodes.index(f.node), evict=action == Action.EVICT, why=why, cause=cause,
                          now=event.ts or f.detected_ts)
         return _recover(job, evict=f.node if action == Action.EVICT else None, why=why, cause=cause,
-                        now=event.ts or f.detected_ts)
+                        now=event.ts or f.detected_ts, not_in_job=blocked)
 
     if isinstance(event, RanksExited):
         if job.step == RecoveryStep.HEALING and event.generation == job.launched_generation:
@@ -838,9 +842,10 @@ def decide(job: Job, event: Event) -> Decision:
             tail = " | ".join(log.get("tail", ())[-3:])
             return _fail(job, f"{why} before its first training step" + (f"; last lines: {tail}" if tail else ""),
                          cause)
-        if len(failed) == 1 and not can_heal(job, FaultKind.RANK_EXIT, rank):
+        blocked = can_heal(job, FaultKind.RANK_EXIT, rank) if len(failed) == 1 else f"{len(failed)} ranks exited"
+        if not blocked:
             return _heal(job, rank, evict=False, why=why, cause=cause, now=event.ts)
-        return _recover(job, evict=None, why=why, now=event.ts, cause=cause)
+        return _recover(job, evict=None, why=why, now=event.ts, cause=cause, not_in_job=blocked)
 
     if isinstance(event, Cancel):
         if job.state in TERMINAL_STATES:

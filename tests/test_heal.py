@@ -283,11 +283,18 @@ def test_policy_heals_in_the_job_only_with_a_warm_spare_and_falls_back_to_a_rela
     f = fault("j", "node2", c.FaultKind.XID)
     x = decide(job, FaultSeen(f, f.detected_ts))
     assert x.name == "healing" and x.actions[0] == Cordon("node2", f.summary) and x.job.spares == ()
-    # no warm spare, a relaunch policy, or a NaN loss: today's relaunch
-    assert decide(dataclasses.replace(job, warm=()), RanksExited(0, {1: -9}, ts=110.0)).name == "relaunching"
-    assert decide(_running(heal="relaunch"), RanksExited(0, {1: -9}, ts=110.0)).name == "relaunching"
+    # no warm spare, a relaunch policy, or a NaN loss: today's relaunch, which says why it was not in the job
+    r = decide(dataclasses.replace(job, warm=()), RanksExited(0, {1: -9}, ts=110.0))
+    assert r.name == "relaunching" and r.detail["not_in_job"] == "no warm spare is ready"
+    r = decide(_running(heal="relaunch"), RanksExited(0, {1: -9}, ts=110.0))
+    assert r.name == "relaunching" and r.detail["not_in_job"] == "the job's heal policy is relaunch"
+    r = decide(job, RanksExited(0, {1: -9, 2: -9}, ts=110.0))
+    assert r.name == "relaunching" and r.detail["not_in_job"] == "2 ranks exited"
+    r = decide(dataclasses.replace(job, stepped_generation=-1), RanksExited(0, {1: -9}, ts=110.0))
+    assert r.name == "relaunching" and r.detail["not_in_job"] == "the job is not training"
     nan = fault("j", "node2", c.FaultKind.NAN_LOSS)
-    assert decide(job, FaultSeen(nan, nan.detected_ts)).name == "relaunching"
+    r = decide(job, FaultSeen(nan, nan.detected_ts))
+    assert r.name == "relaunching" and r.detail["not_in_job"] == "nan_loss is not healed in the job"
 
 
 def test_a_straggler_found_during_a_heal_is_decided_once_the_heal_ends():
