@@ -470,7 +470,9 @@ def run_nodes(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + 30
         while True:
             view = _node_view(args.bootstrap)
-            if view is not None and view.ts >= asked:
+            # the view that carried out this request: a periodic view published after it was asked, but before
+            # the controller read it, does not have it yet (a controller without "answered": any newer view)
+            if view is not None and view.ts >= asked and view.detail.get("answered", asked) >= asked:
                 break
             if time.monotonic() > deadline:
                 print(f"transom nodes {args.action}: error: the controller did not answer within 30s", file=sys.stderr)

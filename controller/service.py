@@ -142,6 +142,7 @@ class Controller:
         self._metrics: Consumer | None = None
         self._started_ts = time.time()
         self._nodes_at, self._nodes_last, self._node_error = 0.0, None, ""
+        self._node_answered = 0.0        # ts of the newest cordon/uncordon request carried out (in the view)
         self._driven: set[str] = set()
         self._spares_started: set[tuple[str, int, str]] = set()     # (job, generation, node) asked for a warm spare
 
@@ -426,6 +427,7 @@ class Controller:
             self._node_error = ""
         except (NotImplementedError, OSError, RuntimeError) as exc:
             self._node_error = f"{ev.name.split('_')[0]} {node}: {exc}"
+        self._node_answered = max(self._node_answered, ev.ts)
         self._publish_nodes(force=True)
 
     def node_view(self) -> dict[str, dict[str, Any]]:
@@ -447,7 +449,8 @@ class Controller:
             return
         self._nodes_last = view
         ev = contracts.LifecycleEvent(job=NODES_KEY, seq=0, ts=time.time(), name="nodes", state="view",
-                                      detail={"nodes": view, "holder": self.lease.holder, "error": self._node_error})
+                                      detail={"nodes": view, "holder": self.lease.holder, "error": self._node_error,
+                                              "answered": self._node_answered})
         publish(self.producer, contracts.LIFECYCLE, NODES_KEY, ev)
         self.producer.poll(0)
 
