@@ -54,7 +54,7 @@ from .backend import Backend
 from .health import HealthBook
 from .lease import LEASE_KEY, Lease, LeaseLost
 from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, Cordon, Decision, ElasticJoined, ElasticSynced,
-                    FaultSeen, Heal, Reconsider,
+                    FaultSeen, Heal, Reconsider, Then,
                     HealOverdue, HealStarted, Job, JobSpec, JobState, Launch, Launched, Precheck, PrecheckDone,
                     RanksExited, RecoveryStep, SpareReady, StartOverdue, StepDone, StepSeen, Stop, Submitted, decide,
                     pending_actions)
@@ -190,6 +190,8 @@ class Controller:
                 self.backend.cordon(action.node, action.reason)
             elif isinstance(action, Reconsider):
                 outcome.append(FaultSeen(action.fault, time.time(), deferred=True))
+            elif isinstance(action, Then):
+                outcome.append(action.event)
             elif isinstance(action, Precheck):
                 outcome.append(PrecheckDone(action.generation, self._precheck(job, action)))
             elif isinstance(action, Launch):

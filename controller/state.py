@@ -51,7 +51,7 @@ from transom.contracts import Action, CheckpointReady, FaultEvent, FaultKind, Se
 __all__ = [
     "JobState", "RecoveryStep", "TRANSITIONS", "RECOVERY_STEPS", "IllegalTransition", "FAULT_POLICY",
     "policy_for", "IN_JOB_KINDS", "HEAL_PATHS", "JobSpec", "Job", "ElasticJoined", "SpareReady", "ElasticSynced", "HealStarted",
-    "HealOverdue", "Heal", "Reconsider",
+    "HealOverdue", "Heal", "Reconsider", "Then",
     "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CheckpointSeen", "RanksExited", "StepSeen",
     "Cancel", "StartOverdue", "TERMINAL_STATES",
     "Precheck", "Launch", "Stop", "Cordon", "Decision", "decide", "pending_actions", "surviving_checkpoint",
@@ -406,6 +406,13 @@ class Reconsider:
     heal, held back until the new group trains."""
 
     fault: FaultEvent
+
+
+@dataclass(frozen=True)
+class Then:
+    """Decide ``event`` next, once this decision is recorded: one event that makes two lifecycle entries."""
+
+    event: Any
 
 
 @dataclass(frozen=True)
@@ -826,6 +833,13 @@ def decide(job: Job, event: Event) -> Decision:
         if event.generation != job.launched_generation or not live:
             return Decision(job)
         failed = {r: c for r, c in event.codes.items() if c != 0}
+        if not failed and job.step == RecoveryStep.RESUMING and job.launched_generation > max(job.stepped_generation, 0):
+            # the relaunched generation ran to its end before this controller saw a step of it (one that took
+            # over while it ran): it resumed, and it completed; when it first stepped is not known
+            new = job.moved(JobState.RUNNING, stepped_generation=job.launched_generation)
+            return Decision(new, (Then(event),), "resumed", {}, {
+                "generation": job.launched_generation, "step": None, "resume_step": job.resume_step,
+                "steps_lost": max(job.prev_last_step - (job.resume_step or 0), 0), "seen": "exit"})
         if not failed:
             new = job.moved(JobState.COMPLETED)
             return Decision(new, (), "completed", {}, {"generation": job.generation, "last_step": job.last_step})

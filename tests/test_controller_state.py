@@ -8,7 +8,7 @@ import pytest
 from transom import contracts as c
 from transom.controller.state import (FAULT_POLICY, CheckpointSeen, Cordon, FaultSeen, IllegalTransition, Job,
                                       JobSpec, JobState, Launch, Launched, Precheck, PrecheckDone, RanksExited,
-                                      RecoveryStep, StartOverdue, StepDone, StepSeen, Stop, Submitted, Cancel, decide,
+                                      RecoveryStep, StartOverdue, StepDone, StepSeen, Stop, Submitted, Cancel, Then, decide,
                                       pending_actions)
 
 NODES = ("node0", "node1", "node2", "node3", "node4")
@@ -213,6 +213,19 @@ def test_first_step_after_relaunch_is_recorded_with_steps_lost():
     d = decide(job, StepSeen(1, 41, 310.0))
     assert d.name == "resumed" and d.detail["steps_lost"] == 49 - 40
     assert decide(d.job, StepSeen(0, 50, 311.0)).job == d.job   # too late: recovery already recorded
+
+
+def test_a_relaunch_that_ends_before_a_step_of_it_is_seen_resumed_then_completed():
+    # a controller that took over while the relaunched generation ran sees only its ranks exit
+    job = decide(running_job(), CheckpointSeen(ready(40))).job
+    job = decide(job, StepSeen(0, 45, 150.0)).job
+    _, job = recover(job, FaultSeen(fault()))
+    exited = RanksExited(1, {r: 0 for r in range(4)}, 330.0)
+    d = decide(job, exited)
+    assert d.name == "resumed" and d.job.state == JobState.RUNNING and d.actions == (Then(exited),)
+    assert d.detail["seen"] == "exit" and d.detail["step"] is None and d.detail["steps_lost"] == 45 - 40
+    d = decide(d.job, exited)
+    assert d.name == "completed" and d.job.state == JobState.COMPLETED
 
 
 def test_evicted_nodes_memory_copies_do_not_count_as_surviving():

@@ -333,9 +333,12 @@ def test_report_lists_each_recovery_with_its_path_and_cost():
     data.lifecycle = [ev(0, "healing", 10.0, reason="rank 1 exited", spare="node4"), ev(1, "healed", 11.5),
                       ev(2, "healing", 20.0, reason="hang", spare="node1"),
                       ev(3, "relaunching", 30.0, reason="no step", fallback="epoch 2"), ev(4, "resumed", 36.0),
-                      ev(5, "relaunching", 50.0, reason="nan", replacement=None), ev(6, "resumed", 55.0)]
+                      ev(5, "relaunching", 50.0, reason="nan", replacement=None), ev(6, "resumed", 55.0),
+                      ev(7, "relaunching", 70.0, reason="xid"), ev(8, "resumed", 90.0, seen="exit", step=None)]
     got = [(r["path"], r["seconds"]) for r in recoveries(data)]
-    assert got == [("in-job", 1.5), ("in-job -> relaunch", 16.0), ("relaunch", 5.0)]
+    # a relaunch that ran to its end unseen has no cost to tell (its exit is not its first step)
+    assert got == [("in-job", 1.5), ("in-job -> relaunch", 16.0), ("relaunch", 5.0), ("relaunch", None)]
+    assert "before a step of it was reported" in recoveries(data)[-1]["reason"]
     from transom.report import render
     page = render(data)
     assert "<h2>Recoveries</h2>" in page and "in-job -&gt; relaunch" in page and "healed in job" in page

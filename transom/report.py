@@ -366,7 +366,10 @@ def recoveries(data: RunData) -> list[dict[str, Any]]:
                 out.append({"path": "relaunch", "ts": ev.ts, "reason": ev.detail.get("reason", ""), "seconds": None,
                             "rank": None, "to": ev.detail.get("replacement")})
         elif ev.name == "resumed" and out and out[-1]["path"] != "in-job" and out[-1]["seconds"] is None:
-            out[-1]["seconds"] = round(ev.ts - out[-1]["ts"], 3)
+            if ev.detail.get("seen") == "exit":    # it ran to its end before a step of it was seen: cost unknown
+                out[-1]["reason"] += "; the relaunch ran to its end before a step of it was reported"
+            else:
+                out[-1]["seconds"] = round(ev.ts - out[-1]["ts"], 3)
     return out
 
 
@@ -399,7 +402,7 @@ def _summary(data: RunData) -> list[tuple[str, str]]:
            ("checkpoints", str(len(data.checkpoints)))]
     if first_fault:
         out.append(("time to detect", f"{first_fault.detected_ts - first_fault.observed_ts:.2f} s"))
-        after = [ev for ev in resumed if ev.ts >= first_fault.observed_ts]
+        after = [ev for ev in resumed if ev.ts >= first_fault.observed_ts and ev.detail.get("seen") != "exit"]
         if after:
             out.append(("time to recover", f"{after[0].ts - first_fault.observed_ts:.1f} s (fault to first step "
                                            f"after resume)"))
