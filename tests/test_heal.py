@@ -403,3 +403,54 @@ def test_a_rank_connects_to_the_new_groups_store_only_once_rank_0_listens():
     accepted[0].close()
     _await_listener(f"127.0.0.1:{port}", 0.2)            # no store at all: returns at the timeout
     _await_listener("no-port-here", 30)                   # not HOST:PORT: nothing to wait for
+
+
+SPARE = """
+import sys
+from transom.elastic import ElasticGroup, SpareReleased
+group = ElasticGroup(sys.argv[1], "node9", 0, sys.argv[2], spare=True)
+try:
+    group.join()
+except SpareReleased as exc:
+    print("released:", exc, flush=True)
+    sys.exit(0)
+sys.exit(2)
+"""
+
+
+def test_a_spare_started_as_its_job_ended_is_released_and_one_of_a_running_job_waits(broker):
+    """A warm spare reads the job's news from the moment it starts; one started just after its job completed
+    (a refill racing the job's last step) learns it from the job's snapshot instead of waiting forever."""
+    import subprocess
+    import sys
+
+    from transom.kafka import make_producer, publish
+
+    bs, producer = broker.bootstrap, make_producer(broker.bootstrap)
+
+    def news(job: str, name: str, state: str) -> None:
+        ev = c.LifecycleEvent(job=job, seq=len(sent), ts=time.time(), name=name, state=state,
+                              snapshot={"job": job, "state": state, "launched_generation": 0})
+        sent.append(ev)
+        publish(producer, c.LIFECYCLE, job, ev)
+        publish(producer, c.HISTORY, job, ev)
+        assert producer.flush(10) == 0
+
+    sent: list = []
+    news("ended", "launched", "running")
+    news("ended", "completed", "completed")
+    news("running", "launched", "running")
+    spares = {job: subprocess.Popen([sys.executable, "-c", SPARE, job, bs], stdout=subprocess.PIPE, text=True)
+              for job in ("ended", "running")}
+    try:
+        assert spares["ended"].wait(60) == 0
+        assert "job ended completed" in spares["ended"].stdout.read()
+        time.sleep(2)
+        assert spares["running"].poll() is None, "the spare of a running job left"
+        news("running", "cancelled", "cancelled")                 # its news, while it waits, releases it too
+        assert spares["running"].wait(60) == 0
+    finally:
+        for p in spares.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

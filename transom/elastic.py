@@ -351,6 +351,33 @@ class ElasticGroup:
             if ev.get("name") == "reforming" or ev.get("name") in _GIVE_UP:
                 self._events.put(ev)           # nothing else is waited for (checkpoints come every save)
 
+    def _look_back(self) -> None:
+        """A spare started as its job ended (or was relaunched) reads the timeline from a point past that news:
+        the job's newest snapshot on the compacted lifecycle topic tells it, and releases it as the news would
+        have (else it would wait for a rank forever)."""
+        from transom.kafka import read_topic
+
+        newest: dict[str, Any] = {}
+        try:
+            for key, value, _p, _o in read_topic(self.bootstrap, self._contracts.LIFECYCLE, timeout=30):
+                if key != self.job.encode() or value is None:
+                    continue
+                try:
+                    ev = json.loads(value)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and int(ev.get("seq", -1)) >= int(newest.get("seq", -1)):
+                    newest = ev
+        except Exception as exc:               # noqa: BLE001 - the timeline's own news still releases it
+            _log(f"spare on {self.node}: could not read job {self.job}'s state ({type(exc).__name__}: {exc})")
+            return
+        snap = newest.get("snapshot") or {}
+        state = str(snap.get("state") or "")
+        if state in _GIVE_UP:
+            self._events.put({"name": state, "detail": {"seen": "lifecycle"}})
+        elif int(snap.get("launched_generation", self.generation)) > self.generation:
+            self._events.put({"name": "relaunching", "detail": {"seen": "lifecycle"}})
+
     def _wait_group(self, timeout: float | None) -> dict[str, Any]:
         """The next ``reforming`` of this job and generation that includes this rank (or node, for a spare)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -411,6 +438,7 @@ class ElasticGroup:
         if self.spare:
             self._tell("spare_ready")
             _log(f"warm spare on {self.node} for job {self.job} generation {self.generation}: waiting for a rank")
+            threading.Thread(target=self._look_back, name="transom-elastic-lookback", daemon=True).start()
             d = self._wait_group(None)
             t0 = time.monotonic()
             self._take(d)
