@@ -53,7 +53,7 @@ from transom.security import FaultVerifier, fault_verifier, valid_name
 from .backend import Backend
 from .health import HealthBook
 from .lease import LEASE_KEY, Lease, LeaseLost
-from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, Cordon, Decision, ElasticJoined, ElasticSynced,
+from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, CollectiveFailed, Cordon, Decision, ElasticJoined, ElasticSynced,
                     FaultSeen, Heal, Reconsider, Then,
                     HealOverdue, HealStarted, Job, JobSpec, JobState, Launch, Launched, Precheck, PrecheckDone,
                     RanksExited, RecoveryStep, SpareReady, StartOverdue, StepDone, StepSeen, Stop, Submitted, decide,
@@ -370,11 +370,7 @@ class Controller:
                     self._hurry_until = time.monotonic() + HURRY_FOR_S
                     log.info("job %s: rank %s's collective failed at step %s (generation %d): looking at the "
                              "ranks now", ev.job, d.get("rank"), d.get("step"), gen)
-                    job, done = self.jobs[ev.job], int(d.get("step", 0) or 0) - 1
-                    if gen == job.launched_generation and done > (job.resume_step or 0):
-                        # the rank finished steps of this generation: it trains, whether or not the agents'
-                        # reports of its steps have come yet (a crash seconds after a launch heals in the job)
-                        self.apply(ev.job, StepSeen(gen, done, ev.ts))
+                    self.apply(ev.job, CollectiveFailed(gen, int(d.get("step", 0) or 0), ev.ts))
                 elif ev.name == "elastic_joined":
                     self.apply(ev.job, ElasticJoined(gen, int(d.get("rank", -1))))
                 elif ev.name == "spare_ready":

@@ -52,7 +52,7 @@ __all__ = [
     "JobState", "RecoveryStep", "TRANSITIONS", "RECOVERY_STEPS", "IllegalTransition", "FAULT_POLICY",
     "policy_for", "IN_JOB_KINDS", "HEAL_PATHS", "JobSpec", "Job", "ElasticJoined", "SpareReady", "ElasticSynced", "HealStarted",
     "HealOverdue", "Heal", "Reconsider", "Then",
-    "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CheckpointSeen", "RanksExited", "StepSeen",
+    "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CollectiveFailed", "CheckpointSeen", "RanksExited", "StepSeen",
     "Cancel", "StartOverdue", "TERMINAL_STATES",
     "Precheck", "Launch", "Stop", "Cordon", "Decision", "decide", "pending_actions", "surviving_checkpoint",
 ]
@@ -307,6 +307,16 @@ class StartOverdue:
 
 @dataclass(frozen=True)
 class StepSeen:
+    generation: int
+    step: int
+    ts: float
+
+
+@dataclass(frozen=True)
+class CollectiveFailed:
+    """A rank of ``generation`` says its collective failed at ``step``: it finished the steps before it, so the
+    generation trains, whether or not the agents' reports of those steps have come yet."""
+
     generation: int
     step: int
     ts: float
@@ -735,6 +745,13 @@ def decide(job: Job, event: Event) -> Decision:
                 new = dataclasses.replace(new, resume_step=resume)
                 detail["resume_step"] = resume
         return Decision(new, (), "checkpoint", {"checkpoint_id": ready.checkpoint_id}, detail)
+
+    if isinstance(event, CollectiveFailed):
+        done = event.step - 1
+        if event.generation != job.launched_generation or done <= (job.resume_step or 0):
+            return Decision(job)
+        # a crash seconds after a launch, before the first step report, heals in the job
+        return decide(job, StepSeen(event.generation, done, event.ts))
 
     if isinstance(event, StepSeen) and job.step == RecoveryStep.HEALING:
         if event.generation != job.launched_generation:

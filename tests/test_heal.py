@@ -244,8 +244,8 @@ def _running(**spec):
 
 
 def test_policy_heals_in_the_job_only_with_a_warm_spare_and_falls_back_to_a_relaunch():
-    from transom.controller.state import (Cordon, ElasticSynced, FaultSeen, Heal, HealOverdue, HealStarted, JobState,
-                                          RanksExited, RecoveryStep, Stop, decide)
+    from transom.controller.state import (CollectiveFailed, Cordon, ElasticSynced, FaultSeen, Heal, HealOverdue,
+                                          HealStarted, JobState, RanksExited, RecoveryStep, Stop, decide)
     job = _running()
     assert job.warm == ("node4",) and job.joined == (0, 1, 2, 3)
     d = decide(job, RanksExited(0, {1: -9}, ts=110.0))
@@ -292,6 +292,14 @@ def test_policy_heals_in_the_job_only_with_a_warm_spare_and_falls_back_to_a_rela
     assert r.name == "relaunching" and r.detail["not_in_job"] == "2 ranks exited"
     r = decide(dataclasses.replace(job, stepped_generation=-1), RanksExited(0, {1: -9}, ts=110.0))
     assert r.name == "relaunching" and r.detail["not_in_job"] == "the job is not training"
+    # ... unless a survivor's word says it trained: its collective failed at step 4, so steps 1-3 were done
+    # (the agents' first step report may come seconds after a launch)
+    fresh = dataclasses.replace(job, stepped_generation=-1)
+    assert decide(fresh, CollectiveFailed(0, 1, 105.0)).job == fresh          # failed in its first step
+    assert decide(fresh, CollectiveFailed(1, 4, 105.0)).job == fresh          # another generation's word
+    w = decide(fresh, CollectiveFailed(0, 4, 105.0))
+    assert w.name == "first_step" and w.job.stepped_generation == 0 and w.job.last_step == 3
+    assert decide(w.job, RanksExited(0, {1: -9}, ts=110.0)).name == "healing"
     nan = fault("j", "node2", c.FaultKind.NAN_LOSS)
     r = decide(job, FaultSeen(nan, nan.detected_ts))
     assert r.name == "relaunching" and r.detail["not_in_job"] == "nan_loss is not healed in the job"
