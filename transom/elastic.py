@@ -357,21 +357,17 @@ class ElasticGroup:
         have (else it would wait for a rank forever)."""
         from transom.kafka import read_topic
 
-        newest: dict[str, Any] = {}
+        last = None
         try:
+            # one key, one partition: the job's last message read is its newest (only that one is parsed)
             for key, value, _p, _o in read_topic(self.bootstrap, self._contracts.LIFECYCLE, timeout=30):
-                if key != self.job.encode() or value is None:
-                    continue
-                try:
-                    ev = json.loads(value)
-                except ValueError:
-                    continue
-                if isinstance(ev, dict) and int(ev.get("seq", -1)) >= int(newest.get("seq", -1)):
-                    newest = ev
+                if key == self.job.encode() and value is not None:
+                    last = value
+            newest = json.loads(last) if last is not None else {}
         except Exception as exc:               # noqa: BLE001 - the timeline's own news still releases it
             _log(f"spare on {self.node}: could not read job {self.job}'s state ({type(exc).__name__}: {exc})")
             return
-        snap = newest.get("snapshot") or {}
+        snap = (newest.get("snapshot") if isinstance(newest, dict) else None) or {}
         state = str(snap.get("state") or "")
         if state in _GIVE_UP:
             self._events.put({"name": state, "detail": {"seen": "lifecycle"}})
