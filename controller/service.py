@@ -53,11 +53,10 @@ from transom.security import FaultVerifier, fault_verifier, valid_name
 from .backend import Backend
 from .health import HealthBook
 from .lease import LEASE_KEY, Lease, LeaseLost
-from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, CollectiveFailed, Cordon, Decision, ElasticJoined, ElasticSynced,
-                    FaultSeen, Heal, Reconsider, Then,
-                    HealOverdue, HealStarted, Job, JobSpec, JobState, Launch, Launched, Precheck, PrecheckDone,
-                    RanksExited, RecoveryStep, SpareReady, StartOverdue, StepDone, StepSeen, Stop, Submitted, decide,
-                    pending_actions)
+from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, CollectiveFailed, Cordon, Decision, ElasticJoined,
+                    ElasticSynced, FaultSeen, Heal, HealOverdue, HealStarted, Job, JobSpec, JobState, Launch, Launched,
+                    Precheck, PrecheckDone, RanksExited, Reconsider, RecoveryStep, SpareReady, StartOverdue, StepDone,
+                    StepSeen, Stop, Submitted, Then, decide, pending_actions)
 
 __all__ = ["Controller", "PrecheckConfig", "replay", "CRASH_ENV", "NODES_KEY", "request_key"]
 

@@ -52,7 +52,8 @@ __all__ = [
     "JobState", "RecoveryStep", "TRANSITIONS", "RECOVERY_STEPS", "IllegalTransition", "FAULT_POLICY",
     "policy_for", "IN_JOB_KINDS", "HEAL_PATHS", "JobSpec", "Job", "ElasticJoined", "SpareReady", "ElasticSynced", "HealStarted",
     "HealOverdue", "Heal", "Reconsider", "Then",
-    "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CollectiveFailed", "CheckpointSeen", "RanksExited", "StepSeen",
+    "Submitted", "PrecheckDone", "StepDone", "Launched", "FaultSeen", "CollectiveFailed", "CheckpointSeen",
+    "RanksExited", "StepSeen",
     "Cancel", "StartOverdue", "TERMINAL_STATES",
     "Precheck", "Launch", "Stop", "Cordon", "Decision", "decide", "pending_actions", "surviving_checkpoint",
 ]
@@ -850,7 +851,8 @@ def decide(job: Job, event: Event) -> Decision:
         if event.generation != job.launched_generation or not live:
             return Decision(job)
         failed = {r: c for r, c in event.codes.items() if c != 0}
-        if not failed and job.step == RecoveryStep.RESUMING and job.launched_generation > max(job.stepped_generation, 0):
+        unseen = job.launched_generation > max(job.stepped_generation, 0)
+        if not failed and job.step == RecoveryStep.RESUMING and unseen:
             # the relaunched generation ran to its end before this controller saw a step of it (one that took
             # over while it ran): it resumed, and it completed; when it first stepped is not known
             new = job.moved(JobState.RUNNING, stepped_generation=job.launched_generation)

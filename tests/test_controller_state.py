@@ -8,8 +8,8 @@ import pytest
 from transom import contracts as c
 from transom.controller.state import (FAULT_POLICY, CheckpointSeen, Cordon, FaultSeen, IllegalTransition, Job,
                                       JobSpec, JobState, Launch, Launched, Precheck, PrecheckDone, RanksExited,
-                                      RecoveryStep, StartOverdue, StepDone, StepSeen, Stop, Submitted, Cancel, Then, decide,
-                                      pending_actions)
+                                      RecoveryStep, StartOverdue, StepDone, StepSeen, Stop, Submitted, Cancel, Then,
+                                      decide, pending_actions)
 
 NODES = ("node0", "node1", "node2", "node3", "node4")
 
