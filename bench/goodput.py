@@ -877,10 +877,11 @@ class TransomRun(Runner):
         os.environ["TRANSOM_AGENT_CONFIG"] = str(path)
         self._set_env = True
 
-    def _renice(self, now: float) -> None:
+    def _renice(self, now: float, *, force: bool = False) -> None:
         """Transom's services (broker, agents, daemons, TEE, controller, zygotes) at nice
-        --services-nice, its ranks at 0: on a cluster the services run on other cores or machines."""
-        if self.args.services_nice <= 0 or now < self._reniced + 1.0:
+        --services-nice, its ranks at 0: on a cluster the services run on other cores or machines.
+        Once a second, or at once with ``force``."""
+        if self.args.services_nice <= 0 or (now < self._reniced + 1.0 and not force):
             return
         self._reniced = now
         import psutil
@@ -970,8 +971,7 @@ class TransomRun(Runner):
         if reformed:
             # the spare that took the rank is a rank from now on: at the ranks' priority for its rendezvous and
             # sync, not up to a second later at the next periodic renice (on a cluster it has its host to itself)
-            self._reniced = 0.0
-            self._renice(time.time())
+            self._renice(time.time(), force=True)
         self._kill_hosts(time.time())
         if self.ctl.popen.poll() is not None and self.end is None:
             self.end = "controller exited"
