@@ -401,6 +401,7 @@ def _lifecycle_events(bootstrap: str, topic: str | None = None) -> list:
 def run_jobs(args: argparse.Namespace) -> int:
     from transom import contracts
 
+    from .service import job_of
     from .state import Job
 
     need_bootstrap(args.bootstrap)
@@ -417,7 +418,9 @@ def run_jobs(args: argparse.Namespace) -> int:
     jobs: dict[str, Job] = {}
     for e in _lifecycle_events(args.bootstrap):          # the compacted topic: each job's newest snapshot
         if e.snapshot:
-            jobs[e.job] = Job.from_dict(e.snapshot)
+            job = job_of(e)
+            if job is not None:
+                jobs[e.job] = job
     if not args.json:
         print(f"{'JOB':<20} {'STATE':<24} {'GEN':>3} {'RESTARTS':>8}  NODES / REASON")
     for job in sorted(jobs.values(), key=lambda j: (j.submitted_ts, j.job)):   # not log order: compaction moves it

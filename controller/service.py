@@ -58,7 +58,7 @@ from .state import (TERMINAL_STATES, Cancel, CheckpointSeen, CollectiveFailed, C
                     Precheck, PrecheckDone, RanksExited, Reconsider, RecoveryStep, SpareReady, StartOverdue, StepDone,
                     StepSeen, Stop, Submitted, Then, decide, pending_actions)
 
-__all__ = ["Controller", "PrecheckConfig", "replay", "CRASH_ENV", "NODES_KEY", "request_key"]
+__all__ = ["Controller", "PrecheckConfig", "replay", "job_of", "CRASH_ENV", "NODES_KEY", "request_key"]
 
 log = get("controller")
 TERMINAL = TERMINAL_STATES
@@ -93,9 +93,24 @@ def replay(bootstrap: str) -> tuple[dict[str, Job], dict[str, int]]:
             log.warning("skipping a malformed lifecycle event: %s", exc)
             continue
         if ev.snapshot and ev.seq >= seqs.get(ev.job, 0):
-            jobs[ev.job] = Job.from_dict(ev.snapshot)
             seqs[ev.job] = ev.seq + 1
+            job = job_of(ev)
+            if job is None:
+                jobs.pop(ev.job, None)          # its newest word is unreadable: not driven from an older one
+            else:
+                jobs[ev.job] = job
     return jobs, seqs
+
+
+def job_of(ev: contracts.LifecycleEvent) -> Job | None:
+    """The job a lifecycle event's snapshot holds; None, with a warning, when the snapshot is not one this
+    controller wrote (another tool's, a newer version's): that job is left alone, every other one goes on."""
+    try:
+        return Job.from_dict(ev.snapshot)
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("skipping lifecycle event %d of job %s: its snapshot is not a job (%s: %s)", ev.seq, ev.job,
+                    type(exc).__name__, exc)
+        return None
 
 
 @dataclass(frozen=True)

@@ -270,3 +270,28 @@ def test_standby_takes_over_during_relaunch_hang_restarts_in_place_and_the_budge
     assert decisions[-1].cause["kind"] == "hang"
     assert all((run_dir(stack, job) / job / "gen-1" / f"rank-{r}.exit").exists() for r in range(4))
     print(f"the standby recorded the adopted launch {took_over:.1f}s after the active controller died")
+
+
+def test_a_lifecycle_snapshot_that_is_not_a_job_is_skipped_and_every_other_job_is_replayed(fresh_broker):
+    """A snapshot another tool (or a newer version) wrote on the lifecycle topic must not stop a controller
+    from starting, nor `transom jobs` from listing the jobs it can read."""
+    import sys
+
+    from transom.controller.service import replay
+    from transom.controller.state import Job, JobSpec, JobState
+
+    bs, producer = fresh_broker.bootstrap, make_producer(fresh_broker.bootstrap)
+    good = Job(job="good", spec=JobSpec(("python", "train.py"), 4), state=JobState.RUNNING, launched_generation=0)
+    for seq, (job, snap) in enumerate([("good", good.to_dict()), ("odd", {"job": "odd", "state": "running"}),
+                                       ("gone", good.to_dict() | {"job": "gone"}), ("gone", {"state": "x"})]):
+        publish(producer, c.LIFECYCLE, job, c.LifecycleEvent(job=job, seq=seq, ts=time.time(), name="launched",
+                                                             state="running", snapshot=snap))
+    assert producer.flush(10) == 0
+    jobs, seqs = replay(bs)
+    # "gone": its newest word is unreadable, so it is not driven from the older one
+    assert set(jobs) == {"good"} and jobs["good"] == good
+    assert seqs == {"good": 1, "odd": 2, "gone": 4}       # a new event of any of them takes the next seq
+    listed = subprocess.run([sys.executable, "-m", "transom.cli", "jobs", "--bootstrap", bs], capture_output=True,
+                            text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert "good" in listed.stdout and "odd" not in listed.stdout

@@ -426,7 +426,7 @@ sys.exit(2)
 """
 
 
-def test_a_spare_started_as_its_job_ended_is_released_and_one_of_a_running_job_waits(broker):
+def test_a_spare_started_as_its_job_ended_is_released_and_one_of_a_running_job_waits(fresh_broker):
     """A warm spare reads the job's news from the moment it starts; one started just after its job completed
     (a refill racing the job's last step) learns it from the job's snapshot instead of waiting forever."""
     import subprocess
@@ -434,11 +434,14 @@ def test_a_spare_started_as_its_job_ended_is_released_and_one_of_a_running_job_w
 
     from transom.kafka import make_producer, publish
 
-    bs, producer = broker.bootstrap, make_producer(broker.bootstrap)
+    from transom.controller.state import Job, JobSpec, JobState
+
+    bs, producer = fresh_broker.bootstrap, make_producer(fresh_broker.bootstrap)
 
     def news(job: str, name: str, state: str) -> None:
+        snap = Job(job=job, spec=JobSpec(("python", "train.py"), 4), state=JobState(state), launched_generation=0)
         ev = c.LifecycleEvent(job=job, seq=len(sent), ts=time.time(), name=name, state=state,
-                              snapshot={"job": job, "state": state, "launched_generation": 0})
+                              snapshot=snap.to_dict())
         sent.append(ev)
         publish(producer, c.LIFECYCLE, job, ev)
         publish(producer, c.HISTORY, job, ev)
