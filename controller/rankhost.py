@@ -122,7 +122,7 @@ class RankHost:
     def stop(self, gen_dir: Path, pids: Iterable[int], timeout: float = 10.0) -> bool:
         """Stop the process groups of ``pids`` and any stray of ``gen_dir``; False if none was running."""
         pids = list(pids)
-        pids += [p.pid for p in self.strays(gen_dir) if p.pid not in pids]
+        pids += [p.pid for p in self.strays(gen_dir, spares=True) if p.pid not in pids]
         live = [p for p in pids if alive(p)]
         if not live:
             return False
@@ -319,16 +319,21 @@ class RankHost:
             pass
 
     @staticmethod
-    def strays(gen_dir: Path) -> list[psutil.Process]:
-        """Rank processes of ``gen_dir`` found by their command line or pid files (after a lost record)."""
-        marker = str(gen_dir)
+    def strays(gen_dir: Path, *, spares: bool = False) -> list[psutil.Process]:
+        """Rank processes of ``gen_dir`` found by their command line or pid files (after a lost record); with
+        ``spares``, its warm spares' too (``spare-*/``: one whose controller died before writing its record)."""
+        dirs = {str(gen_dir)}
+        if spares and gen_dir.is_dir():
+            dirs |= {str(d) for d in gen_dir.glob("spare-*") if d.is_dir()}
         found = []
         for proc in psutil.process_iter(["cmdline"]):
             cmd = proc.info.get("cmdline") or []
-            if "transom.controller.rankwrap" in cmd and marker in cmd:
+            if "transom.controller.rankwrap" in cmd and dirs & set(cmd):
                 found.append(proc)
         # ranks forked from the zygote: their pid files name them
-        for pidfile in gen_dir.glob("rank-*.pid") if gen_dir.is_dir() else ():
+        pidfiles = [*gen_dir.glob("rank-*.pid"), *(gen_dir.glob("spare-*/rank-*.pid") if spares else ())] \
+            if gen_dir.is_dir() else []
+        for pidfile in pidfiles:
             try:
                 proc = psutil.Process(int(pidfile.read_text().split()[0]))
                 if "transom.controller.zygote" in proc.cmdline() and proc.pid not in {p.pid for p in found}:

@@ -295,3 +295,31 @@ def test_a_lifecycle_snapshot_that_is_not_a_job_is_skipped_and_every_other_job_i
                             text=True, timeout=60)
     assert listed.returncode == 0, listed.stderr
     assert "good" in listed.stdout and "odd" not in listed.stdout
+
+
+def test_stop_ends_a_warm_spare_whose_record_its_controller_never_wrote(tmp_path):
+    """A controller killed between starting a warm spare and writing its spare.json leaves a spare no record
+    names: stopping the generation still ends it (its pid file, as for ranks)."""
+    import sys
+
+    import psutil
+
+    from transom.controller.local import LocalBackend
+
+    backend = LocalBackend(tmp_path, {n: "127.0.0.1:9" for n in NODES[:2]}, preload="json")
+    script = tmp_path / "spare.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
+    procs = []
+    try:
+        for command in ((sys.executable, str(script)), (sys.executable, "-u", str(script))):   # forked; cold
+            spare = backend.start_spare("j", 0, NODES[1], command)
+            procs.append(proc := psutil.Process(spare["pid"]))
+            (Path(spare["dir"]) / "spare.json").unlink()
+            backend.stop("j", 0, 5)
+            wait_until(lambda: not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE, 10,
+                       f"the unrecorded spare of {command} to end")
+    finally:
+        for proc in procs:
+            if proc.is_running():
+                proc.kill()
+        backend.close()
