@@ -483,6 +483,15 @@ def _decision(job: Job, name: str, cause: Mapping[str, Any] | None = None,
     return Decision(job, pending_actions(job), name, dict(cause or {}), dict(detail or {}))
 
 
+def _first_step(job: Job, generation: int, step: int | None) -> dict[str, Any]:
+    """The detail of a generation's first step (``first_step``, or ``resumed`` after a relaunch)."""
+    detail: dict[str, Any] = {"generation": generation, "step": step, "resume_step": job.resume_step}
+    if generation > 0:
+        # steps done before the fault that the relaunch has to compute again
+        detail["steps_lost"] = max(job.prev_last_step - (job.resume_step or 0), 0)
+    return detail
+
+
 def _fail(job: Job, why: str, cause: Mapping[str, Any] | None = None) -> Decision:
     failed = job.moved(JobState.FAILED, failure=why)
     return _decision(failed, "failed", cause, {"reason": why})
@@ -784,11 +793,7 @@ def decide(job: Job, event: Event) -> Decision:
             new = job.moved(JobState.RUNNING, **changes) if job.state == JobState.RECOVERING \
                 else dataclasses.replace(job, **changes)
             name = "resumed" if event.generation > 0 else "first_step"
-            detail = {"generation": event.generation, "step": event.step, "resume_step": job.resume_step}
-            if event.generation > 0:
-                # steps done before the fault that the relaunch has to compute again
-                detail["steps_lost"] = max(job.prev_last_step - (job.resume_step or 0), 0)
-            return Decision(new, (), name, {}, detail)
+            return Decision(new, (), name, {}, _first_step(job, event.generation, event.step))
         return Decision(dataclasses.replace(job, last_step=max(job.last_step, event.step)))
 
     if isinstance(event, FaultSeen):
@@ -856,9 +861,8 @@ def decide(job: Job, event: Event) -> Decision:
             # the relaunched generation ran to its end before this controller saw a step of it (one that took
             # over while it ran): it resumed, and it completed; when it first stepped is not known
             new = job.moved(JobState.RUNNING, stepped_generation=job.launched_generation)
-            return Decision(new, (Then(event),), "resumed", {}, {
-                "generation": job.launched_generation, "step": None, "resume_step": job.resume_step,
-                "steps_lost": max(job.prev_last_step - (job.resume_step or 0), 0), "seen": "exit"})
+            return Decision(new, (Then(event),), "resumed", {},
+                            {**_first_step(job, job.launched_generation, None), "seen": "exit"})
         if not failed:
             new = job.moved(JobState.COMPLETED)
             return Decision(new, (), "completed", {}, {"generation": job.generation, "last_step": job.last_step})
