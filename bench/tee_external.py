@@ -1,7 +1,8 @@
 """bench/tee_external: the TEE's per-node temporal scorer on real labelled server data (SMD, ASD).
 
 Protocol (shared/data/smd/README.md): per machine, fit on train, score test, metrics per machine,
-unweighted mean over machines. One scorer configuration (``ScorerConfig()``, the defaults: the
+unweighted mean over machines. Test is scored after train, as a node's new rows follow its history in
+the engine: the scorer's views read the rows before each row (its ``level_window`` of them at most). One scorer configuration (``ScorerConfig()``, the defaults: the
 scorer the TEE engine's temporal detector runs) for both sets. The threshold is chosen without
 test labels: the scorer holds out the newest ``validation`` share of train, fits on the rest and
 starts its threshold by peaks over threshold on the held-out scores; over test, row by row, drift
@@ -122,7 +123,7 @@ def run_set(root: str, ds: str, config: ScorerConfig, pyod: list[str]) -> dict:
     for m, tr, te, y in machines(root, ds):
         t = time.time()
         scorer = TemporalScorer(config).fit(tr)
-        s = scorer.score(te)
+        s = scorer.score(np.vstack([tr, te]), last=len(te))   # test follows train, as a node's rows follow its history
         per[m] = evaluate(y, s, scorer.thresholder().step(s))     # the stream's alarms, test row by row
         pooled_hit += per[m]["segments_hit"]
         pooled += per[m]["segments"]

@@ -4,30 +4,37 @@ Contract::
 
     scorer = TemporalScorer(ScorerConfig()).fit(history)   # history: (n, d) array, rows in time order
     scorer.score(X)          # (m,) scores for rows of X in time order (causal: row i sees rows <= i)
+    scorer.score(X, last=n)  # the scores of the last n rows only (the views still read the rows before)
     scorer.threshold         # chosen without labels: POT on a held-out validation split of the history
     th = scorer.thresholder()  # the threshold that follows the stream (drift SPOT, default), seeded the same way
     th.step(scores)          # (m,) bool: alarms for new scores, in time order (state carries over calls)
     scorer.contributions(x)  # per feature, how far x lies from the history (for evidence)
 
-The score is an ensemble of members (``members``; pyod names or ``knn`` / ``pca``, each of them
-also as ``<name>_resid``: the same model over the residuals of each row against the trailing mean
-of the ``residual_window`` rows before it, which catches a sudden change of level, and as
-``<name>_joint``: the same model over each row's values side by side with its residuals, so a
-level and a change are judged together), each rank-normalised against its own scores on the
-history: ``(s - median) / (q99 - median)``, so members with different units add up. Features are
-min-max scaled by the history (constant features dropped, values clipped to [-3, 4] of the range),
-then each member's score is smoothed by an exponentially weighted trailing mean of span ``smooth``
-(a fault lasts; noise does not). The kNN member scores a row by its mean distance to the k nearest
-rows of a small seeded sample of the history (``knn_sample`` rows), averaged over ``knn_bags``
-independent samples: a small sample rarely holds the history's few odd rows (the history is not
-labelled and may hold faults), and the average removes the luck of one draw. The defaults (two
-kNN members, one over values and residuals, one over residuals alone; k=5, 4 samples of 1000 rows,
-residual window 10, span 5; DSPOT with level 0.95 and depth 1000) are the one configuration
-``bench/tee_external.py`` scores on both SMD and ASD. The kNN search is brute force in numpy: the
-engine scores a few dozen rows at a time, where a search tree's per-call overhead costs more than
-the search.
+The score is an ensemble of members (``members``; pyod names or ``knn`` / ``pca``), each over a view
+of the rows (a suffix of its name; none: the scaled values):
 
-Threshold (``threshold_rule``): "pot" (default) holds out the last ``validation`` share of the
+- ``_resid``: each row minus the mean of the ``residual_window`` rows before it (a sudden change);
+- ``_joint``: the values side by side with those residuals (a level and a change judged together);
+- ``_var``: each row's error against a ridge autoregression fitted on the history, every column
+  predicted from every column of the ``var_lags`` rows before it (``var_ridge`` penalty): a row that
+  breaks how the node's columns follow each other, though each value stays in its usual range;
+- ``_level``: each row minus the mean of the ``level_window`` rows before it, beside its ``_resid``
+  residuals: a new level is flagged at once and is the norm once it has held that long.
+
+Each member is rank-normalised against its own scores on the history: ``(s - median) / (q99 -
+median)``, so members with different units add up. Features are min-max scaled by the history
+(constant features dropped, values clipped to [-3, 4] of the range), then each member's score is
+smoothed by an exponentially weighted trailing mean of span ``smooth`` (a fault lasts; noise does
+not). The kNN member scores a row by its mean distance to the k nearest rows of a small seeded sample
+of the history (``knn_sample`` rows), averaged over ``knn_bags`` independent samples: a small sample
+rarely holds the history's few odd rows (the history is not labelled and may hold faults), and the
+average removes the luck of one draw. The defaults (``knn_var``, lags 5, ridge 10, and
+``knn_level``, level window 3,000, residual window 10; k=5, 4 samples of 1000 rows, span 5; DSPOT
+with level 0.95 and depth 1000) are the one configuration ``bench/tee_external.py`` scores on both
+SMD and ASD. The kNN search is brute force in numpy: the engine scores a few dozen rows at a time,
+where a search tree's per-call overhead costs more than the search.
+
+Threshold (``threshold_rule``): "pot" holds out the last ``validation`` share of the
 history, fits the members on the rest, scores the held-out rows (out of sample, as new data will
 be) and sets the threshold by peaks over threshold (:func:`pot_threshold`: a generalised Pareto
 tail fitted to the scores above their ``pot_level`` quantile, read at risk ``pot_risk``; the
@@ -50,8 +57,8 @@ import numpy as np
 
 from transom.config import ConfigError
 
-__all__ = ["ScorerConfig", "TemporalScorer", "ewma", "residuals", "pot_threshold", "DriftSpot", "StaticThreshold",
-           "PYOD_MODELS"]
+__all__ = ["ScorerConfig", "TemporalScorer", "ewma", "residuals", "lagged", "pot_threshold", "DriftSpot",
+           "StaticThreshold", "PYOD_MODELS", "VIEWS"]
 
 #: Member names that map onto pyod models (built with their defaults and ``contamination``).
 PYOD_MODELS = {"ecod": "pyod.models.ecod.ECOD", "iforest": "pyod.models.iforest.IForest",
@@ -64,9 +71,17 @@ class ScorerConfig:
     #: ensemble members: "knn" (mean distance to the k nearest sampled history rows), "pca" (reconstruction
     #: error with components for ``pca_variance`` of the variance), or a name of ``PYOD_MODELS``;
     #: each also as "<name>_resid" (over the residuals) or "<name>_joint" (values and residuals)
-    members: tuple[str, ...] = ("knn_joint", "knn_resid")
-    #: rows of the trailing mean the ``_resid`` and ``_joint`` members subtract
+    members: tuple[str, ...] = ("knn_var", "knn_level")
+    #: rows of the trailing mean the ``_resid``, ``_joint`` and ``_level`` members subtract
     residual_window: int = 10
+    #: ``_var`` members: each row's error against a ridge autoregression on the ``var_lags`` rows
+    #: before it (every column from every column), fitted on the history ...
+    var_lags: int = 5
+    #: ... with this ridge penalty on the coefficients (features are min-max scaled)
+    var_ridge: float = 10.0
+    #: ``_level`` members: each row against the mean of the ``level_window`` rows before it (a level
+    #: that has held for longer becomes the norm), beside its residual against ``residual_window``
+    level_window: int = 3000
     #: neighbours of the kNN member
     k: int = 5
     #: history rows in each seeded sample the kNN member searches (small: leaves out the
@@ -100,12 +115,22 @@ class ScorerConfig:
     #: ... and the threshold the score exceeded with this probability under the fitted tail
     pot_risk: float = 1e-2
 
+    @property
+    def context(self) -> int:
+        """Rows before a row that its members' views read (scoring a row needs that many before it)."""
+        need = [self.residual_window]
+        if any(m.endswith("_var") for m in self.members):
+            need.append(self.var_lags)
+        if any(m.endswith("_level") for m in self.members):
+            need.append(self.level_window)
+        return max(need)
+
     def __post_init__(self) -> None:
         for m in self.members:
             m = _base(m)
             if m not in ("knn", "pca") and m not in PYOD_MODELS:
                 raise ConfigError(f"scorer member {m!r}: expected knn, pca or one of {', '.join(PYOD_MODELS)}"
-                                  " (optionally with _resid or _joint)")
+                                  f" (optionally with {', '.join(VIEWS)})")
         if not self.members:
             raise ConfigError("scorer members: expected at least one")
         if not 0.5 < self.quantile < 1:
@@ -117,9 +142,19 @@ class ScorerConfig:
         if not 0.5 < self.pot_level < 1 or not 0 < self.pot_risk < 0.1:
             raise ConfigError(f"scorer pot_level={self.pot_level!r}, pot_risk={self.pot_risk!r}: expected a level "
                               "between 0.5 and 1 and a risk between 0 and 0.1")
-        for f in ("k", "knn_sample", "knn_bags", "smooth", "residual_window", "drift_depth", "refit_peaks"):
+        if not isinstance(self.var_ridge, (int, float)) or not self.var_ridge >= 0:
+            raise ConfigError(f"scorer var_ridge={self.var_ridge!r}: expected a number >= 0")
+        for f in ("k", "knn_sample", "knn_bags", "smooth", "residual_window", "drift_depth", "refit_peaks",
+                  "var_lags", "level_window"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"scorer {f}={getattr(self, f)!r}: expected a positive integer")
+
+
+def lagged(X: np.ndarray, lags: int) -> np.ndarray:
+    """Each row's ``lags`` rows before it side by side (newest first), then a 1 (the intercept); rows
+    before the first are taken as the first."""
+    P = np.vstack([np.repeat(X[:1], lags, 0), X])
+    return np.hstack([P[lags - j - 1:len(P) - j - 1] for j in range(lags)] + [np.ones((len(X), 1))])
 
 
 def ewma(s: np.ndarray, span: int) -> np.ndarray:
@@ -218,8 +253,12 @@ class DriftSpot:
         return out
 
 
+#: Member suffixes: the view of the rows a member's model sees (none: the scaled values).
+VIEWS = ("_resid", "_joint", "_var", "_level")
+
+
 def _base(member: str) -> str:
-    for suffix in ("_resid", "_joint"):
+    for suffix in VIEWS:
         if member.endswith(suffix):
             return member[:-len(suffix)]
     return member
@@ -322,8 +361,8 @@ class TemporalScorer:
         if cfg.threshold_rule in ("pot", "dspot") and len(H) >= 200:
             cut = int(len(H) * (1 - cfg.validation))
             self._fit(H[:cut])
-            w = cfg.residual_window + 5 * cfg.smooth      # warm the residuals and the smoothing up
-            held = self.score(H[max(0, cut - w):])[cut - max(0, cut - w):]
+            # the held-out rows are scored as the stream's rows will be: after the rows before them
+            held = self.score(H, last=len(H) - cut)
             self.validation_scores = held
             self.threshold = pot_threshold(held, cfg.pot_risk, cfg.pot_level) * cfg.margin
             return self
@@ -351,6 +390,10 @@ class TemporalScorer:
         self.spread = np.maximum(np.percentile(H, 95, 0) - np.percentile(H, 5, 0), 1e-9)
         X = self._scale(H)
         cfg = self.config
+        self.var_coef = None
+        if any(m.endswith("_var") for m in cfg.members):
+            D = lagged(X, cfg.var_lags)
+            self.var_coef = np.linalg.solve(D.T @ D + cfg.var_ridge * np.eye(D.shape[1]), D.T @ X)
         self.members, self.norms = [], []
         total = np.zeros(len(X))
         for full in cfg.members:
@@ -364,19 +407,36 @@ class TemporalScorer:
             total += (s - med) / (q - med if q > med else 1e-12)
         self.history_scores = total
 
-    def _view(self, member: str, X: np.ndarray) -> np.ndarray:
-        if member.endswith("_resid"):
-            return residuals(X, self.config.residual_window)
-        if member.endswith("_joint"):
-            return np.hstack([X, residuals(X, self.config.residual_window)])
-        return X
+    def _view(self, member: str, X: np.ndarray, start: int = 0) -> np.ndarray:
+        """What ``member``'s model sees of the rows of ``X`` from ``start`` on (each view reads only the
+        rows it needs before ``start``)."""
+        cfg = self.config
 
-    def score(self, X: np.ndarray) -> np.ndarray:
+        def resid(w: int) -> np.ndarray:
+            a = max(0, start - w)
+            return residuals(X[a:], w)[start - a:]
+
+        if member.endswith("_resid"):
+            return resid(cfg.residual_window)
+        if member.endswith("_joint"):
+            return np.hstack([X[start:], resid(cfg.residual_window)])
+        if member.endswith("_var"):
+            a = max(0, start - cfg.var_lags)
+            return X[start:] - (lagged(X[a:], cfg.var_lags) @ self.var_coef)[start - a:]
+        if member.endswith("_level"):
+            return np.hstack([resid(cfg.level_window), resid(cfg.residual_window)])
+        return X[start:]
+
+    def score(self, X: np.ndarray, last: int | None = None) -> np.ndarray:
+        """Scores of the rows of ``X`` (in time order), or of its ``last`` rows only: the views still read
+        every row before them, the models score those rows and the smoothing's warm-up (``5 x smooth``
+        rows) alone, which is how the engine scores a node's newest rows cheaply."""
         X = self._scale(np.asarray(X, dtype=float))
-        total = np.zeros(len(X))
+        start = 0 if last is None else max(0, len(X) - last - 5 * self.config.smooth)
+        total = np.zeros(len(X) - start)
         for full, m, (med, span) in zip(self.config.members, self.members, self.norms):
-            total += (ewma(m.score(self._view(full, X)), self.config.smooth) - med) / span
-        return total
+            total += (ewma(m.score(self._view(full, X, start)), self.config.smooth) - med) / span
+        return total if last is None else total[-last:]
 
     def contributions(self, x: np.ndarray) -> np.ndarray:
         """Per feature: (x - history median) / history 5-95 % range (signed)."""

@@ -1,9 +1,10 @@
 """The per-node temporal detector of the engine: :class:`~.scoring.TemporalScorer` on the live stream.
 
 The same scorer, configuration and threshold rule that ``bench/tee_external.py`` grades on SMD and
-ASD (``ScorerConfig()``: bagged kNN members over values and residuals, threshold by peaks over threshold
-on a held-out validation split of the node's own history, then drift SPOT over the stream), fed one
-row per batch of a node:
+ASD (``ScorerConfig()``: bagged kNN members over the errors of an autoregression of the node's columns
+and over each row against its trailing levels, threshold by peaks over threshold on a held-out
+validation split of the node's own history, then drift SPOT over the stream), fed one row per batch
+of a node:
 
 ==========  ==========================================  ==========
 column      what                                        from
@@ -18,12 +19,13 @@ nic_bw      mean receive rate of the up ports           NIC
 
 Rows of batches whose training step did not move (a pause, a hang) are left out of both history and
 scoring (a slowdown needs a running job). Once a node has ``temporal_history`` rows the scorer is
-fitted; from then on every ``temporal_every`` rows are scored together (with the rows before them
-for the residuals and the smoothing) and passed, in order, to the scorer's thresholder (drift SPOT
+fitted; from then on every ``temporal_every`` rows are scored together (the node keeps the rows before
+them that the scorer's views read, ``ScorerConfig.context``: 3,000 by default, in a numpy ring of
+about 150 KB a node) and passed, in order, to the scorer's thresholder (drift SPOT
 started on the held-out scores, as the bench grades it: the threshold follows the level of the
 node's scores that raised no alarm), and ``temporal_consecutive`` alarms in a row make one ANOMALY fault (class ``anomaly``), a WARNING to observe: this detector says that
-a node left its own normal, not what is wrong, so it never asks for an eviction. A node is
-refitted after a fault resolves (``soft_clear`` clean blocks). Opt in with
+a node left its own normal, not what is wrong, so it never asks for an eviction. The fault is
+resolved after ``soft_clear`` blocks without an alarm (the scorer is not refitted). Opt in with
 ``soft_detectors=("peers", "temporal")``.
 """
 
@@ -44,10 +46,36 @@ __all__ = ["TemporalDetector", "COLUMNS"]
 COLUMNS = ("util", "temp", "power", "clock", "nic_err", "nic_bw")
 
 
+class _Ring:
+    """The newest ``size`` rows of a node, in a fixed numpy buffer (a node keeps thousands of rows for
+    the scorer's ``level_window``; a list of lists would cost a conversion at every scoring)."""
+
+    def __init__(self, size: int, rows: np.ndarray) -> None:
+        self.buf = np.zeros((size, rows.shape[1]))
+        self.n = 0
+        for r in rows[-size:]:
+            self.append(r)
+
+    def append(self, row) -> None:
+        self.buf[self.n % len(self.buf)] = row
+        self.n += 1
+
+    def rows(self) -> np.ndarray:
+        """The rows kept, oldest first."""
+        if self.n <= len(self.buf):
+            return self.buf[:self.n]
+        i = self.n % len(self.buf)
+        return np.concatenate([self.buf[i:], self.buf[:i]])
+
+    def last(self) -> np.ndarray:
+        return self.buf[(self.n - 1) % len(self.buf)]
+
+
 @dataclass
 class _NodeTemporal:
-    rows: list = field(default_factory=list)      # history until fitted, then the trailing rows
-    ts: list = field(default_factory=list)
+    rows: list = field(default_factory=list)      # history until fitted
+    ring: _Ring | None = None                     # then the trailing rows the scorer's views read
+    ts: list = field(default_factory=list)        # times of the rows not scored yet
     scorer: TemporalScorer | None = None
     th: object = None                             # the scorer's stream thresholder (DSPOT)
     fresh: int = 0                                # rows not scored yet
@@ -78,7 +106,9 @@ class TemporalDetector:
     def __init__(self, config: TEEConfig, scorer: ScorerConfig | None = None) -> None:
         self.config = config
         self.scorer_config = scorer or ScorerConfig()
-        self._warm = self.scorer_config.residual_window + 5 * self.scorer_config.smooth
+        #: rows kept before a block of new ones: what the scorer's views read before a row, and the
+        #: warm-up of its smoothing
+        self._warm = self.scorer_config.context + 5 * self.scorer_config.smooth
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         nt = state.detectors.get(self.name)
@@ -93,23 +123,23 @@ class TemporalDetector:
         row = row_of(batch)
         if row is None:
             return []
-        nt.rows.append(row)
-        nt.ts.append(batch.ts)
         cfg = self.config
         if nt.scorer is None:
+            nt.rows.append(row)
             if len(nt.rows) >= cfg.temporal_history:
-                nt.scorer = TemporalScorer(self.scorer_config).fit(np.array(nt.rows))
+                history = np.array(nt.rows)
+                nt.scorer = TemporalScorer(self.scorer_config).fit(history)
                 nt.th = nt.scorer.thresholder()
-                nt.rows, nt.ts, nt.fresh = nt.rows[-self._warm:], nt.ts[-self._warm:], 0
+                nt.ring = _Ring(self._warm + cfg.temporal_every, history)
+                nt.rows, nt.ts, nt.fresh = [], [], 0
             return []
+        nt.ring.append(row)
+        nt.ts.append(batch.ts)
         nt.fresh += 1
         if nt.fresh < cfg.temporal_every:
             return []
-        scores = nt.scorer.score(np.array(nt.rows))[-nt.fresh:]
-        block_ts = nt.ts[-nt.fresh:]
-        nt.fresh = 0
-        keep = self._warm + cfg.temporal_every
-        nt.rows, nt.ts = nt.rows[-keep:], nt.ts[-keep:]
+        scores = nt.scorer.score(nt.ring.rows(), last=nt.fresh)
+        block_ts, nt.ts, nt.fresh = nt.ts, [], 0
         return self._advance(state, nt, scores, block_ts, now)
 
     def _advance(self, state: NodeState, nt: _NodeTemporal, scores, block_ts, now: float) -> list[FaultEvent]:
@@ -124,7 +154,7 @@ class TemporalDetector:
                 nt.run_start = ts
             nt.run += 1
             if nt.run == self.config.temporal_consecutive and nt.open_fault is None:
-                top = nt.scorer.contributions(np.array(nt.rows[-1]))
+                top = nt.scorer.contributions(nt.ring.last())
                 order = np.argsort(-np.abs(top))[:3]
                 f = fault(FaultKind.ANOMALY, Severity.WARNING, Action.OBSERVE,
                           fault_id=stable_id(state.node, "temporal", nt.run_start), node=state.node, job=state.job,

@@ -362,9 +362,45 @@ def test_temporal_scorer_is_causal_and_its_bags_average_the_luck_of_one_sample()
     one = [TemporalScorer(ScorerConfig(knn_bags=1, seed=s)).fit(history) for s in range(4)]
     knn = scorer.members[0]
     assert len(knn.refs) == 4
-    view = scorer._view("knn_joint", scorer._scale(test))
+    view = scorer._view(scorer.config.members[0], scorer._scale(test))
     np.testing.assert_allclose(knn.score(view), np.mean([m.members[0].score(view) for m in one], 0))
     np.testing.assert_allclose(ewma(np.array([0.0, 3.0, 3.0]), 2), [0.0, 2.0, 8 / 3])
+
+
+def test_the_scorer_learns_a_nodes_dynamics_and_takes_a_level_that_held_for_its_level_window_as_normal():
+    """The default members: ``knn_var`` flags rows that break how the columns follow each other, though
+    every value stays in its usual range; ``knn_level`` flags a new level at once and, once it has held
+    for ``level_window`` rows, sees it as the norm. Scoring only the newest rows (the engine's path)
+    gives their scores in the whole series."""
+    rng = np.random.default_rng(12)
+
+    def series(n, t0=0):
+        x = np.sin((np.arange(n + 1) + t0) / 15) + rng.normal(0, 0.03, n + 1)
+        slow = np.zeros(n)                                      # column 2 wanders slowly (AR(1), 0.95)
+        for i in range(1, n):
+            slow[i] = 0.95 * slow[i - 1] + rng.normal(0, 0.05)
+        return np.c_[x[1:], x[:-1], slow]                       # column 1 is column 0 one row late
+
+    config = ScorerConfig(level_window=300)
+    scorer = TemporalScorer(config).fit(series(3000))
+    broken = series(600, 3000)
+    broken[300:330, 1] = -broken[300:330, 1]                    # the same values, the relation broken
+    alarms = scorer.thresholder().step(scorer.score(broken))
+    assert alarms[305:330].mean() > 0.8 and alarms[:290].mean() < 0.1
+    var = scorer._view("knn_var", scorer._scale(broken))
+    assert np.abs(var[305:330, 1]).mean() > 10 * np.abs(var[:290, 1]).mean()
+    shifted = series(1200, 3600)
+    shifted[200:, 2] += 1.5                                     # a new level that stays
+    s = scorer.score(shifted)
+    assert scorer.thresholder().step(s)[205:230].all()
+    level = np.abs(scorer._view("knn_level", scorer._scale(shifted))[:, 2])
+    before, after = level[:200].mean(), level[200 + config.level_window + 10:].mean()
+    assert level[205:215].mean() > 5 * max(before, after) and after < 2 * before
+    np.testing.assert_allclose(scorer.score(shifted, last=10), s[-10:], rtol=1e-3, atol=1e-3)
+    with pytest.raises(ConfigError, match="level_window=0: expected a positive integer"):
+        ScorerConfig(level_window=0)
+    with pytest.raises(ConfigError, match="var_ridge=-1: expected a number >= 0"):
+        ScorerConfig(var_ridge=-1)
 
 
 def test_the_scorers_brute_force_knn_finds_the_distances_of_a_tree_search():
