@@ -314,6 +314,9 @@ def test_stop_ends_a_warm_spare_whose_record_its_controller_never_wrote(tmp_path
         for command in ((sys.executable, str(script)), (sys.executable, "-u", str(script))):   # forked; cold
             spare = backend.start_spare("j", 0, NODES[1], command)
             procs.append(proc := psutil.Process(spare["pid"]))
+            # the controller died after the spare started (the fork, or the wrapper, has written its pid
+            # file: milliseconds after the zygote answers, and a new controller takes seconds to start)
+            wait_until(lambda: (Path(spare["dir"]) / "rank-0.pid").exists(), 30, "the spare's pid file")
             (Path(spare["dir"]) / "spare.json").unlink()
             backend.stop("j", 0, 5)
             wait_until(lambda: not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE, 10,
