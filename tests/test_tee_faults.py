@@ -403,6 +403,20 @@ def test_the_scorer_learns_a_nodes_dynamics_and_takes_a_level_that_held_for_its_
         ScorerConfig(var_ridge=-1)
 
 
+def test_the_engine_keeps_a_nodes_newest_rows_in_order_once_its_ring_wraps():
+    """The temporal detector keeps the rows its scorer's views read in a ring: after thousands of rows
+    it still hands the scorer the newest ones, oldest first."""
+    from transom.streams.temporal import _Ring
+    rows = np.arange(40.0).reshape(20, 2)
+    ring = _Ring(7, rows[:5])
+    np.testing.assert_array_equal(ring.rows(), rows[:5])
+    for r in rows[5:]:
+        ring.append(r)
+        np.testing.assert_array_equal(ring.last(), r)
+    np.testing.assert_array_equal(ring.rows(), rows[-7:])
+    np.testing.assert_array_equal(_Ring(7, rows).rows(), rows[-7:])
+
+
 def test_the_scorers_brute_force_knn_finds_the_distances_of_a_tree_search():
     """The kNN member searches its samples by brute force (cheap for the engine's few rows at a time):
     the same mean distances as scikit-learn's search, the history's own rows left out when fitted."""
