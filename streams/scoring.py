@@ -30,7 +30,7 @@ of the history (``knn_sample`` rows), averaged over ``knn_bags`` independent sam
 rarely holds the history's few odd rows (the history is not labelled and may hold faults), and the
 average removes the luck of one draw. The defaults (``knn_var``, lags 5, ridge 10, and
 ``knn_level``, level window 3,000, residual window 10; k=5, 4 samples of 1000 rows, span 5; DSPOT
-with level 0.95 and depth 1000) are the one configuration ``bench/tee_external.py`` scores on both
+with level 0.85 and depth 1000) are the one configuration ``bench/tee_external.py`` scores on both
 SMD and ASD. The kNN search is brute force in numpy: the engine scores a few dozen rows at a time,
 where a search tree's per-call overhead costs more than the search.
 
@@ -111,7 +111,7 @@ class ScorerConfig:
     #: share of the history (its newest rows) held out to choose the threshold on
     validation: float = 0.3
     #: POT: the initial threshold is this quantile of the held-out scores ...
-    pot_level: float = 0.95
+    pot_level: float = 0.85
     #: ... and the threshold the score exceeded with this probability under the fitted tail
     pot_risk: float = 1e-2
 
