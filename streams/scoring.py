@@ -70,7 +70,7 @@ PYOD_MODELS = {"ecod": "pyod.models.ecod.ECOD", "iforest": "pyod.models.iforest.
 class ScorerConfig:
     #: ensemble members: "knn" (mean distance to the k nearest sampled history rows), "pca" (reconstruction
     #: error with components for ``pca_variance`` of the variance), or a name of ``PYOD_MODELS``;
-    #: each also as "<name>_resid" (over the residuals) or "<name>_joint" (values and residuals)
+    #: each also over another view of the rows: "<name>_resid", "_joint", "_var" or "_level" (``VIEWS``)
     members: tuple[str, ...] = ("knn_var", "knn_level")
     #: rows of the trailing mean the ``_resid``, ``_joint`` and ``_level`` members subtract
     residual_window: int = 10
@@ -142,8 +142,9 @@ class ScorerConfig:
         if not 0.5 < self.pot_level < 1 or not 0 < self.pot_risk < 0.1:
             raise ConfigError(f"scorer pot_level={self.pot_level!r}, pot_risk={self.pot_risk!r}: expected a level "
                               "between 0.5 and 1 and a risk between 0 and 0.1")
-        if not isinstance(self.var_ridge, (int, float)) or not self.var_ridge >= 0:
-            raise ConfigError(f"scorer var_ridge={self.var_ridge!r}: expected a number >= 0")
+        if isinstance(self.var_ridge, bool) or not isinstance(self.var_ridge, (int, float)) or not self.var_ridge > 0:
+            raise ConfigError(f"scorer var_ridge={self.var_ridge!r}: expected a number > 0 (the penalty also keeps "
+                              "the autoregression solvable when columns move together)")
         for f in ("k", "knn_sample", "knn_bags", "smooth", "residual_window", "drift_depth", "refit_peaks",
                   "var_lags", "level_window"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:

@@ -399,8 +399,9 @@ def test_the_scorer_learns_a_nodes_dynamics_and_takes_a_level_that_held_for_its_
     np.testing.assert_allclose(scorer.score(shifted, last=10), s[-10:], rtol=1e-3, atol=1e-3)
     with pytest.raises(ConfigError, match="level_window=0: expected a positive integer"):
         ScorerConfig(level_window=0)
-    with pytest.raises(ConfigError, match="var_ridge=-1: expected a number >= 0"):
-        ScorerConfig(var_ridge=-1)
+    for ridge in (0, -1, "10"):
+        with pytest.raises(ConfigError, match=f"var_ridge={ridge!r}: expected a number > 0"):
+            ScorerConfig(var_ridge=ridge)
 
 
 def test_the_engine_keeps_a_nodes_newest_rows_in_order_once_its_ring_wraps():
