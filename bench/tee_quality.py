@@ -74,11 +74,9 @@ def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool 
 
 def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> tuple[list, int, float]:
     """Replay ``corpus`` through the real pipeline: the embedded broker (or ``bootstrap``) and
-    ``workers`` ``transom tee --clock event`` worker processes. The corpus is published before the
-    workers start: a replay published while they read can pause (a loaded machine), and a worker then
-    takes the partitions it has read to their end for done and moves their clock on, so their nodes look
-    silent. Returns the fault events the workers wrote, the batches published and the seconds from the
-    workers' start until they had committed the last one."""
+    ``workers`` ``transom tee --clock event`` worker processes. Returns the fault events they wrote,
+    the batches published and the seconds from the first publish until the workers had committed the
+    last one."""
     from confluent_kafka import Consumer, TopicPartition
 
     from tee_throughput import start_workers, stop
@@ -94,20 +92,18 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> 
     try:
         kafka.ensure_topics(bootstrap)
         with tempfile.TemporaryDirectory() as logdir:
-            producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
-            n = 0
-            for node, value in corpus.encoded():
-                kafka.produce(producer, c.METRICS, node, value)
-                n += 1
-                if n % 1000 == 0:
-                    producer.poll(0)
-                if n % 50_000 == 0:
-                    print(f"  pipeline: {n} batches published", file=sys.stderr, flush=True)
-            if producer.flush(120):
-                raise RuntimeError("the corpus was not all delivered to the broker within 120 s")
-            t0 = time.time()
             procs = start_workers(bootstrap, workers, logdir, ("--clock", "event"))
             try:
+                producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
+                t0, n = time.time(), 0
+                for node, value in corpus.encoded():
+                    kafka.produce(producer, c.METRICS, node, value)
+                    n += 1
+                    if n % 1000 == 0:
+                        producer.poll(0)
+                    if n % 50_000 == 0:
+                        print(f"  pipeline: {n} batches published", file=sys.stderr, flush=True)
+                producer.flush(120)
                 # done when the workers' group has committed the end offset of every partition of the
                 # metrics and of the peer windows they sent each other (re-read: it grows until then)
                 probe = Consumer({**kafka.client_config(bootstrap), "group.id": APP_ID,
