@@ -116,6 +116,11 @@ class ScorerConfig:
     pot_risk: float = 1e-2
 
     @property
+    def warmup(self) -> int:
+        """Rows the smoothing is warmed up on before the first row whose score is wanted."""
+        return 5 * self.smooth
+
+    @property
     def context(self) -> int:
         """Rows before a row that its members' views read (scoring a row needs that many before it)."""
         need = [self.residual_window]
@@ -433,7 +438,7 @@ class TemporalScorer:
         every row before them, the models score those rows and the smoothing's warm-up (``5 x smooth``
         rows) alone, which is how the engine scores a node's newest rows cheaply."""
         X = self._scale(np.asarray(X, dtype=float))
-        start = 0 if last is None else max(0, len(X) - last - 5 * self.config.smooth)
+        start = 0 if last is None else max(0, len(X) - last - self.config.warmup)
         total = np.zeros(len(X) - start)
         for full, m, (med, span) in zip(self.config.members, self.members, self.norms):
             total += (ewma(m.score(self._view(full, X, start)), self.config.smooth) - med) / span

@@ -51,10 +51,10 @@ class _Ring:
     the scorer's ``level_window``; a list of lists would cost a conversion at every scoring)."""
 
     def __init__(self, size: int, rows: np.ndarray) -> None:
+        rows = rows[-size:]
         self.buf = np.zeros((size, rows.shape[1]))
-        self.n = 0
-        for r in rows[-size:]:
-            self.append(r)
+        self.buf[:len(rows)] = rows
+        self.n = len(rows)
 
     def append(self, row) -> None:
         self.buf[self.n % len(self.buf)] = row
@@ -108,7 +108,7 @@ class TemporalDetector:
         self.scorer_config = scorer or ScorerConfig()
         #: rows kept before a block of new ones: what the scorer's views read before a row, and the
         #: warm-up of its smoothing
-        self._warm = self.scorer_config.context + 5 * self.scorer_config.smooth
+        self._warm = self.scorer_config.context + self.scorer_config.warmup
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         nt = state.detectors.get(self.name)
