@@ -72,6 +72,11 @@ def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool 
     return events, n, engine.counts
 
 
+#: Seconds of sample time the pipeline replay publishes and delivers at a time (below the workers'
+#: heartbeat timeout, 6 s by default).
+REPLAY_SLICE_S = 2
+
+
 def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> tuple[list, int, float]:
     """Replay ``corpus`` through the real pipeline: the embedded broker (or ``bootstrap``) and
     ``workers`` ``transom tee --clock event`` worker processes. Returns the fault events they wrote,
@@ -96,14 +101,16 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> 
             try:
                 producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
                 t0, n = time.time(), 0
-                for node, value in corpus.encoded():
-                    kafka.produce(producer, c.METRICS, node, value)
-                    n += 1
-                    if n % 1000 == 0:
-                        producer.poll(0)
-                    if n % 50_000 == 0:
-                        print(f"  pipeline: {n} batches published", file=sys.stderr, flush=True)
-                producer.flush(120)
+                # a slice of sample time is delivered before the next is sent: the workers read on the
+                # event clock, where a partition read to its end moves on with the others (streams/app.py),
+                # and one a delivery left behind by more than the heartbeat timeout would look silent
+                for chunk in corpus.encoded_slices(REPLAY_SLICE_S):
+                    for node, value in chunk:
+                        kafka.produce(producer, c.METRICS, node, value)
+                        n += 1
+                        if n % 50_000 == 0:
+                            print(f"  pipeline: {n} batches published", file=sys.stderr, flush=True)
+                    producer.flush(120)
                 # done when the workers' group has committed the end offset of every partition of the
                 # metrics and of the peer windows they sent each other (re-read: it grows until then)
                 probe = Consumer({**kafka.client_config(bootstrap), "group.id": APP_ID,

@@ -331,6 +331,21 @@ def test_clean_corpus_yields_no_fault():
     assert _replay(corpus, TEEConfig()) == []
 
 
+def test_corpus_slices_hold_every_encoded_batch_in_order_within_their_seconds_of_sample_time():
+    """A replay that delivers a slice before it sends the next (bench/tee_quality.py's pipeline) keeps
+    every partition within a slice of the others: the slices hold exactly the encoded batches, in
+    order, each slice within its own `seconds` of sample time."""
+    import orjson
+
+    corpus = Corpus(CorpusSpec(nodes=4, hours=0.02, seed=9, min_per_class=0, faults_per_node_hour=0.0))
+    slices = list(corpus.encoded_slices(2))
+    assert [b for chunk in slices for b in chunk] == list(corpus.encoded())
+    assert len(slices) == corpus.duration // 2
+    for k, chunk in enumerate(slices):
+        assert {int(orjson.loads(v)["ts"] - corpus.t0) // 2 for _n, v in chunk} == {k}
+        assert len(chunk) == 2 * 4
+
+
 def test_temporal_scorer_flags_a_level_shift_above_its_train_threshold():
     rng = np.random.default_rng(3)
     t = np.arange(3000)
