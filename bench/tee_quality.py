@@ -77,11 +77,12 @@ def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool 
 REPLAY_SLICE_S = 2
 
 
-def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> tuple[list, int, float]:
+def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1,
+             logdir: str | None = None) -> tuple[list, int, float]:
     """Replay ``corpus`` through the real pipeline: the embedded broker (or ``bootstrap``) and
-    ``workers`` ``transom tee --clock event`` worker processes. Returns the fault events they wrote,
-    the batches published and the seconds from the first publish until the workers had committed the
-    last one."""
+    ``workers`` ``transom tee --clock event`` worker processes (their logs ``tee<i>.log`` in ``logdir``,
+    default: a temporary folder). Returns the fault events they wrote, the batches published and the
+    seconds from the first publish until the workers had committed the last one."""
     from confluent_kafka import Consumer, TopicPartition
 
     from tee_throughput import start_workers, stop
@@ -96,8 +97,8 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1) -> 
     bootstrap = bootstrap or broker.bootstrap
     try:
         kafka.ensure_topics(bootstrap)
-        with tempfile.TemporaryDirectory() as logdir:
-            procs = start_workers(bootstrap, workers, logdir, ("--clock", "event"))
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = start_workers(bootstrap, workers, logdir or tmp, ("--clock", "event"))
             try:
                 producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
                 t0, n = time.time(), 0

@@ -109,6 +109,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     checked: dict[int, int] = {}                         # event clock: partition -> second last checked
     positions: dict[int, int] = {}                       # event clock: partition -> offset last processed
     at_end: dict[int, tuple[int, float]] = {}            # event clock: partition -> (its end offset, since when)
+    moved_on: dict[int, int] = {}                        # event clock: partition -> end offset it moved on at
 
     def event_clocks() -> dict[int, float]:
         behind, wall = set(), time.monotonic()
@@ -128,7 +129,14 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 at_end[p] = (high, wall)
             if wall - at_end[p][1] < END_SETTLE_S:
                 behind.add(p)
-        return partition_clocks(watermarks, behind)
+        clocks = partition_clocks(watermarks, behind)
+        for p, now in clocks.items():
+            if p not in behind and now - watermarks[p] > 1.0 and moved_on.get(p) != at_end[p][0]:
+                moved_on[p] = at_end[p][0]       # once per end: its nodes are judged on the others' time
+                log.info("metrics partition %d read to its end (offset %d, %.1f s ago): its clock moves with the "
+                         "other partitions' to %.1f, %.1f s past its newest sample", p, at_end[p][0],
+                         wall - at_end[p][1], now, now - watermarks[p])
+        return clocks
 
     def event_heartbeats() -> list[contracts.FaultEvent]:
         found: list[contracts.FaultEvent] = []
@@ -236,6 +244,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 positions.pop(tp.partition, None)
                 checked.pop(tp.partition, None)
                 at_end.pop(tp.partition, None)
+                moved_on.pop(tp.partition, None)
             elif tp.topic == contracts.PEER_WINDOWS:
                 engine.forget_jobs(jobs_of.pop(tp.partition, ()))
 

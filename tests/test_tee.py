@@ -563,7 +563,7 @@ def test_worker_refuses_an_unknown_event_loop_before_it_starts(broker):
 
 
 @pytest.mark.integration
-def test_two_workers_replay_30_clean_node_hours_and_raise_no_fault(fresh_broker, monkeypatch):
+def test_two_workers_replay_30_clean_node_hours_and_raise_no_fault(fresh_broker, monkeypatch, tmp_path):
     """The false-alarm budget through the real pipeline: 30 node-hours of a clean corpus (24 nodes in
     jobs of 8, 1.25 h at 1 Hz, GPU and NIC noise and every kind of ordinary life: job-wide pauses,
     evaluations, starts and a restore, one-node hiccups, SBE ticks; a seed no tuning used),
@@ -578,9 +578,12 @@ def test_two_workers_replay_30_clean_node_hours_and_raise_no_fault(fresh_broker,
     corpus = Corpus(CorpusSpec(nodes=24, hours=1.25, seed=7301, faults_per_node_hour=0.0, min_per_class=0))
     assert corpus.injections == [] and corpus.spec.nodes * corpus.spec.hours == 30
     assert {o.kind for o in corpus.ordinary} == {"startup", "pause", "eval", "restore", "hiccup", "sbe"}
-    events, published, _seconds = pipeline(corpus, fresh_broker.bootstrap, workers=2)
+    events, published, _seconds = pipeline(corpus, fresh_broker.bootstrap, workers=2, logdir=str(tmp_path))
     assert published == 24 * 4500
-    assert [(f.node, f.kind.value, f.summary) for f in events] == []
+    # on a failure, what the workers said about their partitions (assignments, clocks moved on, faults)
+    said = [f"{log.name}: {line}" for log in sorted(tmp_path.glob("tee*.log"))
+            for line in log.read_text().splitlines() if any(w in line for w in ("assigned", "read to its end", "fault "))]
+    assert [(f.node, f.kind.value, f.summary) for f in events] == [], "\n".join(said[-60:])
     assert topic_values(fresh_broker.bootstrap, c.DEADLETTER, raw=True) == []
 
 
