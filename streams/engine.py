@@ -124,7 +124,9 @@ class TEEEngine:
             for f in self._seeds.pop(batch.node, ()):
                 _seed_state(state, f)
         state.last_batch_ts = max(state.last_batch_ts, batch.ts)
-        state.last_received = now
+        # the newest arrival: a batch delivered again or late (a producer's retry, a re-read after a
+        # rebalance) must not make the node look silent on the event clock, where ``now`` is its sample time
+        state.last_received = max(state.last_received, now)
         if batch.job:
             state.job = batch.job
         self.counts["batches"] += 1

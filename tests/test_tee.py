@@ -162,6 +162,19 @@ def test_node_lost_after_heartbeat_timeout_once(engine_cfg):
     assert g.fault_id != f.fault_id
 
 
+def test_a_batch_delivered_again_late_does_not_make_its_node_look_silent(engine_cfg):
+    """On the event clock a batch is received at its own sample time: one delivered again after newer
+    ones (a producer's retry, a partition re-read after a rebalance) leaves the node's newest arrival
+    where it was, so the node is not reported lost while its newer batches keep coming."""
+    engine = TEEEngine(engine_cfg)
+    for i in range(10):
+        engine.process(clean(T0 + i, step=i), now=T0 + i)
+    engine.process(clean(T0 + 2, step=2), now=T0 + 2)              # delivered again, 7 s late
+    assert engine.check_heartbeats(now=T0 + 10) == []             # 1 s after its newest batch
+    [f] = engine.check_heartbeats(now=T0 + 12)                    # 3 s: lost, at its newest batch
+    assert f.fault_id == c.stable_id("node1", "node_lost", T0 + 9)
+
+
 def test_event_clock_judges_each_partition_on_its_own_time():
     """A replay read faster on one partition than another: a node of the fast partition that fell
     silent is lost on that partition's time (the slowest partition's clock would wait until it came
