@@ -100,7 +100,7 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1,
         with tempfile.TemporaryDirectory() as tmp:
             procs = start_workers(bootstrap, workers, logdir or tmp, ("--clock", "event"))
             try:
-                producer = kafka.make_producer(bootstrap, **{"linger.ms": 20, "batch.num.messages": 10000})
+                producer = kafka.make_producer(bootstrap)
                 t0, n = time.time(), 0
                 # a slice of sample time is delivered before the next is sent: the workers read on the
                 # event clock, where a partition read to its end moves on with the others (streams/app.py),

@@ -130,8 +130,9 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             if wall - at_end[p][1] < END_SETTLE_S:
                 behind.add(p)
         clocks = partition_clocks(watermarks, behind)
-        for p, now in clocks.items():
-            if p not in behind and now - watermarks[p] > 1.0 and moved_on.get(p) != at_end[p][0]:
+        for p in clocks.keys() - behind:
+            now = clocks[p]
+            if now - watermarks[p] > 1.0 and moved_on.get(p) != at_end[p][0]:
                 moved_on[p] = at_end[p][0]       # once per end: its nodes are judged on the others' time
                 log.info("metrics partition %d read to its end (offset %d, %.1f s ago): its clock moves with the "
                          "other partitions' to %.1f, %.1f s past its newest sample", p, at_end[p][0],

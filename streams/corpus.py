@@ -49,6 +49,7 @@ import os
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from itertools import groupby
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -315,17 +316,8 @@ class Corpus:
                        stop_s: int | None = None) -> Iterator[list[tuple[str, bytes]]]:
         """:meth:`encoded` in lists of ``seconds`` of sample time each, in time order (a replay that
         delivers one list before it sends the next keeps every partition within ``seconds`` of the others)."""
-        chunk: list[tuple[str, bytes]] = []
-        end = None
-        for d in self._wire(start_s, stop_s):
-            if end is not None and d["ts"] >= end and chunk:
-                yield chunk
-                chunk = []
-            if not chunk:
-                end = self.t0 + (int(d["ts"] - self.t0) // seconds + 1) * seconds
-            chunk.append((d["node"], orjson.dumps(d)))
-        if chunk:
-            yield chunk
+        for _slice, wire in groupby(self._wire(start_s, stop_s), key=lambda d: int(d["ts"] - self.t0) // seconds):
+            yield [(d["node"], orjson.dumps(d)) for d in wire]
 
     def _wire(self, start_s: int, stop_s: int | None) -> Iterator[dict]:
         """The batches as the plain dicts ``contracts.encode`` writes."""

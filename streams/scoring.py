@@ -435,8 +435,8 @@ class TemporalScorer:
 
     def score(self, X: np.ndarray, last: int | None = None) -> np.ndarray:
         """Scores of the rows of ``X`` (in time order), or of its ``last`` rows only: the views still read
-        every row before them, the models score those rows and the smoothing's warm-up (``5 x smooth``
-        rows) alone, which is how the engine scores a node's newest rows cheaply."""
+        every row before them, the models score those rows and the smoothing's warm-up
+        (``ScorerConfig.warmup`` rows) alone, which is how the engine scores a node's newest rows cheaply."""
         X = self._scale(np.asarray(X, dtype=float))
         start = 0 if last is None else max(0, len(X) - last - self.config.warmup)
         total = np.zeros(len(X) - start)
