@@ -99,6 +99,9 @@ _WAIT_PEERS = 0.15                   # peers whose utilisation fell this much wa
 _WAIT_LEARN = 90                     # windows of waiting (15 min at 10 s) before they become the baseline
 _WORKING_UTIL = 0.9                  # a GPU at this share of its job's median utilisation works (_below_job)
 _EXPECT_WINDOWS = 2                  # a window waits for the job's nodes that closed one of the last 2
+#: Seconds of sample time a decided window's peers are kept: a node's window that comes up to this much
+#: later than its job's (read far behind its peers) is judged against them; later, it is judged alone.
+_LATE_KEEP_S = 3600.0
 
 
 def _median(values) -> float:
@@ -200,6 +203,52 @@ class _NodeSoft:
     base_job: str | None = None      # the job ``base`` was learned in
 
 
+@dataclass
+class _View:
+    """A job's window as its nodes are judged against: each node's features (a row of ``xs``), mean
+    utilisation drop (``drops``, NaN: unknown) and whether it has a working GPU (``works``), and the
+    job's working GPUs (``floor``: the utilisation a GPU needs to count as working; ``clock``: their
+    median SM clock). Kept for a while after the window is decided, so that a node's window that comes
+    later (its metrics read far behind its peers': a worker catching up, a replay's partition skew) is
+    judged against the same peers instead of alone (:meth:`plus`)."""
+    nodes: list[str]
+    xs: np.ndarray
+    drops: np.ndarray
+    works: np.ndarray
+    floor: float
+    clock: float | None
+
+    @classmethod
+    def of(cls, peers: dict, floor: float | None = None, clock: float | None = None) -> "_View":
+        """The view of ``peers`` (node -> (features, worst, medians, ...)); the job's working GPUs from
+        them, or ``floor`` and ``clock`` where given."""
+        if floor is None:
+            utils = [u for p in peers.values() for (_, name), u in p[2].items() if name == DCGM.GPU_UTIL]
+            floor = _WORKING_UTIL * _median(utils) if utils else 0.0
+            clocks = [m for p in peers.values() for m, _ in cls.working(p, floor)]
+            clock = _median(clocks) if clocks else None
+        return cls(list(peers), np.vstack([p[0] for p in peers.values()]),
+                   np.array([p[1].get("util", {}).get("drop", np.nan) for p in peers.values()], dtype=float),
+                   np.array([bool(cls.working(p, floor)) for p in peers.values()]), floor, clock)
+
+    @staticmethod
+    def working(p: tuple, floor: float) -> list[tuple[float, int]]:
+        """A node's working GPUs, as (SM clock median, GPU index): those whose utilisation is ``floor`` or
+        more, or unknown (a GPU the job leaves unused idles at a fraction of its clock)."""
+        medians = p[2]
+        return [(m, gi) for (gi, name), m in medians.items()
+                if name == DCGM.SM_CLOCK and medians.get((gi, DCGM.GPU_UTIL), floor) >= floor]
+
+    def plus(self, late: dict) -> "_View":
+        """This view with the nodes of ``late`` (their windows came after it was decided) in place of any
+        earlier entry of theirs, judged against the job's working GPUs it was decided with."""
+        new = _View.of(late, self.floor, self.clock)
+        keep = [i for i, n in enumerate(self.nodes) if n not in late]
+        return _View([self.nodes[i] for i in keep] + new.nodes, np.vstack([self.xs[keep], new.xs]),
+                     np.concatenate([self.drops[keep], new.drops]), np.concatenate([self.works[keep], new.works]),
+                     self.floor, self.clock)
+
+
 class PeerDetector:
     """Per-window soft-fault detector, temporal per GPU and across a job's peers (see module doc)."""
 
@@ -216,6 +265,9 @@ class PeerDetector:
         self.since_fit = 10**9
         self.waiting = 0               # hits dropped: the node only waited on a slow peer
         self.pending: dict[tuple[str, int], dict[str, tuple]] = defaultdict(dict)   # (job, window) -> node -> ...
+        #: (job, window) -> the peers it was decided with, for the last _LATE_KEEP_S of windows (oldest first)
+        self.decided: dict[tuple[str, int], _View] = {}
+        self._late_keep = int(_LATE_KEEP_S // config.soft_window_s)
         #: Node side of a split detector: closed windows go here as summaries instead of being decided.
         self.outbox: list[PeerWindow] | None = None
         self.remote: dict[str, NodeState] = {}      # job side: node -> its soft state (baselines, runs)
@@ -363,6 +415,8 @@ class PeerDetector:
             del self.remote[node]
         for k in [k for k in self.pending if k[0] in jobs]:
             del self.pending[k]
+        for k in [k for k in self.decided if k[0] in jobs]:
+            del self.decided[k]
         for job in jobs:
             self.closed.pop(job, None)
 
@@ -374,8 +428,16 @@ class PeerDetector:
         return out
 
     def _decide(self, key: tuple[str, int], peers: dict, now: float) -> list[FaultEvent]:
+        """Judge the nodes of ``peers`` in the job's window ``key``: with each other, or, when the window
+        was decided before (they came late), with the nodes it was decided with."""
+        before = self.decided.pop(key, None)
+        view = _View.of(peers) if before is None else before.plus(peers)
+        self.decided[key] = view          # the newest last: the oldest go first (_LATE_KEEP_S)
+        while self.decided and next(iter(self.decided))[1] < key[1] - self._late_keep:
+            del self.decided[next(iter(self.decided))]
+        n = len(view.nodes)
         xs = np.vstack([p[0] for p in peers.values()])
-        rel = xs - np.median(xs, 0) if len(peers) >= 3 else xs
+        rel = xs - np.median(view.xs, 0) if n >= 3 else xs
         out: list[FaultEvent] = []
         cfg = self.config
         flagged = set()
@@ -394,9 +456,9 @@ class PeerDetector:
                     sc[need] = self.models[fam].decision_function(rel[need][:, list(cols)])
                 fam_scores[fam] = sc
         # cold start: no model yet, but a job of 3+ nodes gives a median to stand out from
-        cold = not ready and cfg.soft_cold_z > 0 and len(peers) >= 3
-        culprit, culprit_gap = self._keeps_working(peers)
-        below = self._below_job(peers) if len(peers) >= 3 and cfg.straggler_evict_drop > 0 else {}
+        cold = not ready and cfg.soft_cold_z > 0 and n >= 3
+        culprit, culprit_gap = self._keeps_working(view)
+        below = self._below_job(view, peers) if n >= 3 and cfg.straggler_evict_drop > 0 else {}
         for j, (row, (node, (x, worst, medians, ns, state, win))) in enumerate(zip(rel, peers.items())):
             z = Z[j]
             fam_hit = None
@@ -425,8 +487,8 @@ class PeerDetector:
             # the GPU is slow and the job waits for it: a clock soft_min_z spreads or more below the job's median
             # while the other nodes' utilisation fell (their median by _WAIT_UTIL / 2 or more): cause and effect
             # together (ECOD caps what one extreme feature can score near log(history), under its threshold)
-            if fam_hit is None and len(peers) >= 3 and float(z[_CLOCK]) >= cfg.soft_min_z \
-                    and (ready or cold) and self._job_waits(peers, node) >= _WAIT_UTIL / 2:
+            if fam_hit is None and n >= 3 and float(z[_CLOCK]) >= cfg.soft_min_z \
+                    and (ready or cold) and self._job_waits(view, node) >= _WAIT_UTIL / 2:
                 fam_hit = ("gpu", float(z[_CLOCK]), float(z[_CLOCK]), float(cfg.soft_min_z), "slows")
             # a GPU clocked straggler_evict_drop or more below its job's median is slow, whatever a model
             # fitted on this job's history says (history that may hold such windows already)
@@ -439,7 +501,7 @@ class PeerDetector:
                 drop = slowest["below"]
                 worst["clock"] = {"gpu": slowest["gpu"], "value": slowest["value"], "job_median": slowest["job"],
                                   "below_job": round(drop, 4), "reasons": win.reasons.get(slowest["gpu"], 0)}
-            evident = len(peers) >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop
+            evident = n >= 3 and cfg.straggler_evict_drop > 0 and drop >= cfg.straggler_evict_drop
             if evident and (fam_hit is None or fam_hit[0] == "nic"):
                 fam_hit = ("gpu", drop, float(z[_CLOCK]), float(cfg.straggler_evict_drop), "rule")
             if fam_hit is not None and fam_hit[0] == "thermal" and float(x[_RISE]) < cfg.soft_min_z * _FLOOR[_RISE]:
@@ -453,7 +515,7 @@ class PeerDetector:
             scores[node] = fam_hit
             if fam_hit is not None:
                 flagged.add(node)
-            out += self._advance(state, ns, win, row, z, worst, fam_hit, len(peers), now, evident, drop)
+            out += self._advance(state, ns, win, row, z, worst, fam_hit, n, now, evident, drop)
         for row, (node, (x, worst, medians, ns, state, _)) in zip(rel, peers.items()):
             if node in flagged or ns.open_fault is not None:
                 continue
@@ -479,44 +541,37 @@ class PeerDetector:
         return fam == "gpu" or x[3] < _FLOOR[3]
 
     @staticmethod
-    def _below_job(peers: dict) -> dict[str, dict]:
-        """Per node of a job of 3+, its slowest working GPU against the median SM clock of the job's working
-        GPUs in this window: ``{"gpu", "value", "job", "below"}`` (``below`` a share of ``job``). A GPU works
-        when its utilisation is at least ``_WORKING_UTIL`` of the job's median: a GPU the job leaves unused
-        idles at a fraction of its clock, and a spare's first window in a job, half of it idle, is not a slow
-        GPU; a slow one is as busy as its peers or busier (they wait for it). Assumes one GPU model per job."""
-        gpus = {node: [(gi, m, p[2].get((gi, DCGM.GPU_UTIL))) for (gi, name), m in p[2].items() if name == DCGM.SM_CLOCK]
-                for node, p in peers.items()}
-        utils = [u for g in gpus.values() for _, _, u in g if u is not None]
-        floor = _WORKING_UTIL * _median(utils) if utils else 0.0
-        working = {node: [(m, gi) for gi, m, u in g if u is None or u >= floor] for node, g in gpus.items()}
-        working = {node: g for node, g in working.items() if g}
-        if len(working) < 3:
+    def _below_job(view: _View, peers: dict) -> dict[str, dict]:
+        """Per node of ``peers`` (judged in ``view``, a job of 3+), its slowest working GPU against the
+        median SM clock of the job's working GPUs in this window: ``{"gpu", "value", "job", "below"}``
+        (``below`` a share of ``job``). A GPU works when its utilisation is at least ``_WORKING_UTIL`` of
+        the job's median: a GPU the job leaves unused idles at a fraction of its clock, and a spare's first
+        window in a job, half of it idle, is not a slow GPU; a slow one is as busy as its peers or busier
+        (they wait for it). Needs 3 nodes with a working GPU. Assumes one GPU model per job."""
+        if view.clock is None or int(view.works.sum()) < 3:
             return {}
-        job = _median([m for g in working.values() for m, _ in g])
         out = {}
-        for node, g in working.items():
-            m, gi = min(g)
-            out[node] = {"gpu": gi, "value": m, "job": job, "below": (job - m) / max(job, 1.0)}
+        for node, p in peers.items():
+            g = _View.working(p, view.floor)
+            if g:
+                m, gi = min(g)
+                out[node] = {"gpu": gi, "value": m, "job": view.clock, "below": (view.clock - m) / max(view.clock, 1.0)}
         return out
 
     @staticmethod
-    def _job_waits(peers: dict, node: str) -> float:
+    def _job_waits(view: _View, node: str) -> float:
         """The median utilisation drop (against their own baselines) of the job's nodes other than ``node``."""
-        drops = [p[1].get("util", {}).get("drop") for n, p in peers.items() if n != node]
-        drops = [d for d in drops if d is not None]
+        drops = [d for n, d in zip(view.nodes, view.drops.tolist()) if n != node and d == d]
         return _median(drops) if drops else 0.0
 
     @staticmethod
-    def _keeps_working(peers: dict) -> tuple[str | None, float]:
+    def _keeps_working(view: _View) -> tuple[str | None, float]:
         """The one node of a job of 3+ whose GPUs keep their utilisation while at least two thirds of the
         others' fall by ``_WAIT_PEERS`` or more (they wait for it at the all-reduce): the straggler, even
         when its clocks look healthy. None when no single node stands out that way."""
-        if len(peers) < 3:
+        if len(view.nodes) < 3 or np.isnan(view.drops).any():
             return None, 0.0
-        drops = {n: p[1].get("util", {}).get("drop") for n, p in peers.items()}
-        if any(d is None for d in drops.values()):
-            return None, 0.0
+        drops = dict(zip(view.nodes, view.drops.tolist()))
         keep = [n for n, d in drops.items() if d < _WAIT_UTIL / 2]
         if len(keep) != 1:
             return None, 0.0

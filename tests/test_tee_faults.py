@@ -548,3 +548,50 @@ def test_a_node_is_not_hot_because_its_waiting_peers_cooled(engine):
     assert run(engine, 2600) == []
     hot = run(TEEEngine(TEEConfig(soft_detectors=("peers",))), 2700, hot_at=2600)
     assert [(f.node, f.evidence["class"]) for f in hot] == [("node1", "thermal")]
+
+
+def _late_node(seconds, late_s, slow_all_at=None, slow_one_at=None):
+    """Split peers (node side and job side, two engines): 4 nodes of one job; node3's window summaries
+    reach the job side ``late_s`` later than its peers' (its metrics read that far behind: a worker
+    catching up, a replay's partition skew). From ``slow_all_at`` every GPU of the job runs at 85 % of its
+    SM clock and power (the whole job, no node's fault); from ``slow_one_at`` node3's GPU 0 alone at 70 %.
+    Returns the fault events that are not resolutions."""
+    config = TEEConfig(soft_detectors=("peers",))
+    node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
+    rng = np.random.default_rng(17)
+    held: list[tuple[float, c.PeerWindow]] = []
+    out = []
+    for t in range(seconds):
+        for n in range(4):
+            node = f"node{n}"
+            gpus = []
+            for i in range(2):
+                scale = 0.85 if slow_all_at is not None and t >= slow_all_at else 1.0
+                if node == "node3" and i == 0 and slow_one_at is not None and t >= slow_one_at:
+                    scale *= 0.7
+                gpus.append(gpu(i, **{c.DCGM.SM_CLOCK: (1980.0 - abs(rng.normal(0, 20))) * scale,
+                                      c.DCGM.POWER_USAGE: 90 + (560 + rng.normal(0, 12) - 90) * scale,
+                                      c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7)}))
+            out += node_side.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
+        for feed in node_side.feeds():
+            held += [(T0 + t + late_s, w) for w in feed.windows if w.node == "node3"]
+            now_ = [w for w in feed.windows if w.node != "node3"]
+            due = [w for at, w in held if at <= T0 + t]
+            held = [(at, w) for at, w in held if at > T0 + t]
+            for windows in (now_, due):
+                if windows:
+                    sent = c.JobFeed(job=feed.job, windows=tuple(windows), ranks=())
+                    out += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(sent)), now=T0 + t + 0.1)
+    assert job_side.job_windows.late > 0                  # node3's windows did come after their job's
+    return [f for f in out if not f.resolved]
+
+
+def test_a_nodes_window_that_comes_after_its_jobs_is_judged_against_the_same_peers():
+    """node3's windows reach the job's worker 5 minutes after its peers' (read far behind them). A
+    slowdown of the whole job is nobody's fault, on node3 as on the others: its late windows are judged
+    against the peers its job's windows were decided with (alone, its clocks 15 % under its own baselines
+    made it a straggler). Its own GPU at 70 % of the job's clock, late as it is, is still a straggler."""
+    assert _late_node(1200, late_s=300, slow_all_at=700) == []
+    found = _late_node(1200, late_s=300, slow_one_at=700)
+    assert [(f.node, f.kind, f.action) for f in found] == [("node3", c.FaultKind.STRAGGLER, c.Action.EVICT)]
+    assert found[0].evidence["peers"] == 4 and found[0].observed_ts <= T0 + 700 + 25
