@@ -26,7 +26,10 @@ sample time while it has more to read (its nodes report in time order), else at 
 time of the partitions with more to read, or the newest of all once every partition is read to
 its end. A partition counts as read to its end only after it stayed there for ``END_SETTLE_S``
 of wall time (while a replay is still being published, the end a fetch saw is not the end), and
-the 1 s timer checks the clocks between batches too.
+the 1 s timer checks the clocks between batches too. A batch moves its partition's clock before it
+is taken, and a clock that jumps by more than the heartbeat timeout (a node alone on its partition,
+back after a silence) has its partition's nodes checked first at the last check plus the timeout,
+where a live worker would have found the silence.
 
 Faults are keyed by job id (node id when the job is unknown); dead letters keep the original key.
 With a signing key configured (``TRANSOM_FAULT_PRINCIPAL`` + ``TRANSOM_SIGNING_KEY``, see
@@ -118,7 +121,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 high = app.consumer.highwater(TP(contracts.METRICS, p))
             except Exception:
                 high = None
-            if high is None or positions[p] + 1 < high:
+            if high is None or positions.get(p, -1) + 1 < high:
                 behind.add(p)
                 at_end.pop(p, None)
                 continue
@@ -141,9 +144,16 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
 
     def event_heartbeats() -> list[contracts.FaultEvent]:
         found: list[contracts.FaultEvent] = []
+        timeout = engine.config.heartbeat_timeout
         for p, now in event_clocks().items():
-            if int(now) > checked.get(p, 0):
+            last = checked.get(p, 0)
+            if int(now) > last:
                 checked[p] = int(now)
+                if last and now - last > timeout + 1:
+                    # the clock jumped (a node alone on its partition came back after a long silence): the
+                    # nodes silent since are judged when a live worker would have judged them, before the
+                    # silence grew past heartbeat_horizon (where a node counts as replayed history)
+                    found += engine.check_heartbeats(last + timeout + 1, nodes_of[p])
                 found += engine.check_heartbeats(now, nodes_of[p])
         return found
 
@@ -183,16 +193,20 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
         except contracts.ContractError as err:
             return [], (str(err), msg)
         nodes_of[msg.partition].add(batch.node)
+        found: list[contracts.FaultEvent] = []
         if event_clock:
+            # the partition's clock moves to this batch's time before the batch is taken: a node that was
+            # silent and is back (alone on its partition, nothing else moved the clock while it was away)
+            # is found silent at its return, as a live worker would have found it while it was away
             watermarks[msg.partition] = max(watermarks.get(msg.partition, 0.0), batch.ts)
+            found = event_heartbeats()
         try:
-            found = engine.process(batch, now=batch.ts if event_clock else None)
+            found += engine.process(batch, now=batch.ts if event_clock else None)
         except Exception as exc:   # a detector bug must not stop the stream: keep the input
             log.exception("the engine failed on a batch of %s", batch.node)
-            return [], (f"tee failed to process the batch: {exc!r}", msg)
+            return found, (f"tee failed to process the batch: {exc!r}", msg)
         if event_clock:
             positions[msg.partition] = msg.offset
-            found = found + event_heartbeats()
         return found, None
 
     @app.agent(metrics, name="tee")
@@ -205,7 +219,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 if bad is not None:
                     reason, msg = bad
                     await reject(event.value, event.key, reason, msg.partition, msg.offset)
-                elif found:
+                if found:
                     await emit(found)
             await send_feeds()            # what the list gave the jobs' workers, every FEED_EVERY s
 

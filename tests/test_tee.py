@@ -604,7 +604,10 @@ def test_two_workers_replay_30_clean_node_hours_and_raise_no_fault(fresh_broker,
 def test_event_clock_worker_replays_an_old_hour_and_finds_the_node_that_fell_silent(fresh_broker, tmp_path):
     """`--clock event`: metrics from a day ago, replayed at full speed, are judged on their own time:
     the node that stops reporting is lost at its last sample, the one that keeps going is not, and an
-    XID in the replay is found (a wall-clock worker would take the whole day for history)."""
+    XID in the replay is found (a wall-clock worker would take the whole day for history). A node
+    alone on its partition that is silent for 130 s (longer than the 120 s horizon of history) and comes
+    back is lost at its last sample before the gap, decided when a live worker would have found it,
+    though nothing else on its partition moved the clock while it was away."""
     bs = fresh_broker.bootstrap
     kafka.ensure_topics(bs)
     logfile = tmp_path / "tee.log"
@@ -619,27 +622,29 @@ def test_event_clock_worker_replays_an_old_hour_and_finds_the_node_that_fell_sil
         assert proc.poll() is None, logfile.read_text()
         base = time.time() - 86400
         producer = kafka.make_producer(bs)
-        for i in range(120):
-            for node in ("steady", "silent"):
-                if node == "silent" and i > 40:
+        for i in range(200):
+            for part, node in enumerate(("steady", "silent", "flaky")):     # each alone on its partition
+                if node == "silent" and i > 40 or node == "flaky" and 50 <= i < 180:
                     continue
                 samples = (gpu(0), c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 79}, index=1)) \
                     if node == "steady" and i == 80 else (gpu(0), gpu(1))
-                kafka.publish(producer, c.METRICS, node, c.MetricBatch(node=node, ts=base + i, seq=i, job="old",
-                                                                      samples=samples))
+                producer.produce(c.METRICS, key=node.encode(), partition=part, value=c.encode(
+                    c.MetricBatch(node=node, ts=base + i, seq=i, job="old", samples=samples)))
         producer.flush(10)
 
-        def both():
+        def all_three():
             fs = [f for f in topic_values(bs, c.FAULTS) if not f.resolved]
-            return fs if {f.kind for f in fs} >= {c.FaultKind.NODE_LOST, c.FaultKind.XID} else None
+            lost = {f.node for f in fs if f.kind == c.FaultKind.NODE_LOST}
+            return fs if lost >= {"silent", "flaky"} and c.FaultKind.XID in {f.kind for f in fs} else None
 
-        faults = wait_until(both, 60, "the node-lost and XID faults of the replay")
-        lost = [f for f in faults if f.kind == c.FaultKind.NODE_LOST]
-        assert [(f.node, f.observed_ts) for f in lost] == [("silent", base + 40)]
-        # decided on the replay's clock (the wall clock says a day later); the silent node's partition,
-        # read to its end, moves on with the other one once it stayed there END_SETTLE_S of wall time,
-        # so the replay may be further on by then
-        assert base + 45 <= lost[0].detected_ts <= base + 120
+        faults = wait_until(all_three, 60, "the node-lost and XID faults of the replay")
+        lost = sorted((f for f in faults if f.kind == c.FaultKind.NODE_LOST), key=lambda f: f.node)
+        assert [(f.node, f.observed_ts) for f in lost] == [("flaky", base + 49), ("silent", base + 40)]
+        # decided on the replay's clock (the wall clock says a day later): the flaky node when its silence
+        # passed the timeout (5 s), found at its return; the silent node's partition, read to its end, moves
+        # on with the other ones once it stayed there END_SETTLE_S of wall time, so the replay may be further
+        assert base + 49 + 5 < lost[0].detected_ts <= base + 49 + 7
+        assert base + 45 <= lost[1].detected_ts <= base + 200
         [xid] = [f for f in faults if f.kind == c.FaultKind.XID]
         assert (xid.node, xid.observed_ts) == ("steady", base + 80)
     finally:
