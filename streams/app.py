@@ -29,7 +29,9 @@ of wall time (while a replay is still being published, the end a fetch saw is no
 the 1 s timer checks the clocks between batches too. A batch moves its partition's clock before it
 is taken, and a clock that jumps by more than the heartbeat timeout (a node alone on its partition,
 back after a silence) has its partition's nodes checked first at the last check plus the timeout,
-where a live worker would have found the silence.
+where a live worker would have found the silence. Each flush of the feeds also tells the jobs'
+workers how far each node was read (:meth:`TEEEngine.read_up_to`, the partition's clock), so that they
+take a job's rank reports in time order without waiting for a node gone silent.
 
 Faults are keyed by job id (node id when the job is unknown); dead letters keep the original key.
 With a signing key configured (``TRANSOM_FAULT_PRINCIPAL`` + ``TRANSOM_SIGNING_KEY``, see
@@ -174,6 +176,8 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             return
         async with feeding:
             fed[0] = time.monotonic()
+            if event_clock:      # how far each node was read: its job's worker does not wait for it beyond that
+                engine.read_up_to({node: now for p, now in event_clocks().items() for node in nodes_of[p]})
             for feed in engine.feeds():      # drained and sent under the lock: in order per job
                 await peer_windows.send(key=feed.job.encode(), value=contracts.encode(feed))
 

@@ -66,6 +66,10 @@ __all__ = ["TEEEngine"]
 #: Classes whose rules already report once per condition (a new condition is a new fault: a second
 #: NaN after a finite loss, a link that flaps again after a quiet window, goes down again after it came up).
 _ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost", "link_flap", "link_down"})
+#: Event clock, job side: seconds (sample time) a job's rank reports wait for a node of the job that is
+#: further behind (a replay reads partitions up to tens of minutes of sample time apart; a node that
+#: left the job stops being waited for after this)
+JOB_REPORTS_WAIT_S = 3600.0
 
 log = get("tee")
 
@@ -96,8 +100,13 @@ class TEEEngine:
         self._job_peers: dict[str, object] = {}         # split, job side: job -> its PeerDetector
         self._peer_hard_at: dict[str, float] = {}       # split, job side: node -> its last hard fault (feed, hangs)
         self._ranks_out: dict[str, list[RankReport]] = {}   # split, node side: job -> rank reports not yet sent
+        #: split, job side, event clock: a job's rank reports, released in time order (.jobwindows.JobReports)
+        self.job_reports = None
         if split_peers:        # node side: the hang rule only collects what the job's worker judges
             self.rules[self.rules.index(self._hang)] = _RankCollector(self._ranks_out)
+            if self.config.clock == "event":
+                from .jobwindows import JobReports
+                self.job_reports = JobReports(JOB_REPORTS_WAIT_S)
         if self.peers is not None and split_peers:
             from .jobwindows import JobWindows
             self.peers.outbox = []
@@ -146,6 +155,16 @@ class TEEEngine:
         self.peers.outbox.clear()
         return out
 
+    def read_up_to(self, clocks: Mapping[str, float]) -> None:
+        """Split, node side, event clock: every batch of these nodes up to these times (their partitions'
+        clocks) has been read. Each node of a known job gets a rank report with no samples and no
+        utilisation at that time, which judges nothing: it tells the job's worker (:class:`.jobwindows.JobReports`)
+        that the node's reports up to then are all sent, so a silent node's peers are not held back."""
+        for node, ts in clocks.items():
+            st = self._nodes.get(node)
+            if st is not None and st.job and ts > st.last_batch_ts:
+                self._ranks_out.setdefault(st.job, []).append(RankReport(node, ts))
+
     def feeds(self, most: int = 500) -> list[JobFeed]:
         """Split, node side: what the jobs' workers need since the last call, one :class:`JobFeed` per
         job (more when a job has over ``most`` rank reports): its nodes' closed windows and rank reports."""
@@ -165,16 +184,24 @@ class TEEEngine:
         the decision time (default: the engine's clock, or each item's own time on the event clock)."""
         event_clock = now is None and self.config.clock == "event"
         now = self.clock() if now is None else now
+        ranks = feed.ranks
+        if event_clock and self.job_reports is not None:     # a replay: the job's nodes in step
+            ranks = self.job_reports.add(feed.job, ranks)
+        found = self._take_ranks(feed.job, ranks, None if event_clock else now)
+        for w in feed.windows:
+            found += self.peer_window(w, now=w.closed_ts if event_clock else now)
+        return found
+
+    def _take_ranks(self, job: str, ranks, now: float | None) -> list[FaultEvent]:
+        """Split, job side: judge ``job``'s hangs with its rank reports, at ``now`` (None: each at its own time)."""
         found: list[FaultEvent] = []
         hang = self._hang
-        for r in feed.ranks:
-            hangs = hang.take(feed.job, r, r.ts if event_clock else now)
+        for r in ranks:
+            hangs = hang.take(job, r, r.ts if now is None else now)
             if hangs:
                 found += self._new(hangs, hard_at=self._peer_hard_at)
             if r.node in hang._hung and hang.ongoing(r.node, r.ts):    # soft symptoms of the hang are explained
                 self._peer_hard_at[r.node] = max(self._peer_hard_at.get(r.node, r.ts), r.ts)
-        for w in feed.windows:
-            found += self.peer_window(w, now=w.closed_ts if event_clock else now)
         return found
 
     def peer_window(self, w: PeerWindow, now: float | None = None) -> list[FaultEvent]:
@@ -202,6 +229,8 @@ class TEEEngine:
         """Split, job side: these jobs are another worker's now."""
         jobs = list(jobs)
         self._hang.forget(jobs)
+        if self.job_reports is not None:
+            self.job_reports.forget(jobs)
         if self.job_windows is not None:
             self.job_windows.forget(jobs)
             for job in jobs:
@@ -235,9 +264,13 @@ class TEEEngine:
         return self._new(found)
 
     def flush(self, now: float | None = None) -> list[FaultEvent]:
-        """Decide the soft-detection windows still waiting for peers."""
+        """Judge the rank reports (event clock) and decide the soft-detection windows still waiting for peers."""
+        hangs: list[FaultEvent] = []        # already through _new (_take_ranks)
+        if self.job_reports is not None:
+            for job, ranks in self.job_reports.flush().items():
+                hangs += self._take_ranks(job, ranks, None)
         if self.peers is None:
-            return []
+            return hangs
         now = self.clock() if now is None else now
         found: list[FaultEvent] = []
         if self.job_windows is not None:
@@ -245,7 +278,7 @@ class TEEEngine:
                 found += self._peers_of(r.job).take(r, now)
             for detector in self._job_peers.values():
                 found += detector.flush(now)
-        return self._new(found + self.peers.flush(now))
+        return hangs + self._new(found + self.peers.flush(now))
 
     def restore(self, faults: Iterable[FaultEvent], now: float | None = None) -> int:
         """Remember ``faults`` as already emitted (by an earlier worker); return how many were taken.

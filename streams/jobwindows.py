@@ -13,18 +13,25 @@ node past ``k`` without ``k`` skipped it). A node gone silent holds its job back
 of the job is ``wait`` windows past ``k``; then ``k`` is released without it, and it is no longer
 waited for. A job's first window is released on that rule alone (its nodes are not known yet). A
 window arriving after its job's window was released (a node far behind the others) is released at
-once, alone: it is judged without peers, as on a worker that never saw them.
+once; the peers detector judges it against the peers its job's window was decided with.
+
+:class:`JobReports` does the same for a job's rank reports on the event clock (a replay, where a
+worker reads its partitions minutes of sample time apart): it holds them until every node of the job
+has reported past them, then releases them in time order, so the hang rules compare each rank with
+where its peers stood at the same time, not minutes earlier or later.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Iterable
 
-from transom.contracts import PeerWindow
+from transom.contracts import PeerWindow, RankReport
 
-__all__ = ["JobWindows", "window_complete", "drop_gone"]
+__all__ = ["JobReports", "JobWindows", "window_complete", "drop_gone"]
 
 
 def window_complete(newest: dict[str, int], k: int, wait: int) -> bool:
@@ -89,6 +96,63 @@ class JobWindows:
                 got = j.waiting.pop(k)
                 j.released = k
                 out += [got[n] for n in sorted(got)]
+        return out
+
+    def forget(self, jobs: Iterable[str]) -> None:
+        """These jobs are another worker's now."""
+        for job in jobs:
+            self._jobs.pop(job, None)
+
+
+@dataclass
+class _Reports:
+    held: list = field(default_factory=list)                 # heap of (ts, arrival, report)
+    newest: dict[str, float] = field(default_factory=dict)   # node -> the newest report time received
+
+
+class JobReports:
+    """Holds a job's :class:`RankReport` values until every node of the job has reported one as late or
+    later (a node's reports arrive in its own order), then :meth:`add` releases them in time order. A
+    report with no samples and no utilisation only says how far the node was read (the node side's
+    partition clock: :meth:`TEEEngine.read_up_to`), so a silent node does not hold its job; it is not
+    released. A node whose newest report is more than ``wait`` seconds (sample time) behind the job's
+    newest is gone (left the job, its worker stopped) and no longer waited for; one that comes back is
+    waited for again (what it sends meanwhile is released at once: the job is past it)."""
+
+    def __init__(self, wait: float) -> None:
+        if not wait > 0:
+            raise ValueError("wait must be a positive number of seconds")
+        self.wait = wait
+        self._jobs: dict[str, _Reports] = {}
+        self._arrival = count()          # ties in time keep their arrival order
+
+    def add(self, job: str, reports: Iterable[RankReport]) -> list[RankReport]:
+        j = self._jobs.get(job)
+        if j is None:
+            j = self._jobs[job] = _Reports()
+        for r in reports:
+            if r.ts > j.newest.get(r.node, 0.0):
+                j.newest[r.node] = r.ts
+            if r.samples or r.gpu_util is not None:
+                heapq.heappush(j.held, (r.ts, next(self._arrival), r))
+        if not j.newest:
+            return []
+        top = max(j.newest.values())
+        for node in [n for n, t in j.newest.items() if t < top - self.wait]:
+            del j.newest[node]
+        mark = min(j.newest.values())
+        out = []
+        while j.held and j.held[0][0] <= mark:
+            out.append(heapq.heappop(j.held)[2])
+        return out
+
+    def flush(self) -> dict[str, list[RankReport]]:
+        """Release every report still held, by job (end of a replay)."""
+        out = {}
+        for job, j in self._jobs.items():
+            if j.held:
+                out[job] = [r for _, _, r in sorted(j.held)]
+                j.held.clear()
         return out
 
     def forget(self, jobs: Iterable[str]) -> None:

@@ -194,3 +194,33 @@ def test_peers_are_told_by_when_the_tee_heard_them_not_by_their_skewed_clocks(en
             step = min(t, 30) if node == "node2" else t
             out += engine.process(_batch(node, T0 + t + skew[node], step=step, hb=0.0), now=T0 + t + 0.1)
     assert [(f.node, f.evidence["cause"]) for f in out if f.kind == c.FaultKind.HANG] == [("node2", "behind")]
+
+
+def test_a_replay_read_minutes_apart_finds_the_hang_a_live_worker_finds():
+    """Event clock, split (a replay, `transom tee --clock event`): the node side reads node0's metrics
+    10 minutes of sample time behind the other nodes' (partitions read apart) and says how far it has
+    read each node (:meth:`TEEEngine.read_up_to`); node3 falls silent for good at t=200 (its partition
+    read on). The job's worker takes their rank reports in time order, so node2, idle while its peers
+    spin from t=600, is not in the collective, as in order; not held back by the silent node3."""
+    config = TEEConfig(soft_detectors=(), clock="event")
+    node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
+
+    def feed(node, t):
+        if node == "node3" and t >= 200:
+            return None
+        if t < 600:
+            return {"step": t, "hb": 0.0}
+        return {"step": 600, "util": 0.0 if node == "node2" else 100.0, "hb": 0.0}
+
+    found = []
+    for t in range(900 + 600):
+        for node in (*NODES, "node3"):
+            at = t - 600 if node == "node0" else t        # node0 read 600 s behind
+            if 0 <= at < 900 and (kw := feed(node, at)) is not None:
+                found += node_side.process(_batch(node, T0 + at, **kw), now=T0 + at)
+        node_side.read_up_to({"node0": T0 + t - 600, **{n: T0 + min(t, 900) for n in ("node1", "node2", "node3")}})
+        for f in node_side.feeds():
+            found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)))
+    [hang] = [f for f in found if f.kind == c.FaultKind.HANG]
+    assert (hang.node, hang.evidence["cause"]) == ("node2", "not in the collective")
+    assert T0 + 600 < hang.detected_ts <= T0 + 600 + 30          # on the replay's clock, as live
