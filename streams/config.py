@@ -107,8 +107,9 @@ class TEEConfig:
     straggler_evict_windows: int = 1
     #: TEE workers: a job's window is judged once every node of the job sent it, or once another node of
     #: the job is this many windows further (a node gone silent is not waited for longer); see
-    #: :mod:`.jobwindows`. 0: 3 windows on the wall clock; 60 on the event clock, where a replay read at
-    #: full speed puts partitions minutes of sample time apart (one fetch holds hundreds of batches).
+    #: :mod:`.jobwindows`. 0: 3 windows on the wall clock; 360 (an hour) on the event clock, where a replay
+    #: read at full speed puts partitions tens of minutes of sample time apart, and where the node side says
+    #: how far it read each node, so a silent node holds its job only until it is read past the window.
     soft_peer_wait: int = 0
     #: Anomalous windows in a row before a soft fault.
     soft_consecutive: int = 2

@@ -110,7 +110,7 @@ class TEEEngine:
         if self.peers is not None and split_peers:
             from .jobwindows import JobWindows
             self.peers.outbox = []
-            wait = self.config.soft_peer_wait or (60 if self.config.clock == "event" else 3)
+            wait = self.config.soft_peer_wait or (360 if self.config.clock == "event" else 3)
             self.job_windows = JobWindows(wait)
         self.heartbeat = HeartbeatRule(self.config)
         self._nodes: dict[str, NodeState] = {}
@@ -162,7 +162,7 @@ class TEEEngine:
         that the node's reports up to then are all sent, so a silent node's peers are not held back."""
         for node, ts in clocks.items():
             st = self._nodes.get(node)
-            if st is not None and st.job and ts > st.last_batch_ts:
+            if st is not None and st.job and ts >= st.last_batch_ts:
                 self._ranks_out.setdefault(st.job, []).append(RankReport(node, ts))
 
     def feeds(self, most: int = 500) -> list[JobFeed]:
@@ -190,6 +190,14 @@ class TEEEngine:
         found = self._take_ranks(feed.job, ranks, None if event_clock else now)
         for w in feed.windows:
             found += self.peer_window(w, now=w.closed_ts if event_clock else now)
+        if event_clock and self.job_windows is not None:
+            # after the feed's windows: how far each node was read (a node read past a window without
+            # sending it had none, and the job's window does not wait for it)
+            marks = {r.node: r.ts for r in feed.ranks if not r.samples and r.gpu_util is None}
+            if marks:
+                ws = self.config.soft_window_s
+                found += self._take_windows(self.job_windows.read_past(
+                    feed.job, {node: int(ts // ws) - 1 for node, ts in marks.items()}), max(marks.values()))
         return found
 
     def _take_ranks(self, job: str, ranks, now: float | None) -> list[FaultEvent]:
@@ -209,9 +217,12 @@ class TEEEngine:
         it completed."""
         if self.job_windows is None:
             return []
-        now = self.clock() if now is None else now
+        return self._take_windows(self.job_windows.add(w), self.clock() if now is None else now)
+
+    def _take_windows(self, released: list[PeerWindow], now: float) -> list[FaultEvent]:
+        """Split peers, job side: decide with the node windows the job's windows released."""
         found: list[FaultEvent] = []
-        for r in self.job_windows.add(w):
+        for r in released:
             if r.hard_ts is not None:
                 self._peer_hard_at[r.node] = max(self._peer_hard_at.get(r.node, r.hard_ts), r.hard_ts)
             found += self._peers_of(r.job).take(r, now)

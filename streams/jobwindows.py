@@ -51,6 +51,7 @@ class _Job:
     waiting: dict[int, dict[str, PeerWindow]] = field(default_factory=lambda: defaultdict(dict))
     newest: dict[str, int] = field(default_factory=dict)     # node -> newest window index received
     released: int = -1
+    marked: bool = False          # the node side says how far it read the job's nodes (read_past)
 
 
 class JobWindows:
@@ -74,12 +75,28 @@ class JobWindows:
         j.waiting[w.index][w.node] = w
         return self._release(j)
 
+    def read_past(self, job: str, passed: dict[str, int]) -> list[PeerWindow]:
+        """The node side read these nodes of ``job`` past the end of these windows (node -> index; its
+        partition's clock, :meth:`TEEEngine.read_up_to`), and sent every window of theirs that closed
+        before: a node without window ``k`` then had none (silent), and ``k`` does not wait for it. The
+        nodes it names are the job's, so the job's first window waits for them too. Returns the windows
+        this completes. (On the event clock, where a replay reads partitions tens
+        of minutes apart: a node read far behind is not silent, and its job waits for it.)"""
+        j = self._jobs.get(job)
+        if j is None:
+            j = self._jobs[job] = _Job()
+        j.marked = True                 # the job's nodes are known: its first window needs them all too
+        for node, k in passed.items():
+            if k > j.newest.get(node, k - 1):
+                j.newest[node] = k
+        return self._release(j)
+
     def _release(self, j: _Job) -> list[PeerWindow]:
         out: list[PeerWindow] = []
         while j.waiting:
             k = min(j.waiting)
             ahead = max(j.newest.values()) >= k + self.wait
-            complete = j.released >= 0 and window_complete(j.newest, k, self.wait)
+            complete = (j.released >= 0 or j.marked) and window_complete(j.newest, k, self.wait)
             if not (complete or ahead):
                 break
             got = j.waiting.pop(k)

@@ -595,3 +595,46 @@ def test_a_nodes_window_that_comes_after_its_jobs_is_judged_against_the_same_pee
     found = _late_node(1200, late_s=300, slow_one_at=700)
     assert [(f.node, f.kind, f.action) for f in found] == [("node3", c.FaultKind.STRAGGLER, c.Action.EVICT)]
     assert found[0].evidence["peers"] == 4 and found[0].observed_ts <= T0 + 700 + 25
+
+
+def _replay_apart(seconds, slow_all_at=None, slow_one_at=None):
+    """Event clock, split: the node side reads node0's metrics at half the pace of the other three
+    nodes' (a replay's partitions read apart: ``seconds / 2`` behind when they are done) and says how
+    far it read each node
+    (:meth:`TEEEngine.read_up_to`). Slowdowns as in :func:`_late_node` (``slow_one_at``: node3's GPU 0).
+    Returns the job side and the fault events that are not resolutions."""
+    config = TEEConfig(soft_detectors=("peers",), clock="event")
+    node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
+    rng = np.random.default_rng(19)
+    nodes = [f"node{n}" for n in range(4)]
+    out = []
+    for t in range(2 * seconds):
+        for node in nodes:
+            at = t // 2 if node == "node0" else t
+            if at >= seconds or node == "node0" and t % 2:
+                continue
+            gpus = []
+            for i in range(2):
+                scale = 0.85 if slow_all_at is not None and at >= slow_all_at else 1.0
+                if node == "node3" and i == 0 and slow_one_at is not None and at >= slow_one_at:
+                    scale *= 0.7
+                gpus.append(gpu(i, **{c.DCGM.SM_CLOCK: (1980.0 - abs(rng.normal(0, 20))) * scale,
+                                      c.DCGM.POWER_USAGE: 90 + (560 + rng.normal(0, 12) - 90) * scale,
+                                      c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7)}))
+            out += node_side.process(batch(T0 + at, *gpus, node=node), now=T0 + at)
+        node_side.read_up_to({n: T0 + min(t // 2 if n == "node0" else t, seconds - 1) for n in nodes})
+        for feed in node_side.feeds():
+            out += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(feed)))
+    return job_side, [f for f in out if not f.resolved]
+
+
+def test_a_replay_read_minutes_apart_judges_each_window_with_the_whole_job():
+    """node0 read up to 13 minutes of sample time behind its peers: the job's windows wait for it (the
+    node side says it is read that far, not silent), so no window is judged without it: a slowdown of the whole job is nobody's fault, and node3's GPU at 70 % of the job's
+    clock is a straggler judged with all 4 nodes."""
+    job_side, found = _replay_apart(1600, slow_all_at=700)
+    assert found == [] and job_side.job_windows.late == 0
+    job_side, found = _replay_apart(1600, slow_one_at=700)
+    assert [(f.node, f.kind, f.action, f.evidence["peers"]) for f in found] == \
+        [("node3", c.FaultKind.STRAGGLER, c.Action.EVICT, 4)]
+    assert job_side.job_windows.late == 0 and found[0].observed_ts <= T0 + 700 + 25
