@@ -140,18 +140,26 @@ class TEEEngine:
             state.job = batch.job
         self.counts["batches"] += 1
         found: list[FaultEvent] = []
+        outbox = self.peers.outbox if self.peers is not None else None
+        closed = len(outbox) if outbox is not None else 0
         for rule in self.rules:
             found.extend(rule.observe(state, batch, now))
+        if outbox is not None and len(outbox) > closed:
+            # a window this batch closed carries the node's hard faults up to its end, not those of the
+            # batches read before the feed leaves (a replay reads minutes of a node between two feeds)
+            hard = self._hard_at.get(batch.node)
+            if hard is not None:
+                outbox[closed:] = [replace(w, hard_ts=hard) for w in outbox[closed:]]
         if self._hard_ongoing(state, batch.ts):
             self._hard_at[batch.node] = batch.ts    # soft symptoms of an ongoing hard fault are explained
         return self._new(found)
 
     def windows(self) -> list[PeerWindow]:
         """Split peers, node side: the windows closed since the last call, each with its node's last
-        hard-fault trigger (the job's worker cannot see the node's hard faults otherwise)."""
+        hard-fault trigger when it closed (the job's worker cannot see the node's hard faults otherwise)."""
         if self.peers is None or not self.peers.outbox:
             return []
-        out = [replace(w, hard_ts=self._hard_at.get(w.node)) for w in self.peers.outbox]
+        out = list(self.peers.outbox)
         self.peers.outbox.clear()
         return out
 

@@ -638,3 +638,16 @@ def test_a_replay_read_minutes_apart_judges_each_window_with_the_whole_job():
     assert [(f.node, f.kind, f.action, f.evidence["peers"]) for f in found] == \
         [("node3", c.FaultKind.STRAGGLER, c.Action.EVICT, 4)]
     assert job_side.job_windows.late == 0 and found[0].observed_ts <= T0 + 700 + 25
+
+
+def test_a_nodes_window_carries_its_hard_faults_up_to_its_end_not_those_read_before_the_feed_left():
+    """Split, node side: windows closed before a hard fault of their node (read before the feed leaves:
+    a replay reads minutes of a node between two feeds) do not carry it, so the job's worker does not
+    take their anomalies for its symptoms; the window it falls in does."""
+    engine = TEEEngine(TEEConfig(soft_detectors=("peers",)), split_peers=True)
+    for t in range(45):
+        extra = (c.Sample(c.Source.GPU, {c.DCGM.XID_ERRORS: 79}, index=1),) if t == 25 else ()
+        engine.process(batch(T0 + t, gpu(0), *extra), now=T0 + t)
+    [feed] = engine.feeds()
+    assert [(w.index - int(T0 // 10), w.hard_ts) for w in feed.windows] == [(0, None), (1, None), (2, T0 + 25),
+                                                                            (3, T0 + 25)]
