@@ -550,6 +550,20 @@ def test_a_node_is_not_hot_because_its_waiting_peers_cooled(engine):
     assert [(f.node, f.evidence["class"]) for f in hot] == [("node1", "thermal")]
 
 
+def _slowed_gpus(rng, node, t, slow_all_at, slow_one_at) -> list[c.Sample]:
+    """Two GPUs of ``node`` at second ``t``, with a little noise: from ``slow_all_at`` every node's at 85 %
+    of its SM clock and power, from ``slow_one_at`` node3's GPU 0 at 70 % more."""
+    gpus = []
+    for i in range(2):
+        scale = 0.85 if slow_all_at is not None and t >= slow_all_at else 1.0
+        if node == "node3" and i == 0 and slow_one_at is not None and t >= slow_one_at:
+            scale *= 0.7
+        gpus.append(gpu(i, **{c.DCGM.SM_CLOCK: (1980.0 - abs(rng.normal(0, 20))) * scale,
+                              c.DCGM.POWER_USAGE: 90 + (560 + rng.normal(0, 12) - 90) * scale,
+                              c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7)}))
+    return gpus
+
+
 def _late_node(seconds, late_s, slow_all_at=None, slow_one_at=None):
     """Split peers (node side and job side, two engines): 4 nodes of one job; node3's window summaries
     reach the job side ``late_s`` later than its peers' (its metrics read that far behind: a worker
@@ -564,14 +578,7 @@ def _late_node(seconds, late_s, slow_all_at=None, slow_one_at=None):
     for t in range(seconds):
         for n in range(4):
             node = f"node{n}"
-            gpus = []
-            for i in range(2):
-                scale = 0.85 if slow_all_at is not None and t >= slow_all_at else 1.0
-                if node == "node3" and i == 0 and slow_one_at is not None and t >= slow_one_at:
-                    scale *= 0.7
-                gpus.append(gpu(i, **{c.DCGM.SM_CLOCK: (1980.0 - abs(rng.normal(0, 20))) * scale,
-                                      c.DCGM.POWER_USAGE: 90 + (560 + rng.normal(0, 12) - 90) * scale,
-                                      c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7)}))
+            gpus = _slowed_gpus(rng, node, t, slow_all_at, slow_one_at)
             out += node_side.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
         for feed in node_side.feeds():
             held += [(T0 + t + late_s, w) for w in feed.windows if w.node == "node3"]
@@ -613,14 +620,7 @@ def _replay_apart(seconds, slow_all_at=None, slow_one_at=None):
             at = t // 2 if node == "node0" else t
             if at >= seconds or node == "node0" and t % 2:
                 continue
-            gpus = []
-            for i in range(2):
-                scale = 0.85 if slow_all_at is not None and at >= slow_all_at else 1.0
-                if node == "node3" and i == 0 and slow_one_at is not None and at >= slow_one_at:
-                    scale *= 0.7
-                gpus.append(gpu(i, **{c.DCGM.SM_CLOCK: (1980.0 - abs(rng.normal(0, 20))) * scale,
-                                      c.DCGM.POWER_USAGE: 90 + (560 + rng.normal(0, 12) - 90) * scale,
-                                      c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7)}))
+            gpus = _slowed_gpus(rng, node, at, slow_all_at, slow_one_at)
             out += node_side.process(batch(T0 + at, *gpus, node=node), now=T0 + at)
         node_side.read_up_to({n: T0 + min(t // 2 if n == "node0" else t, seconds - 1) for n in nodes})
         for feed in node_side.feeds():
