@@ -58,6 +58,7 @@ from transom.log import get
 from .config import TEEConfig
 from .classes import HARD
 from .hangs import HangDetector
+from .jobwindows import is_read_mark
 from .rules import (EccRule, GpuLostRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule, Rule,
                     XidRule)
 
@@ -201,7 +202,7 @@ class TEEEngine:
         if event_clock and self.job_windows is not None:
             # after the feed's windows: how far each node was read (a node read past a window without
             # sending it had none, and the job's window does not wait for it)
-            marks = {r.node: r.ts for r in feed.ranks if not r.samples and r.gpu_util is None}
+            marks = {r.node: r.ts for r in feed.ranks if is_read_mark(r)}
             if marks:
                 ws = self.config.soft_window_s
                 found += self._take_windows(self.job_windows.read_past(

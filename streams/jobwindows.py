@@ -31,7 +31,12 @@ from typing import Iterable
 
 from transom.contracts import PeerWindow, RankReport
 
-__all__ = ["JobReports", "JobWindows", "window_complete", "drop_gone"]
+__all__ = ["JobReports", "JobWindows", "is_read_mark", "window_complete", "drop_gone"]
+
+
+def is_read_mark(r: RankReport) -> bool:
+    """Whether ``r`` only says how far its node was read (``TEEEngine.read_up_to``): no samples, no utilisation."""
+    return not r.samples and r.gpu_util is None
 
 
 def window_complete(newest: dict[str, int], k: int, wait: int) -> bool:
@@ -150,7 +155,7 @@ class JobReports:
         for r in reports:
             if r.ts > j.newest.get(r.node, 0.0):
                 j.newest[r.node] = r.ts
-            if r.samples or r.gpu_util is not None:
+            if not is_read_mark(r):
                 heapq.heappush(j.held, (r.ts, next(self._arrival), r))
         if not j.newest:
             return []
