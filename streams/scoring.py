@@ -24,15 +24,15 @@ of the rows (a suffix of its name; none: the scaled values):
 Each member is rank-normalised against its own scores on the history: ``(s - median) / (q99 -
 median)``, so members with different units add up. Features are min-max scaled by the history
 (constant features dropped, values clipped to [-3, 4] of the range), then each member's score is
-smoothed by an exponentially weighted trailing mean of span ``smooth`` (a fault lasts; noise does
-not). The kNN member scores a row by its mean distance to the k nearest rows of a small seeded sample
-of the history (``knn_sample`` rows), averaged over ``knn_bags`` independent samples: a small sample
-rarely holds the history's few odd rows (the history is not labelled and may hold faults), and the
-average removes the luck of one draw. The defaults (``knn_var``, lags 5, ridge 10, and
-``knn_level``, level window 3,000, residual window 10; k=5, 4 samples of 1000 rows, span 5; DSPOT
-with level 0.85 and depth 1000) are the one configuration ``bench/tee_external.py`` scores on both
-SMD and ASD. The kNN search is brute force in numpy: the engine scores a few dozen rows at a time,
-where a search tree's per-call overhead costs more than the search.
+smoothed by an exponentially weighted trailing mean of span ``smooth`` (``level_smooth`` for the
+``_level`` members: a fault lasts; noise does not). The kNN member scores a row by its mean distance
+to the k nearest rows of a small seeded sample of the history (``knn_sample`` rows), averaged over
+``knn_bags`` independent samples: a small sample rarely holds the history's few odd rows (the
+history is not labelled and may hold faults), and the average removes the luck of one draw. The
+defaults (``knn_var``, lags 5, ridge 10, and ``knn_level``, level window 3,000, residual window 10;
+k=5, 4 samples of 1000 rows, spans 8 and 3; DSPOT with level 0.85 and depth 1000) are the one
+configuration ``bench/tee_external.py`` scores on both SMD and ASD. The kNN search is brute force in
+numpy: the engine scores a few dozen rows at a time, where a search tree's per-call overhead costs more than the search.
 
 Threshold (``threshold_rule``): "pot" holds out the last ``validation`` share of the
 history, fits the members on the rest, scores the held-out rows (out of sample, as new data will
@@ -92,8 +92,11 @@ class ScorerConfig:
     #: share of variance the PCA member's components explain
     pca_variance: float = 0.9
     #: span of the exponentially weighted trailing mean of each member's score (weight 2/(span+1)
-    #: on the newest sample; 1: no smoothing)
-    smooth: int = 5
+    #: on the newest sample; 1: no smoothing) ...
+    smooth: int = 8
+    #: ... and of the ``_level`` members' (their residual half sees a change at once: a shorter span
+    #: keeps a fault of a few rows, which the autoregression errors, smoothed longer, leave to them)
+    level_smooth: int = 3
     #: the threshold is this quantile of the smoothed history scores (0.98: a fault found early
     #: matters more than a few more alarms to look at; see bench/tee_external.py)
     quantile: float = 0.98
@@ -115,10 +118,14 @@ class ScorerConfig:
     #: ... and the threshold the score exceeded with this probability under the fitted tail
     pot_risk: float = 1e-2
 
+    def span(self, member: str) -> int:
+        """The smoothing span of ``member``'s score."""
+        return self.level_smooth if member.endswith("_level") else self.smooth
+
     @property
     def warmup(self) -> int:
         """Rows the smoothing is warmed up on before the first row whose score is wanted."""
-        return 5 * self.smooth
+        return 5 * max(self.span(m) for m in self.members)
 
     @property
     def context(self) -> int:
@@ -150,8 +157,8 @@ class ScorerConfig:
         if isinstance(self.var_ridge, bool) or not isinstance(self.var_ridge, (int, float)) or not self.var_ridge > 0:
             raise ConfigError(f"scorer var_ridge={self.var_ridge!r}: expected a number > 0 (the penalty also keeps "
                               "the autoregression solvable when columns move together)")
-        for f in ("k", "knn_sample", "knn_bags", "smooth", "residual_window", "drift_depth", "refit_peaks",
-                  "var_lags", "level_window"):
+        for f in ("k", "knn_sample", "knn_bags", "smooth", "level_smooth", "residual_window", "drift_depth",
+                  "refit_peaks", "var_lags", "level_window"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"scorer {f}={getattr(self, f)!r}: expected a positive integer")
 
@@ -406,7 +413,7 @@ class TemporalScorer:
             name = _base(full)
             m = (_Knn(cfg.k, cfg.knn_sample, cfg.knn_bags, cfg.seed) if name == "knn" else
                  _Pca(cfg.pca_variance) if name == "pca" else _Pyod(name))
-            s = ewma(m.fit(self._view(full, X)), cfg.smooth)
+            s = ewma(m.fit(self._view(full, X)), cfg.span(full))
             med, q = float(np.median(s)), float(np.percentile(s, 99))
             self.members.append(m)
             self.norms.append((med, max(q - med, 1e-12)))
@@ -441,7 +448,7 @@ class TemporalScorer:
         start = 0 if last is None else max(0, len(X) - last - self.config.warmup)
         total = np.zeros(len(X) - start)
         for full, m, (med, span) in zip(self.config.members, self.members, self.norms):
-            total += (ewma(m.score(self._view(full, X, start)), self.config.smooth) - med) / span
+            total += (ewma(m.score(self._view(full, X, start)), self.config.span(full)) - med) / span
         return total if last is None else total[-last:]
 
     def contributions(self, x: np.ndarray) -> np.ndarray:

@@ -382,6 +382,34 @@ def test_temporal_scorer_is_causal_and_its_bags_average_the_luck_of_one_sample()
     np.testing.assert_allclose(ewma(np.array([0.0, 3.0, 3.0]), 2), [0.0, 2.0, 8 / 3])
 
 
+def test_a_fault_two_rows_long_is_flagged_while_it_runs_the_level_member_smoothed_shorter():
+    """Each member's score is smoothed with its own span (``smooth`` 8; ``level_smooth`` 3 for the
+    ``_level`` member, whose residual half sees a change at once): a fault of two rows raises an alarm
+    before it ends, and smoothing the level member as long as the other scores it lower."""
+    rng = np.random.default_rng(12)
+
+    def series(n, t0=0):
+        x = np.sin((np.arange(n + 1) + t0) / 15) + rng.normal(0, 0.03, n + 1)
+        slow = np.zeros(n)
+        for i in range(1, n):
+            slow[i] = 0.95 * slow[i - 1] + rng.normal(0, 0.05)
+        return np.c_[x[1:], x[:-1], slow]
+
+    history, stream = series(3000), series(600, 3000)
+    stream[300:302, 2] += 0.2
+    config = ScorerConfig()
+    assert (config.span("knn_var"), config.span("knn_level"), config.warmup) == (8, 3, 40)
+    scorer = TemporalScorer(config).fit(history)
+    s = scorer.score(stream)
+    alarms = scorer.thresholder().step(s)
+    assert alarms[300:302].any() and alarms[:290].mean() < 0.05
+    longer = TemporalScorer(ScorerConfig(level_smooth=8)).fit(history)
+    assert longer.score(stream)[300:303].max() < 0.9 * s[300:303].max()
+    np.testing.assert_allclose(scorer.score(stream, last=10), s[-10:], rtol=1e-3, atol=1e-3)
+    with pytest.raises(ConfigError, match="level_smooth=0: expected a positive integer"):
+        ScorerConfig(level_smooth=0)
+
+
 def test_the_scorer_learns_a_nodes_dynamics_and_takes_a_level_that_held_for_its_level_window_as_normal():
     """The default members: ``knn_var`` flags rows that break how the columns follow each other, though
     every value stays in its usual range; ``knn_level`` flags a new level at once and, once it has held
