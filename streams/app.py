@@ -79,6 +79,10 @@ REPLAY_FETCH_BYTES = 64 * 1024
 #: Event clock: seconds (wall) a partition must stay read to its end before its time may move on
 #: with the other partitions' (a fetch may not yet have seen what is still being published).
 END_SETTLE_S = 2.0
+#: Wall clock: a partition with batches left to read whose newest batch read is older than this
+#: (sample time against the worker's clock) is behind: the worker is catching up (started or restarted
+#: behind a backlog), and says so every CATCHUP_LOG_S until it is not.
+CATCHUP_LAG_S, CATCHUP_LOG_S = 30.0, 10.0
 log = get("tee")
 
 
@@ -110,9 +114,10 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     peer_windows = app.topic(contracts.PEER_WINDOWS, key_type=bytes, value_type=bytes)
     nodes_of: dict[int, set[str]] = defaultdict(set)   # metrics partition -> nodes seen on it
     jobs_of: dict[int, set[str]] = defaultdict(set)    # peer-windows partition -> jobs judged from it
-    watermarks: dict[int, float] = {}                    # event clock: partition -> newest sample time
+    watermarks: dict[int, float] = {}                    # partition -> newest sample time read
     checked: dict[int, int] = {}                         # event clock: partition -> second last checked
-    positions: dict[int, int] = {}                       # event clock: partition -> offset last processed
+    positions: dict[int, int] = {}                       # partition -> offset last processed
+    behind_since: dict[str, float] = {}                  # wall clock: since when catching up, last said
     at_end: dict[int, tuple[int, float]] = {}            # event clock: partition -> (its end offset, since when)
     moved_on: dict[int, int] = {}                        # event clock: partition -> end offset it moved on at
 
@@ -143,6 +148,32 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                          "other partitions' to %.1f, %.1f s past its newest sample", p, at_end[p][0],
                          wall - at_end[p][1], now, now - watermarks[p])
         return clocks
+
+    def catching_up() -> None:
+        """Wall clock: while some partition has batches left to read and its newest read is more than
+        CATCHUP_LAG_S old (a backlog: the worker started or restarted behind), say every CATCHUP_LOG_S
+        how far behind it reads, then once how long catching up took."""
+        now, wall = time.time(), time.monotonic()
+        behind: dict[int, tuple[int, float]] = {}
+        for p, mark in watermarks.items():
+            try:
+                high = app.consumer.highwater(TP(contracts.METRICS, p))
+            except Exception:
+                high = None
+            unread = (high or 0) - positions.get(p, -1) - 1
+            if unread > 0 and now - mark > CATCHUP_LAG_S:
+                behind[p] = (unread, now - mark)
+        if behind:
+            behind_since.setdefault("since", wall)
+            if wall - behind_since.get("said", -CATCHUP_LOG_S) >= CATCHUP_LOG_S:
+                behind_since["said"] = wall
+                log.info("TEE catching up: %d batches left to read on %s partitions %s, up to %.0f s behind "
+                         "(sample time)", sum(u for u, _ in behind.values()), contracts.METRICS, sorted(behind),
+                         max(lag for _, lag in behind.values()))
+        elif "since" in behind_since:
+            log.info("TEE caught up in %.0f s: every %s partition is read to within %.0f s of now",
+                     wall - behind_since["since"], contracts.METRICS, CATCHUP_LAG_S)
+            behind_since.clear()
 
     def event_heartbeats() -> list[contracts.FaultEvent]:
         found: list[contracts.FaultEvent] = []
@@ -198,19 +229,18 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             return [], (str(err), msg)
         nodes_of[msg.partition].add(batch.node)
         found: list[contracts.FaultEvent] = []
+        watermarks[msg.partition] = max(watermarks.get(msg.partition, 0.0), batch.ts)
         if event_clock:
             # the partition's clock moves to this batch's time before the batch is taken: a node that was
             # silent and is back (alone on its partition, nothing else moved the clock while it was away)
             # is found silent at its return, as a live worker would have found it while it was away
-            watermarks[msg.partition] = max(watermarks.get(msg.partition, 0.0), batch.ts)
             found = event_heartbeats()
         try:
             found += engine.process(batch, now=batch.ts if event_clock else None)
         except Exception as exc:   # a detector bug must not stop the stream: keep the input
             log.exception("the engine failed on a batch of %s", batch.node)
             return found, (f"tee failed to process the batch: {exc!r}", msg)
-        if event_clock:
-            positions[msg.partition] = msg.offset
+        positions[msg.partition] = msg.offset
         return found, None
 
     @app.agent(metrics, name="tee")
@@ -253,6 +283,8 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
         # event clock: also between batches, so a partition that settled at its end is judged then
         await emit(event_heartbeats() if event_clock else engine.check_heartbeats(time.time()))
         await send_feeds()        # what the last lists left (no metrics since)
+        if not event_clock:
+            catching_up()
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender, revoked, **_):

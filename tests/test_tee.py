@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -647,6 +648,58 @@ def test_event_clock_worker_replays_an_old_hour_and_finds_the_node_that_fell_sil
         assert base + 45 <= lost[1].detected_ts <= base + 200
         [xid] = [f for f in faults if f.kind == c.FaultKind.XID]
         assert (xid.node, xid.observed_ts) == ("steady", base + 80)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.integration
+def test_a_worker_started_behind_a_backlog_says_how_far_behind_it_reads_until_it_caught_up(fresh_broker, tmp_path):
+    """A wall-clock worker that starts (or restarts) behind ten minutes of 30 nodes' batches says, while
+    it reads them, how many batches it has left and how far behind it reads, then that it caught up;
+    the nodes kept reporting meanwhile, and the backlog's clean batches raise no fault (the old batches
+    are not a silence)."""
+    bs = fresh_broker.bootstrap
+    kafka.ensure_topics(bs)
+    nodes = [f"bl-{i:02d}" for i in range(30)]
+    producer = kafka.make_producer(bs)
+
+    def send(node: str, ts: float, seq: int) -> None:
+        kafka.produce(producer, c.METRICS, node, c.encode(
+            c.MetricBatch(node=node, ts=ts, seq=seq, job="backlog", samples=(gpu(0), gpu(1)))))
+
+    start = time.time() - 600
+    for k in range(600):                       # the backlog: ten minutes before the worker starts
+        for node in nodes:
+            send(node, start + k, k)
+    producer.flush(30)
+    logfile = tmp_path / "tee.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_LOG_LEVEL": "INFO"}
+    with open(logfile, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "transom.cli", "tee", "--bootstrap", bs],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    try:
+        seq, deadline = 600, time.time() + 120
+        while "TEE caught up" not in logfile.read_text():     # the nodes go on reporting, once a second
+            assert proc.poll() is None and time.time() < deadline, logfile.read_text()[-3000:]
+            for node in nodes:
+                send(node, time.time(), seq)
+            producer.flush(10)
+            seq += 1
+            time.sleep(1.0)
+        said = logfile.read_text()
+        behind = [line for line in said.splitlines() if "TEE catching up:" in line]
+        assert behind, said[-3000:]
+        left, lag = (float(x) for x in re.search(r"(\d+) batches left to read .* up to (\d+) s behind",
+                                                  behind[0]).groups())
+        assert 0 < left <= 18_000 and 30 < lag <= 620
+        assert re.search(r"TEE caught up in \d+ s", said)
+        time.sleep(3.0)
+        assert topic_values(bs, c.FAULTS) == []
     finally:
         proc.terminate()
         try:
