@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -273,21 +274,20 @@ def test_ecod_stays_quiet_on_clean_noise(engine_cfg):
 
 # --------------------------------------------------------------------------- a real worker
 
-@pytest.fixture(scope="module")
-def tee(broker, tmp_path_factory):
-    """One `transom tee` process for this module (hang timeout 3 s, heartbeat timeout 2 s)."""
-    logfile = tmp_path_factory.mktemp("tee") / "tee.log"
+@contextlib.contextmanager
+def tee_worker(bootstrap: str, logfile: Path, *args: str, joined: bool = True):
+    """A `transom tee` process with ``args``, its output in ``logfile`` (``proc.logfile``); with ``joined``,
+    yielded once it holds its partitions. Stopped (SIGTERM, then SIGKILL after 30 s) on the way out."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_LOG_LEVEL": "INFO"}
     with open(logfile, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "transom.cli", "tee", "--bootstrap", broker.bootstrap,
-             "--hang-timeout", "3", "--heartbeat-timeout", "2"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "transom.cli", "tee", "--bootstrap", bootstrap, *args],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     proc.logfile = logfile
     try:
-        wait_until(lambda: proc.poll() is not None or "TEE assigned" in logfile.read_text(), 90,
-                   "the TEE worker to join its consumer group")
-        assert proc.poll() is None, f"transom tee exited with {proc.returncode}:\n{logfile.read_text()}"
+        if joined:
+            wait_until(lambda: proc.poll() is not None or "TEE assigned" in logfile.read_text(), 90,
+                       "the TEE worker to join its consumer group")
+            assert proc.poll() is None, f"transom tee exited with {proc.returncode}:\n{logfile.read_text()}"
         yield proc
     finally:
         if proc.poll() is None:
@@ -297,6 +297,14 @@ def tee(broker, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tee(broker, tmp_path_factory):
+    """One `transom tee` process for this module (hang timeout 3 s, heartbeat timeout 2 s)."""
+    with tee_worker(broker.bootstrap, tmp_path_factory.mktemp("tee") / "tee.log",
+                    "--hang-timeout", "3", "--heartbeat-timeout", "2") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
@@ -611,16 +619,7 @@ def test_event_clock_worker_replays_an_old_hour_and_finds_the_node_that_fell_sil
     though nothing else on its partition moved the clock while it was away."""
     bs = fresh_broker.bootstrap
     kafka.ensure_topics(bs)
-    logfile = tmp_path / "tee.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_LOG_LEVEL": "INFO"}
-    with open(logfile, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "transom.cli", "tee", "--bootstrap", bs, "--clock", "event",
-                                 "--heartbeat-timeout", "5"],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    try:
-        wait_until(lambda: proc.poll() is not None or "TEE assigned" in logfile.read_text(), 90,
-                   "the TEE worker to join its consumer group")
-        assert proc.poll() is None, logfile.read_text()
+    with tee_worker(bs, tmp_path / "tee.log", "--clock", "event", "--heartbeat-timeout", "5"):
         base = time.time() - 86400
         producer = kafka.make_producer(bs)
         for i in range(200):
@@ -648,13 +647,6 @@ def test_event_clock_worker_replays_an_old_hour_and_finds_the_node_that_fell_sil
         assert base + 45 <= lost[1].detected_ts <= base + 200
         [xid] = [f for f in faults if f.kind == c.FaultKind.XID]
         assert (xid.node, xid.observed_ts) == ("steady", base + 80)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.integration
@@ -678,11 +670,7 @@ def test_a_worker_started_behind_a_backlog_says_how_far_behind_it_reads_until_it
             send(node, start + k, k)
     producer.flush(30)
     logfile = tmp_path / "tee.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRANSOM_LOG_LEVEL": "INFO"}
-    with open(logfile, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "transom.cli", "tee", "--bootstrap", bs],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    try:
+    with tee_worker(bs, logfile, joined=False) as proc:
         seq, deadline = 600, time.time() + 120
         while "TEE caught up" not in logfile.read_text():     # the nodes go on reporting, once a second
             assert proc.poll() is None and time.time() < deadline, logfile.read_text()[-3000:]
@@ -700,10 +688,3 @@ def test_a_worker_started_behind_a_backlog_says_how_far_behind_it_reads_until_it
         assert re.search(r"TEE caught up in \d+ s", said)
         time.sleep(3.0)
         assert topic_values(bs, c.FAULTS) == []
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
