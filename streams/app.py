@@ -121,13 +121,17 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     at_end: dict[int, tuple[int, float]] = {}            # event clock: partition -> (its end offset, since when)
     moved_on: dict[int, int] = {}                        # event clock: partition -> end offset it moved on at
 
+    def highwater(p: int) -> int | None:
+        """The end offset of metrics partition ``p`` the consumer's last fetch saw (None: none yet)."""
+        try:
+            return app.consumer.highwater(TP(contracts.METRICS, p))
+        except Exception:
+            return None
+
     def event_clocks() -> dict[int, float]:
         behind, wall = set(), time.monotonic()
         for p in watermarks:
-            try:
-                high = app.consumer.highwater(TP(contracts.METRICS, p))
-            except Exception:
-                high = None
+            high = highwater(p)
             if high is None or positions.get(p, -1) + 1 < high:
                 behind.add(p)
                 at_end.pop(p, None)
@@ -156,11 +160,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
         now, wall = time.time(), time.monotonic()
         behind: dict[int, tuple[int, float]] = {}
         for p, mark in watermarks.items():
-            try:
-                high = app.consumer.highwater(TP(contracts.METRICS, p))
-            except Exception:
-                high = None
-            unread = (high or 0) - positions.get(p, -1) - 1
+            unread = (highwater(p) or 0) - positions.get(p, -1) - 1
             if unread > 0 and now - mark > CATCHUP_LAG_S:
                 behind[p] = (unread, now - mark)
         if behind:

@@ -69,10 +69,14 @@ class JobWindows:
         self._jobs: dict[str, _Job] = {}
         self.late = 0          # windows that came after their job's window was released
 
-    def add(self, w: PeerWindow) -> list[PeerWindow]:
-        j = self._jobs.get(w.job)
+    def _job(self, job: str) -> _Job:
+        j = self._jobs.get(job)
         if j is None:
-            j = self._jobs[w.job] = _Job()
+            j = self._jobs[job] = _Job()
+        return j
+
+    def add(self, w: PeerWindow) -> list[PeerWindow]:
+        j = self._job(w.job)
         j.newest[w.node] = max(j.newest.get(w.node, w.index), w.index)
         if w.index <= j.released:
             self.late += 1
@@ -87,9 +91,7 @@ class JobWindows:
         nodes it names are the job's, so the job's first window waits for them too. Returns the windows
         this completes. (On the event clock, where a replay reads partitions tens
         of minutes apart: a node read far behind is not silent, and its job waits for it.)"""
-        j = self._jobs.get(job)
-        if j is None:
-            j = self._jobs[job] = _Job()
+        j = self._job(job)
         j.marked = True                 # the job's nodes are known: its first window needs them all too
         for node, k in passed.items():
             if k > j.newest.get(node, k - 1):

@@ -382,20 +382,22 @@ def test_temporal_scorer_is_causal_and_its_bags_average_the_luck_of_one_sample()
     np.testing.assert_allclose(ewma(np.array([0.0, 3.0, 3.0]), 2), [0.0, 2.0, 8 / 3])
 
 
+def _node_series(rng, n, t0=0):
+    """``n`` rows of 3 columns from row ``t0`` on: a noisy sine, the same one row late (column 1
+    follows column 0), and a column that wanders slowly (AR(1), 0.95)."""
+    x = np.sin((np.arange(n + 1) + t0) / 15) + rng.normal(0, 0.03, n + 1)
+    slow = np.zeros(n)
+    for i in range(1, n):
+        slow[i] = 0.95 * slow[i - 1] + rng.normal(0, 0.05)
+    return np.c_[x[1:], x[:-1], slow]
+
+
 def test_a_fault_two_rows_long_is_flagged_while_it_runs_the_level_member_smoothed_shorter():
     """Each member's score is smoothed with its own span (``smooth`` 8; ``level_smooth`` 3 for the
     ``_level`` member, whose residual half sees a change at once): a fault of two rows raises an alarm
     before it ends, and smoothing the level member as long as the other scores it lower."""
     rng = np.random.default_rng(12)
-
-    def series(n, t0=0):
-        x = np.sin((np.arange(n + 1) + t0) / 15) + rng.normal(0, 0.03, n + 1)
-        slow = np.zeros(n)
-        for i in range(1, n):
-            slow[i] = 0.95 * slow[i - 1] + rng.normal(0, 0.05)
-        return np.c_[x[1:], x[:-1], slow]
-
-    history, stream = series(3000), series(600, 3000)
+    history, stream = _node_series(rng, 3000), _node_series(rng, 600, 3000)
     stream[300:302, 2] += 0.2
     config = ScorerConfig()
     assert (config.span("knn_var"), config.span("knn_level"), config.warmup) == (8, 3, 40)
@@ -417,22 +419,15 @@ def test_the_scorer_learns_a_nodes_dynamics_and_takes_a_level_that_held_for_its_
     gives their scores in the whole series."""
     rng = np.random.default_rng(12)
 
-    def series(n, t0=0):
-        x = np.sin((np.arange(n + 1) + t0) / 15) + rng.normal(0, 0.03, n + 1)
-        slow = np.zeros(n)                                      # column 2 wanders slowly (AR(1), 0.95)
-        for i in range(1, n):
-            slow[i] = 0.95 * slow[i - 1] + rng.normal(0, 0.05)
-        return np.c_[x[1:], x[:-1], slow]                       # column 1 is column 0 one row late
-
     config = ScorerConfig(level_window=300)
-    scorer = TemporalScorer(config).fit(series(3000))
-    broken = series(600, 3000)
+    scorer = TemporalScorer(config).fit(_node_series(rng, 3000))
+    broken = _node_series(rng, 600, 3000)
     broken[300:330, 1] = -broken[300:330, 1]                    # the same values, the relation broken
     alarms = scorer.thresholder().step(scorer.score(broken))
     assert alarms[305:330].mean() > 0.8 and alarms[:290].mean() < 0.1
     var = scorer._view("knn_var", scorer._scale(broken))
     assert np.abs(var[305:330, 1]).mean() > 10 * np.abs(var[:290, 1]).mean()
-    shifted = series(1200, 3600)
+    shifted = _node_series(rng, 1200, 3600)
     shifted[200:, 2] += 1.5                                     # a new level that stays
     s = scorer.score(shifted)
     assert scorer.thresholder().step(s)[205:230].all()
