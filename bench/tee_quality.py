@@ -13,7 +13,10 @@ Seeds (house rule 4, never tune on what you report): ``TUNING_SEEDS`` (1, 7, 100
 3002) are the seeds whose false alarms and misses were looked at while the detectors were changed
 (``--seeds tuning`` runs them; 3001 and 3002 were report seeds until a change followed their figures);
 the default ``--seeds`` are ``REPORT_SEEDS`` (3003, 3004), never looked at while tuning; the pipeline
-replay uses the first seed + 500; tests use seeds below 100 and 7301.
+replay uses the first seed + 500; tests use seeds below 100 and 7301. Jobs of other shapes
+(``--job-size``, nodes per job, default 8; ``--gpus`` per node, default 8): ``SHAPE_TUNING_SEEDS``
+(9001-9007 with jobs of 1, 2, 16 and 32 nodes of 2, 4 or 8 GPUs; 9101-9106 with jobs of 1 and 2 nodes)
+were looked at while the detectors were changed for small jobs; 9111 and up are reported.
 
 The peer: the skeleton's engine (rules XID, GPU lost, NaN, hang, heartbeat + per-sample ECOD),
 run on the same corpus; the JSON line carries both and the ratio of mean F1.
@@ -49,6 +52,8 @@ GRACE_S = 60.0
 TUNING_SEEDS = "1,7,1001,1002,1003,3001,3002"
 #: ... and the seeds reported, never looked at while tuning.
 REPORT_SEEDS = "3003,3004"
+#: ... and the seeds looked at while the detectors were changed for jobs of 1 or 2 nodes (other shapes).
+SHAPE_TUNING_SEEDS = "9001,9002,9003,9004,9005,9006,9007,9101,9102,9103,9104,9105,9106"
 
 
 def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool = True):
@@ -225,6 +230,8 @@ def main(argv=None) -> int:
                    help=f"corpus seeds, comma-separated, or 'tuning' ({TUNING_SEEDS}); default the report "
                         f"seeds {REPORT_SEEDS}, never looked at while tuning")
     p.add_argument("--rate", type=float, default=0.6, help="injected faults per node-hour")
+    p.add_argument("--job-size", type=int, default=8, help="nodes per job (default 8; 1: one-node jobs)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--no-peer", action="store_true", help="skip the skeleton engine (the peer)")
     p.add_argument("--peer-hours", type=float, default=0.5, help="hours of the peer's corpus (first seed)")
     p.add_argument("--pipeline-nodes", type=int, default=24,
@@ -232,6 +239,9 @@ def main(argv=None) -> int:
     p.add_argument("--pipeline-hours", type=float, default=1.0, help="its hours (default 1)")
     p.add_argument("--bootstrap", default=None, help="Kafka for the pipeline replay (default: an embedded broker)")
     a = p.parse_args(argv)
+    if a.job_size < 1 or a.gpus < 1:
+        p.error(f"--job-size {a.job_size} / --gpus {a.gpus}: expected positive integers")
+    shape = {"job_size": a.job_size, "gpus": a.gpus}
     if a.seeds == "tuning":
         a.seeds = TUNING_SEEDS
     t0 = time.time()
@@ -240,9 +250,9 @@ def main(argv=None) -> int:
     ours, theirs, batches, node_hours, fa, fa_peer = [], [], 0, 0.0, 0, 0
     counts = {}
     for seed in [int(s) for s in a.seeds.split(",")]:
-        corpus = Corpus(CorpusSpec(nodes=a.nodes, hours=a.hours, seed=seed, faults_per_node_hour=a.rate))
-        print(f"seed {seed}: {len(corpus.injections)} injections on {a.nodes} nodes x {a.hours} h",
-              file=sys.stderr, flush=True)
+        corpus = Corpus(CorpusSpec(nodes=a.nodes, hours=a.hours, seed=seed, faults_per_node_hour=a.rate, **shape))
+        print(f"seed {seed}: {len(corpus.injections)} injections on {a.nodes} nodes x {a.hours} h "
+              f"(jobs of {a.job_size} nodes, {a.gpus} GPUs each)", file=sys.stderr, flush=True)
         events, n, counts = replay(corpus, config)
         r = score(corpus, events)
         ours.append(r)
@@ -252,7 +262,8 @@ def main(argv=None) -> int:
         if not a.no_peer and not theirs:
             # the skeleton's engine (the first rules only, no ECC, row remap, link; per-sample ECOD) is
             # slow (an ECOD refit per node every 10 samples): it runs on the first seed, first peer_hours
-            pc_corpus = Corpus(CorpusSpec(nodes=a.nodes, hours=a.peer_hours, seed=seed, faults_per_node_hour=a.rate))
+            pc_corpus = Corpus(CorpusSpec(nodes=a.nodes, hours=a.peer_hours, seed=seed, faults_per_node_hour=a.rate,
+                                          **shape))
             ours_short = score(pc_corpus, replay(pc_corpus, config, progress=False)[0])
             events_p, _, _ = replay(pc_corpus, peer_config, progress=False)
             events_p = [e for e in events_p if e.detector in ("rule.xid", "rule.gpu_lost", "rule.nan_loss",
@@ -275,11 +286,11 @@ def main(argv=None) -> int:
     }
     for v in targets.values():
         v["met"] = v["value"] <= v["target"] if v.get("at_most") else v["value"] >= v["target"]
-    looked = sorted(set(a.seeds.split(",")) & set(TUNING_SEEDS.split(",")))
+    looked = sorted(set(a.seeds.split(",")) & set(TUNING_SEEDS.split(",") + SHAPE_TUNING_SEEDS.split(",")))
     out = {"bench": "tee_quality", "mode": "offline (detector library)", "seeds": a.seeds,
            "seeds_role": ("TUNING seeds " + ",".join(looked) + ": looked at while tuning, not a report") if looked
            else "report seeds: never looked at while tuning", "nodes": a.nodes,
-           "hours": a.hours, "node_hours": node_hours, "batches": batches, "classes": classes,
+           **shape, "hours": a.hours, "node_hours": node_hours, "batches": batches, "classes": classes,
            "false_alarms": fa, "hard_onset_delay_p99_s": hard_p99,
            "false_restart_or_evict_events": [e for r in ours for e in r["false_restart_or_evict"]][:20],
            "false_events": [e for r in ours for e in r["false_events"]][:50],
@@ -302,7 +313,7 @@ def main(argv=None) -> int:
     if a.pipeline_nodes:
         seed = int(a.seeds.split(",")[0]) + 500
         corpus = Corpus(CorpusSpec(nodes=a.pipeline_nodes, hours=a.pipeline_hours, seed=seed,
-                                   faults_per_node_hour=a.rate))
+                                   faults_per_node_hour=a.rate, **shape))
         print(f"pipeline: seed {seed}, {len(corpus.injections)} injections on {a.pipeline_nodes} nodes x "
               f"{a.pipeline_hours} h, through the broker and a `transom tee --clock event` worker",
               file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ stall > step limit and the rank is stuck          that rank and its node (``caus
 stall > step limit, peers stepped on meanwhile    that rank and its node (``cause: behind``)
 stall > step limit, whole job still; this node's  this node's ranks (``cause: not in the
 GPUs idle while at least 2x as many nodes spin    collective``)
+(or, the one idle node, while all others spin)
 stall > pause ceiling (nothing stands out)        the rank that stopped first (``cause:
                                                   pause ceiling``), its node only
 ===============================================  ==========================================
@@ -304,14 +305,18 @@ class HangDetector:
         return self._event(now, job_id, key, r, job, peers, cause, limit)
 
     def _not_in_collective(self, job: JobView, node: str, r: RankView, peers) -> bool:
-        """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin."""
+        """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,
+        the one idle node, while every other node's spin)."""
         if not peers or any(v.stall < self.step_limit(v) / 2 for _, v in peers):
             return False
         fresh = {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
         mine = fresh.get(node)
         idle = sum(1 for u in fresh.values() if u <= self.config.hang_idle_util)
         busy = sum(1 for u in fresh.values() if u >= self.config.hang_busy_util)
-        if mine is None or mine > self.config.hang_idle_util or busy < 2 * idle:
+        # (in a job of two nodes, the other one spinning is the whole job waiting for this one: every node of
+        # the job heard from within 5 s, not two of many that a replay happened to read at the same moment)
+        alone = idle == 1 and busy == len(fresh) - 1 and len(fresh) == len(job.gpu_util)
+        if mine is None or mine > self.config.hang_idle_util or (busy < 2 * idle and not alone):
             job.apart_since.pop(node, None)
             return False
         # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a

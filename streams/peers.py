@@ -35,7 +35,9 @@ the model says (detector ``peers.rule``): a model refitted on history that alrea
 windows can learn to accept them.
 A window in which the node's training step did not move (a checkpoint, a pause, a hang) is neither
 judged nor added to the baselines: soft faults are slowdowns of a running job, and a long pause
-would otherwise teach the baselines idle temperatures and power. Nor is a window a node closed
+would otherwise teach the baselines idle temperatures and power. In a job of fewer than 3 nodes such
+a window also ends a run of anomalous windows (a hang's first and last windows, each half spent
+waiting, are no slowdown). Nor is a window a node closed
 outside its job (``PeerWindow.outside``: its batches carried no job after it trained in one, its ranks
 gone); it still counts as closed for the job's windows, so they do not wait for it.
 
@@ -48,6 +50,11 @@ thirds or more of the others' fall 15 % or more (detector ``peers.wait``): a str
 clocks, reported as a WARNING to observe (work that only rank 0 does looks the same). A waiting
 node's windows do not enter its baselines (for up to 15 minutes; longer, it is the new normal), so
 that when the job speeds up again its temperatures and power are not taken for a rise.
+In a job of one or two nodes (no job median), the node's own GPUs tell: one working GPU that keeps its
+utilisation while the node's others fall 5 % or more is what they wait for (``devices.util.keeps``);
+when its clock is ``soft_min_z`` spreads below its own baseline too, it is ``peers.slows``. A slow GPU
+that is also hotter than its own normal is thermal; a node busier than its baseline is not hot (its
+baselines were learned at a lighter load: a job's slow first steps).
 Where the detector runs: fed directly (one process, the offline bench), every window is decided
 here. In the TEE workers (:mod:`.app`) a job's nodes are spread over the workers by node, so the
 detector is split: the worker reading a node's metrics builds its windows and, with ``outbox`` set
@@ -200,6 +207,8 @@ class _NodeSoft:
     open_fault: FaultEvent | None = None
     last_features: np.ndarray | None = None
     waited: int = 0                  # windows in a row not learned because the node waited
+    run_index: int = -1              # the newest window of the run of anomalous windows (``run``)
+    stalled: int = -1                # the newest window in which the node's step stood still
     base_job: str | None = None      # the job ``base`` was learned in
 
 
@@ -351,6 +360,17 @@ class PeerDetector:
         if utils:          # the node's mean utilisation against its own baseline: do its GPUs wait?
             m, b = sum(u[0] for u in utils) / len(utils), sum(u[1] for u in utils) / len(utils)
             worst["util"] = {"value": round(m, 1), "baseline": round(b, 1), "drop": round((b - m) / max(b, 1.0), 3)}
+            # one working GPU keeps its utilisation while the node's others fall: they wait for it (the slow GPU
+            # of a one- or two-node job, or of a node its peers wait for; rank-0-only work looks the same, so
+            # it only names a GPU whose clock fell too: "slows" below)
+            per = sorted(((b - m) / max(b, 1.0), m, gi) for gi in win.gpu if (gi, DCGM.GPU_UTIL) in devs
+                         for m, b in [devs[(gi, DCGM.GPU_UTIL)]])
+            if len(per) >= 2:
+                kept, m_kept, gi_kept = per[0]
+                others = _median([d for d, _, _ in per[1:]])
+                usual = _median([devs[(gi, DCGM.GPU_UTIL)][1] for _, _, gi in per[1:]])
+                if kept < _WAIT_UTIL / 4 and others >= _WAIT_UTIL / 2 and m_kept >= _WORKING_UTIL * usual:
+                    worst["util"].update(keeps=gi_kept, others_drop=round(others, 3))
         err = sum(win.nic_err) / len(win.nic_err) if win.nic_err else 0.0
         bw_drop = 0.0
         for dev, vals in win.nic_bw.items():
@@ -377,6 +397,8 @@ class PeerDetector:
         if judged and not (steps and min(steps) == max(steps)):   # a window without a step (a pause, a hang) is
             x, worst, medians = self._raw_features(ns)           # not judged, nor learned from either
             self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state, ns.window)
+        elif judged:
+            ns.stalled = max(ns.stalled, ns.window.index)        # and it breaks a run of anomalous windows
         # peers: decide a window once every node of the job that closed one of its last windows has closed
         # it too; a node that stopped reporting holds it until a later window of the job closes (then it
         # is decided with the nodes that came, or alone: one-node jobs, peers owned by another worker)
@@ -487,8 +509,10 @@ class PeerDetector:
             # the GPU is slow and the job waits for it: a clock soft_min_z spreads or more below the job's median
             # while the other nodes' utilisation fell (their median by _WAIT_UTIL / 2 or more): cause and effect
             # together (ECOD caps what one extreme feature can score near log(history), under its threshold)
-            if fam_hit is None and n >= 3 and float(z[_CLOCK]) >= cfg.soft_min_z \
-                    and (ready or cold) and self._job_waits(view, node) >= _WAIT_UTIL / 2:
+            # (or the node's own other GPUs wait for it: a job of one or two nodes has no job median to judge by)
+            if fam_hit is None and float(z[_CLOCK]) >= cfg.soft_min_z and (ready or cold) \
+                    and ((n >= 3 and self._job_waits(view, node) >= _WAIT_UTIL / 2)
+                         or worst.get("util", {}).get("keeps", -1) == worst.get("clock", {}).get("gpu")):
                 fam_hit = ("gpu", float(z[_CLOCK]), float(z[_CLOCK]), float(cfg.soft_min_z), "slows")
             # a GPU clocked straggler_evict_drop or more below its job's median is slow, whatever a model
             # fitted on this job's history says (history that may hold such windows already)
@@ -507,6 +531,15 @@ class PeerDetector:
             if fam_hit is not None and fam_hit[0] == "thermal" and float(x[_RISE]) < cfg.soft_min_z * _FLOOR[_RISE]:
                 fam_hit = None          # hotter than its peers only because they cooled (they wait on a slow node
                                         # and kept their busy baselines): a hot GPU is also hotter than its own normal
+            if fam_hit is not None and fam_hit[0] == "gpu" and fam_hit[4] != "rule" \
+                    and float(z[_RISE]) >= cfg.soft_min_z and float(x[_RISE]) >= cfg.soft_min_z * _FLOOR[_RISE] \
+                    and worst.get("thermal", {}).get("gpu") == worst.get("clock", {}).get("gpu"):
+                fam_hit = ("thermal", *fam_hit[1:])   # its slow GPU is hot too (hotter than its own normal): the
+                                                      # heat slows it, whichever feature stood out further
+            if fam_hit is not None and fam_hit[0] == "thermal" and fam_hit[4] != "rule" \
+                    and worst.get("util", {}).get("drop", 0.0) <= -_WAIT_UTIL:
+                fam_hit = None          # hotter than its baseline only because busier than when it learned it (a
+                                        # job's slow first steps at low load; its peers, if 3+, rose alike)
             if fam_hit is not None and fam_hit[4] not in ("rule", "reason", "slows") and self._waiting(x, worst, fam_hit[0]):
                 fam_hit = None          # a node whose GPUs wait on a slow peer suffers the slowdown, it is no cause
                 self.waiting += 1
@@ -635,9 +668,14 @@ class PeerDetector:
         ns.clean = 0
         if ns.open_fault is not None:
             return []
+        if ns.run and ns.stalled > ns.run_index and n_peers < 3:
+            ns.run = 0                  # the job stood still in between: the windows on either side of a stop (a
+                                        # hang's first and last, half of each spent waiting) are no slowdown's run
+                                        # (in a job of 3+ the job's median takes the waiting out of both)
         if ns.run == 0:
             ns.run_start = win.first_ts
         ns.run += 1
+        ns.run_index = win.index
         if ns.run < (cfg.straggler_evict_windows if evident else cfg.soft_consecutive):
             return []
         fam, score, zmax, threshold, mode = hit

@@ -114,6 +114,18 @@ def test_gpus_idle_on_one_node_while_its_peers_spin_name_that_node(engine):
     assert [(f.node, f.evidence["cause"]) for f in found] == [("node2", "not in the collective")]
 
 
+def test_in_a_job_of_two_nodes_the_idle_one_while_the_other_spins_is_hung(engine):
+    # one node against one: the other spinning is the whole rest of the job waiting for it
+    def feed(node, t):
+        if t < 30:
+            return {"step": t, "hb": 0.0}
+        return {"step": 30, "util": 0.0 if node == "node1" else 100.0, "hb": 0.0}
+
+    found = _run(engine, range(80), feed, nodes=("node0", "node1"))
+    assert [(f.node, f.evidence["cause"]) for f in found] == [("node1", "not in the collective")]
+    assert found[0].observed_ts - T0 <= 30 + 30
+
+
 def test_a_rank_behind_its_stepping_peers_is_hung(engine):
     def feed(node, t):
         return {"step": min(t, 20) if node == "node0" else t, "hb": 0.0}
