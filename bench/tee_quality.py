@@ -15,7 +15,7 @@ Seeds (house rule 4, never tune on what you report): ``TUNING_SEEDS`` (1, 7, 100
 the default ``--seeds`` are ``REPORT_SEEDS`` (3003, 3004), never looked at while tuning; the pipeline
 replay uses the first seed + 500; tests use seeds below 100 and 7301. Jobs of other shapes
 (``--job-size``, nodes per job, default 8; ``--gpus`` per node, default 8): ``SHAPE_TUNING_SEEDS``
-(9001-9007 with jobs of 1, 2, 16 and 32 nodes of 2, 4 or 8 GPUs; 9101-9106 with jobs of 1 and 2 nodes)
+(9001-9009 with jobs of 1, 2, 16 and 32 nodes of 2, 4 or 8 GPUs; 9101-9106 with jobs of 1 and 2 nodes)
 were looked at while the detectors were changed for small jobs; 9111 and up are reported.
 
 The peer: the skeleton's engine (rules XID, GPU lost, NaN, hang, heartbeat + per-sample ECOD),
@@ -53,7 +53,7 @@ TUNING_SEEDS = "1,7,1001,1002,1003,3001,3002"
 #: ... and the seeds reported, never looked at while tuning.
 REPORT_SEEDS = "3003,3004"
 #: ... and the seeds looked at while the detectors were changed for jobs of 1 or 2 nodes (other shapes).
-SHAPE_TUNING_SEEDS = "9001,9002,9003,9004,9005,9006,9007,9101,9102,9103,9104,9105,9106"
+SHAPE_TUNING_SEEDS = "9001,9002,9003,9004,9005,9006,9007,9008,9009,9101,9102,9103,9104,9105,9106"
 
 
 def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool = True):
