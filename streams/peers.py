@@ -356,20 +356,20 @@ class PeerDetector:
                 d = (b - m) / max(b, 1.0)
                 if d > pdrop:
                     pdrop, worst["power"] = d, {"gpu": gi, "value": m, "baseline": b}
-        utils = [devs[(gi, DCGM.GPU_UTIL)] for gi in win.gpu if (gi, DCGM.GPU_UTIL) in devs]
+        # per GPU: (its utilisation drop below its own baseline, utilisation, baseline, GPU), least drop first
+        utils = sorted(((b - m) / max(b, 1.0), m, b, gi) for gi in win.gpu if (gi, DCGM.GPU_UTIL) in devs
+                       for m, b in [devs[(gi, DCGM.GPU_UTIL)]])
         if utils:          # the node's mean utilisation against its own baseline: do its GPUs wait?
-            m, b = sum(u[0] for u in utils) / len(utils), sum(u[1] for u in utils) / len(utils)
+            m, b = sum(u[1] for u in utils) / len(utils), sum(u[2] for u in utils) / len(utils)
             worst["util"] = {"value": round(m, 1), "baseline": round(b, 1), "drop": round((b - m) / max(b, 1.0), 3)}
             # one working GPU keeps its utilisation while the node's others fall: they wait for it (the slow GPU
             # of a one- or two-node job, or of a node its peers wait for; rank-0-only work looks the same, so
             # it only names a GPU whose clock fell too: "slows" below)
-            per = sorted(((b - m) / max(b, 1.0), m, gi) for gi in win.gpu if (gi, DCGM.GPU_UTIL) in devs
-                         for m, b in [devs[(gi, DCGM.GPU_UTIL)]])
-            if len(per) >= 2:
-                kept, m_kept, gi_kept = per[0]
-                others = _median([d for d, _, _ in per[1:]])
-                usual = _median([devs[(gi, DCGM.GPU_UTIL)][1] for _, _, gi in per[1:]])
-                if kept < _WAIT_UTIL / 4 and others >= _WAIT_UTIL / 2 and m_kept >= _WORKING_UTIL * usual:
+            if len(utils) >= 2:
+                (kept, m_kept, _, gi_kept), rest = utils[0], utils[1:]
+                others = _median([u[0] for u in rest])
+                if kept < _WAIT_UTIL / 4 and others >= _WAIT_UTIL / 2 \
+                        and m_kept >= _WORKING_UTIL * _median([u[2] for u in rest]):
                     worst["util"].update(keeps=gi_kept, others_drop=round(others, 3))
         err = sum(win.nic_err) / len(win.nic_err) if win.nic_err else 0.0
         bw_drop = 0.0

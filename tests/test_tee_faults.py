@@ -509,12 +509,18 @@ def _small_jobs(engine, seconds, per_job, slow=None, at=400, clock=0.9, hotter=0
     (node, start, end): that node's rank hangs, its GPUs idle, and its job's other GPUs spin in the collective
     at low power (no heartbeats: only the GPUs tell). Returns opened faults."""
     rng = np.random.default_rng(13)
-    out, steps = [], {}
+
+    def job_of(node: str) -> str:
+        return f"job{int(node.removeprefix('node')) // per_job}"
+
+    out = []
     for t in range(seconds):
         for n in range(8):
-            node, job = f"node{n}", f"job{n // per_job}"
-            slowed = slow is not None and t >= at and job == f"job{int(slow[4:]) // per_job}"
-            stuck = hung is not None and hung[1] <= t < hung[2] and job == f"job{int(hung[0][4:]) // per_job}"
+            node = f"node{n}"
+            job = job_of(node)
+            slowed = slow is not None and t >= at and job == job_of(slow)
+            in_hang = hung is not None and job == job_of(hung[0])
+            stuck = in_hang and hung[1] <= t < hung[2]
             gpus = []
             for i in range(4):
                 util, sm = (15.0 if t < startup else 95.0) + rng.normal(0, 1.5), 1980.0 - abs(rng.normal(0, 20))
@@ -528,8 +534,8 @@ def _small_jobs(engine, seconds, per_job, slow=None, at=400, clock=0.9, hotter=0
                     util, power = (0.0, 90.0) if node == hung[0] else (100.0, 150.0)
                 gpus.append(gpu(i, **{c.DCGM.GPU_UTIL: util, c.DCGM.SM_CLOCK: sm, c.DCGM.GPU_TEMP: temp,
                                       c.DCGM.POWER_USAGE: power}))
-            steps[job] = steps.get(job, 0) + (t == 0 or not stuck) * (n % per_job == 0)
-            train = c.Sample(c.Source.TRAIN, {"step": steps[job], "step_time": 1.0, "alive": 1},
+            step = t - (min(max(t, hung[1]), hung[2]) - hung[1] if in_hang else 0)   # none while hung
+            train = c.Sample(c.Source.TRAIN, {"step": step, "step_time": 1.0, "alive": 1},
                              index=n % per_job, tags={"job": job})
             out += engine.process(batch(T0 + t, *gpus, train, node=node, job=job), now=T0 + t + 0.05)
     return [f for f in out if not f.resolved]
