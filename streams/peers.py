@@ -49,7 +49,9 @@ The node that causes it is the one of a job of 3+ whose GPUs keep their utilisat
 thirds or more of the others' fall 15 % or more (detector ``peers.wait``): a straggler at full
 clocks, reported as a WARNING to observe (work that only rank 0 does looks the same). A waiting
 node's windows do not enter its baselines (for up to 15 minutes; longer, it is the new normal), so
-that when the job speeds up again its temperatures and power are not taken for a rise.
+that when the job speeds up again its temperatures and power are not taken for a rise; nor do any
+node's while another node of its job is anomalous or has a soft fault open (a mild fault slows the
+job by less than the 10 %).
 In a job of one or two nodes (no job median), the node's own GPUs tell: one working GPU that keeps its
 utilisation while the node's others fall 5 % or more is what they wait for (``devices.util.keeps``);
 when its clock is ``soft_min_z`` spreads below its own baseline too, it is ``peers.slows``. A slow GPU
@@ -549,12 +551,17 @@ class PeerDetector:
             if fam_hit is not None:
                 flagged.add(node)
             out += self._advance(state, ns, win, row, z, worst, fam_hit, n, now, evident, drop)
+        # a node of the job that is the cause of a soft fault slows every other one (they wait at the
+        # all-reduce, by less than _WAIT_UTIL when the fault is mild): the others' windows meanwhile are not
+        # their normal either, or their baselines learn the waiting power and, once the fault ends, the
+        # node that caused it stands out against them (a false straggler)
+        culprit_open = bool(flagged) or any(p[3].open_fault is not None for p in peers.values())
         for row, (node, (x, worst, medians, ns, state, _)) in zip(rel, peers.items()):
             if node in flagged or ns.open_fault is not None:
                 continue
             for fam, cols in FAMILIES.items():
                 self.history[fam].append(row[list(cols)])
-            if worst.get("util", {}).get("drop", 0.0) >= _WAIT_UTIL and ns.waited < _WAIT_LEARN:
+            if (culprit_open or worst.get("util", {}).get("drop", 0.0) >= _WAIT_UTIL) and ns.waited < _WAIT_LEARN:
                 ns.waited += 1      # waiting on a slow peer is not this node's normal: its baselines keep
                 continue            # (unless it lasts: then it is the job's new normal)
             ns.waited = 0

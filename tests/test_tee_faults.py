@@ -601,6 +601,34 @@ def test_the_node_whose_gpus_do_not_wait_is_named_and_its_waiting_peers_are_not(
 
 
 
+def test_after_a_long_mild_fault_its_node_is_not_named_against_peers_that_learned_their_waiting(engine):
+    """Fresh seed 9201's false straggler: node3's GPU 0 runs hot for ten minutes (clock 9.6 % down) and
+    the job waits for it, its other GPUs and every peer's utilisation 8 % down (under _WAIT_UTIL, 10 %)
+    and their power 17 % (spinning at the all-reduce). The thermal is found on node3; its peers' windows meanwhile are not their normal,
+    so when it ends their power comes back to the baselines they kept, and node3 (whose windows, in
+    fault, were not learned either) stands out in nothing."""
+    rng = np.random.default_rng(3)
+    found = []
+    for t in range(1200):
+        hot = 330 <= t < 930
+        for n in range(4):
+            node = f"node{n}"
+            gpus = []
+            for i in range(2):
+                culprit = node == "node3" and i == 0
+                waits = hot and not culprit
+                util = (95.0 + rng.normal(0, 2)) * (0.92 if waits else 1.0)
+                power = (90 + util / 100 * 480) * (0.9 if waits else 1.0) + rng.normal(0, 12)
+                f = {c.DCGM.GPU_UTIL: util, c.DCGM.POWER_USAGE: power,
+                     c.DCGM.GPU_TEMP: 33 + 0.05 * power + rng.normal(0, 0.7) + (8.0 if hot and culprit else 0.0),
+                     c.DCGM.SM_CLOCK: (1980.0 - abs(rng.normal(0, 20))) * (0.904 if hot and culprit else 1.0)}
+                gpus.append(gpu(i, **f))
+            found += engine.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
+    opened = [f for f in found if not f.resolved]
+    assert [(f.node, f.evidence["class"]) for f in opened] == [("node3", "thermal")]
+    assert opened[0].detected_ts <= T0 + 330 + 60
+
+
 def test_the_engine_runs_the_benchs_temporal_scorer_on_the_live_stream():
     """soft_detectors "temporal": the scorer bench/tee_external grades, fitted on a node's own history
     (POT threshold on a held-out part of it), flags a node that leaves its normal, as one observe event."""
