@@ -9,7 +9,8 @@ Contract::
         ...
 
 The same spec gives the same batches and labels in any process (everything is drawn from ``seed``).
-Nodes form synchronous data-parallel jobs of ``job_size`` nodes, 8 GPUs each; values move like a
+Nodes form synchronous data-parallel jobs of ``job_size`` nodes, ``gpus`` GPUs each (8), each job
+stepping at a step time drawn from ``step_s`` (0.6-1.4 s); values move like a
 busy H100 node (as :mod:`transom.agents.simulated`, same DCGM field names), with the ordinary life
 of a real job (``ordinary``, :attr:`Corpus.ordinary` lists it), which a detector must not take for
 a fault:
@@ -175,6 +176,7 @@ class CorpusSpec:
     checkpoint_every_s: float = 900.0  # job-wide pauses: every node of a job idles together
     trace: str | None = None
     ordinary: bool = True              # ordinary life (pauses, evals, slow starts, hiccups, SBE ticks)
+    step_s: tuple[float, float] = (0.6, 1.4)   # each job's step time is drawn uniformly from this range
 
 
 @dataclass(frozen=True)
@@ -327,7 +329,7 @@ class Corpus:
         base_rng = np.random.default_rng([s.seed, 2])
         util_base = base_rng.normal(93.0, 1.0, (n, g))
         temp_off = base_rng.normal(0.0, 2.0, (n, g))
-        step_time = {j: float(base_rng.uniform(0.6, 1.4)) for j in sorted(set(self.job_of.values()))}
+        step_time = {j: float(base_rng.uniform(*s.step_s)) for j in sorted(set(self.job_of.values()))}
         phase = {j: float(base_rng.uniform(0, s.checkpoint_every_s)) for j in step_time}
         by_node: dict[str, list[Injection]] = {}
         for inj in self.injections:
