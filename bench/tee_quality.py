@@ -17,8 +17,9 @@ replay uses the first seed + 500; tests use seeds below 100 and 7301. Jobs of ot
 (``--job-size``, nodes per job, default 8; ``--gpus`` per node, default 8): ``SHAPE_TUNING_SEEDS``
 (9001-9009 with jobs of 1, 2, 16 and 32 nodes of 2, 4 or 8 GPUs; 9101-9106 with jobs of 1 and 2 nodes)
 were looked at while the detectors were changed for small jobs; 9111 and up are reported. Each job's
-step time is drawn from ``--step-s`` (0.6-1.4 s); seeds 9201-9206 (steps of 0.2-0.4, 2-6 and 4-8 s,
-jobs of 3 and 5, 1.2 faults per node-hour, checkpoints every 5 minutes) were looked at too.
+step time is drawn from ``--step-s`` (0.6-1.4 s); ``VARIANT_TUNING_SEEDS`` 9201-9207 (jobs of 8 and
+steps of 0.2-0.4, 0.6-1.4, 2-6, 4-8 and 8-16 s; jobs of 3 and 5; 1.2 faults per node-hour;
+checkpoints every 5 minutes) were looked at too.
 
 The peer: the skeleton's engine (rules XID, GPU lost, NaN, hang, heartbeat + per-sample ECOD),
 run on the same corpus; the JSON line carries both and the ratio of mean F1.
@@ -56,6 +57,8 @@ TUNING_SEEDS = "1,7,1001,1002,1003,3001,3002"
 REPORT_SEEDS = "3003,3004"
 #: ... and the seeds looked at while the detectors were changed for jobs of 1 or 2 nodes (other shapes).
 SHAPE_TUNING_SEEDS = "9001,9002,9003,9004,9005,9006,9007,9008,9009,9101,9102,9103,9104,9105,9106"
+#: ... and those looked at while the hang limits were changed for other step times (and other variants).
+VARIANT_TUNING_SEEDS = "9201,9202,9203,9204,9205,9206,9207"
 
 
 def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool = True):
@@ -299,7 +302,8 @@ def main(argv=None) -> int:
     }
     for v in targets.values():
         v["met"] = v["value"] <= v["target"] if v.get("at_most") else v["value"] >= v["target"]
-    looked = sorted(set(a.seeds.split(",")) & set(TUNING_SEEDS.split(",") + SHAPE_TUNING_SEEDS.split(",")))
+    looked = sorted(set(a.seeds.split(",")) & set(",".join((TUNING_SEEDS, SHAPE_TUNING_SEEDS,
+                                                            VARIANT_TUNING_SEEDS)).split(",")))
     out = {"bench": "tee_quality", "mode": "offline (detector library)", "seeds": a.seeds,
            "seeds_role": ("TUNING seeds " + ",".join(looked) + ": looked at while tuning, not a report") if looked
            else "report seeds: never looked at while tuning", "nodes": a.nodes,

@@ -102,7 +102,7 @@ class JobView:
     gpu_util: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean util)
     longest_pause: float = 0.0         # the longest stall this job survived (sample time)
     reported: set = field(default_factory=set)     # (node, generation, rank, since) reported hung
-    apart_since: dict[str, tuple] = field(default_factory=dict)   # node -> (stall, since when it idles alone)
+    apart_since: dict[tuple, tuple] = field(default_factory=dict)   # rank -> (its stall, since when its node idles alone)
 
 
 class HangDetector:
@@ -244,6 +244,7 @@ class HangDetector:
         for job_id, job in list(self.jobs.items()):
             for key in [k for k, v in job.ranks.items() if v.last_seen < cutoff]:
                 del job.ranks[key]
+                job.apart_since.pop(key, None)
             if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
                 del self.jobs[job_id]
 
@@ -262,6 +263,8 @@ class HangDetector:
         job = self.jobs[job_id]
         node, generation, rank = key
         limit = self.step_limit(r)
+        if r.stall > 0 and (key in job.apart_since or job.gpu_util.get(node, (0.0, 100.0))[1] <= self.config.hang_idle_util):
+            self._apart(job, key, r)        # how long its node has idled alone, from the start (idle nodes only: cheap)
         # a rank the kernel reports stopped has no pause of its own: only its peers wait, so it is judged
         # after the shorter stopped limit (when its peers are not all stuck too)
         short = self.stopped_limit(r) if r.stopped else None
@@ -287,7 +290,7 @@ class HangDetector:
             cause = "behind"          # a peer stepped past it while this rank was seen standing still (a peer
                                       # read further ahead in time, or one back from an outage catching up to
                                       # the same step, proves nothing)
-        elif self._not_in_collective(job, node, r, peers):
+        elif self._not_in_collective(job, key, r, peers):
             if any(k[0] == node and k[2] < rank and v.stall > limit for k, v in peers):
                 return None           # one event per idle node: its lowest rank
             cause = "not in the collective"
@@ -304,27 +307,35 @@ class HangDetector:
         self._hung[node] = [*self._hung.get(node, [])[-7:], (job_id, key, r.since)]
         return self._event(now, job_id, key, r, job, peers, cause, limit)
 
-    def _not_in_collective(self, job: JobView, node: str, r: RankView, peers) -> bool:
+    def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,
-        the one idle node, while every other node's spin)."""
+        the one idle node, while every other node's spin), and have done so for the step limit."""
         if not peers or any(v.stall < self.step_limit(v) / 2 for _, v in peers):
             return False
+        since = self._apart(job, key, r)
+        # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a
+        # one-node data-loader hiccup of a few seconds has a long stall but only a moment of idling alone
+        return since is not None and r.last_seen - since >= self.step_limit(r)
+
+    def _apart(self, job: JobView, key: tuple[str, str, int], r: RankView) -> float | None:
+        """Since when, in this stall of rank ``key``, its node has idled alone (its GPUs idle while at least twice
+        as many nodes' spin, or the one idle node while every other node's spin); None: it does not now.
+        Kept from the first batch it does, not only once the stall passed the step limit: then a hang was
+        named only after twice the limit (the stall's, then the idling's)."""
         fresh = {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
-        mine = fresh.get(node)
+        mine = fresh.get(key[0])
         idle = sum(1 for u in fresh.values() if u <= self.config.hang_idle_util)
         busy = sum(1 for u in fresh.values() if u >= self.config.hang_busy_util)
         # (in a job of two nodes, the other one spinning is the whole job waiting for this one: every node of
         # the job heard from within 5 s, not two of many that a replay happened to read at the same moment)
         alone = idle == 1 and busy == len(fresh) - 1 and len(fresh) == len(job.gpu_util)
         if mine is None or mine > self.config.hang_idle_util or (busy < 2 * idle and not alone):
-            job.apart_since.pop(node, None)
-            return False
-        # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a
-        # one-node data-loader hiccup of a few seconds has a long stall but only a moment of idling alone
-        stall, since = job.apart_since.get(node, (None, r.last_seen))
+            job.apart_since.pop(key, None)
+            return None
+        stall, since = job.apart_since.get(key, (None, r.last_seen))
         if stall != r.since:                # a new stall: idle alone from now
-            job.apart_since[node] = (r.since, since := r.last_seen)
-        return r.last_seen - since >= self.step_limit(r)
+            job.apart_since[key] = (r.since, since := r.last_seen)
+        return since
 
     def _event(self, now: float, job_id: str, key, r: RankView, job: JobView, peers,
                cause: str, limit: float) -> FaultEvent:

@@ -133,19 +133,19 @@ def test_no_hang_while_progressing_or_after_exit(engine_cfg):
 
 
 def test_hang_limit_follows_slow_steps(engine_cfg):
-    engine = TEEEngine(engine_cfg)   # hang_timeout 3 s, but steps take 2 s: limit is 5 x 2 = 10 s
+    engine = TEEEngine(engine_cfg)   # hang_timeout 3 s, but steps take 2 s: limit is 3 x 2 = 6 s
     found = []
     ts = T0
     for s in range(5):
         ts += 2
         found += engine.process(batch(ts, train(0, s, step_time=2.0)), now=ts)
-    for age in range(8):             # stalled 8 s (its heartbeat too): under 10 s
+    for age in range(4):             # stalled 4 s (its heartbeat too): under 6 s
         ts += 1
         found += engine.process(batch(ts, train(0, 4, step_time=2.0, heartbeat_age_s=age + 1)), now=ts)
     assert found == []
     ts += 3
-    [f] = engine.process(batch(ts, train(0, 4, step_time=2.0, heartbeat_age_s=11)), now=ts)
-    assert f.kind == c.FaultKind.HANG and f.threshold == 10.0
+    [f] = engine.process(batch(ts, train(0, 4, step_time=2.0, heartbeat_age_s=7)), now=ts)
+    assert f.kind == c.FaultKind.HANG and f.threshold == 6.0
 
 
 def test_node_lost_after_heartbeat_timeout_once(engine_cfg):

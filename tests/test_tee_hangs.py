@@ -112,6 +112,9 @@ def test_gpus_idle_on_one_node_while_its_peers_spin_name_that_node(engine):
 
     found = _run(engine, range(80), feed)
     assert [(f.node, f.evidence["cause"]) for f in found] == [("node2", "not in the collective")]
+    # named once it stood still and idled alone for the step limit (10 s), both counted from t=30; the
+    # idling used to be counted only from the moment the stall passed the limit (t=51, twice the limit)
+    assert found[0].observed_ts - T0 <= 30 + 10 + 1
 
 
 def test_in_a_job_of_two_nodes_the_idle_one_while_the_other_spins_is_hung(engine):
