@@ -25,7 +25,8 @@ stall > step limit and the rank is stuck          that rank and its node (``caus
 stall > step limit, peers stepped on meanwhile    that rank and its node (``cause: behind``)
 stall > step limit, whole job still; this node's  this node's ranks (``cause: not in the
 GPUs idle while at least 2x as many nodes spin    collective``)
-(or, the one idle node, while all others spin)
+(or, the one idle node, while all others spin),
+no rank of the job declares a phase
 stall > pause ceiling (nothing stands out)        the rank that stopped first (``cause:
                                                   pause ceiling``), its node only
 ===============================================  ==========================================
@@ -290,14 +291,16 @@ class HangDetector:
             cause = "behind"          # a peer stepped past it while this rank was seen standing still (a peer
                                       # read further ahead in time, or one back from an outage catching up to
                                       # the same step, proves nothing)
-        elif self._not_in_collective(job, key, r, peers):
+        elif not (phase := r.phase or next((v.phase for _, v in peers if v.phase), "")) \
+                and self._not_in_collective(job, key, r, peers):
+            # (in a declared phase, one node idle while the others spin is the phase's work: rank 0 saving or
+            # scoring while the others wait at a barrier; the phase's ceiling below bounds it)
             if any(k[0] == node and k[2] < rank and v.stall > limit for k, v in peers):
                 return None           # one event per idle node: its lowest rank
             cause = "not in the collective"
         else:
             if any((k[0], k[1], k[2], v.since) in job.reported for k, v in peers):
                 return None           # a rank of this stall is reported hung already: the job waits for it
-            phase = r.phase or next((v.phase for _, v in peers if v.phase), "")
             ceiling = self.pause_limit(job, phase)
             first = min([(r.since, key), *((v.since, k) for k, v in peers)])[1]
             if r.stall <= ceiling or first != key:

@@ -137,6 +137,25 @@ def test_a_rank_behind_its_stepping_peers_is_hung(engine):
     assert [(f.node, f.evidence["cause"]) for f in found] == [("node0", "behind")]
 
 
+def test_in_a_declared_phase_rank_0_working_alone_while_the_others_wait_is_no_hang_until_its_ceiling():
+    # rank 0 saves (or scores an eval) with its GPUs idle while the other ranks wait at a barrier, their
+    # GPUs spinning in the collective: undeclared, that is a node not in the collective (10 s); declared,
+    # it is the phase's work, up to the phase's ceiling (here 400 s; heartbeats fresh, nothing stuck)
+    def feed(phase):
+        def per_node(node, t):
+            if t < 30:
+                return {"step": t}
+            return {"step": 30, "util": 0.0 if node == "node0" else 100.0, "phase": phase if node == "node0" else ""}
+        return per_node
+
+    declared = TEEEngine(TEEConfig(soft_detectors=(), hang_phase_ceilings={"checkpoint": 400.0}))
+    found = _run(declared, range(460), feed("checkpoint"))
+    assert [(f.node, f.evidence["cause"], f.threshold) for f in found] == [("node0", "pause ceiling", 400.0)]
+    assert found[0].observed_ts - T0 > 30 + 400
+    undeclared = _run(TEEEngine(TEEConfig(soft_detectors=())), range(60), feed(""))
+    assert [(f.node, f.evidence["cause"]) for f in undeclared] == [("node0", "not in the collective")]
+
+
 def test_a_stop_longer_than_every_pause_is_one_job_level_hang(engine):
     def feed(node, t):
         return {"step": min(t, 20), "util": 5.0 if t > 20 else 95.0}
