@@ -264,7 +264,8 @@ class HangDetector:
         job = self.jobs[job_id]
         node, generation, rank = key
         limit = self.step_limit(r)
-        if r.stall > 0 and (key in job.apart_since or job.gpu_util.get(node, (0.0, 100.0))[1] <= self.config.hang_idle_util):
+        idle = job.gpu_util.get(node, (0.0, 100.0))[1] <= self.config.hang_idle_util
+        if r.stall > 0 and (idle or key in job.apart_since):
             self._apart(job, key, r)        # how long its node has idled alone, from the start (idle nodes only: cheap)
         # a rank the kernel reports stopped has no pause of its own: only its peers wait, so it is judged
         # after the shorter stopped limit (when its peers are not all stuck too)
@@ -315,10 +316,10 @@ class HangDetector:
         the one idle node, while every other node's spin), and have done so for the step limit."""
         if not peers or any(v.stall < self.step_limit(v) / 2 for _, v in peers):
             return False
-        since = self._apart(job, key, r)
+        stall, since = job.apart_since.get(key, (None, 0.0))    # kept by _decide for this very batch
         # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a
         # one-node data-loader hiccup of a few seconds has a long stall but only a moment of idling alone
-        return since is not None and r.last_seen - since >= self.step_limit(r)
+        return stall == r.since and r.last_seen - since >= self.step_limit(r)
 
     def _apart(self, job: JobView, key: tuple[str, str, int], r: RankView) -> float | None:
         """Since when, in this stall of rank ``key``, its node has idled alone (its GPUs idle while at least twice
