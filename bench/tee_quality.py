@@ -240,6 +240,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--step-s", default="0.6,1.4", metavar="LO,HI",
                    help="each job's step time is drawn from LO..HI seconds (default 0.6,1.4)")
+    p.add_argument("--hang-gpus", default="mix", choices=("mix", "node", "one"),
+                   help="what a hang idles: the hung node's GPUs (node), only the stuck rank's GPU, its node's "
+                        "other GPUs spinning with the waiting ranks (one), or either per hang (mix, the default)")
     p.add_argument("--no-peer", action="store_true", help="skip the skeleton engine (the peer)")
     p.add_argument("--peer-hours", type=float, default=0.5, help="hours of the peer's corpus (first seed)")
     p.add_argument("--pipeline-nodes", type=int, default=24,
@@ -255,7 +258,7 @@ def main(argv=None) -> int:
         lo = hi = -1.0
     if not 0 < lo <= hi:
         p.error(f"--step-s {a.step_s!r}: expected two step times in seconds, LO,HI with 0 < LO <= HI")
-    shape = {"job_size": a.job_size, "gpus": a.gpus, "step_s": (lo, hi)}
+    shape = {"job_size": a.job_size, "gpus": a.gpus, "step_s": (lo, hi), "hang_gpus": a.hang_gpus}
     if a.seeds == "tuning":
         a.seeds = TUNING_SEEDS
     t0 = time.time()
@@ -266,7 +269,8 @@ def main(argv=None) -> int:
     for seed in [int(s) for s in a.seeds.split(",")]:
         corpus = Corpus(CorpusSpec(nodes=a.nodes, hours=a.hours, seed=seed, faults_per_node_hour=a.rate, **shape))
         print(f"seed {seed}: {len(corpus.injections)} injections on {a.nodes} nodes x {a.hours} h "
-              f"(jobs of {a.job_size} nodes, {a.gpus} GPUs each, steps of {lo:g}-{hi:g} s)", file=sys.stderr, flush=True)
+              f"(jobs of {a.job_size} nodes, {a.gpus} GPUs each, steps of {lo:g}-{hi:g} s, "
+              f"hangs idle: {a.hang_gpus})", file=sys.stderr, flush=True)
         events, n, counts = replay(corpus, config)
         r = score(corpus, events)
         ours.append(r)

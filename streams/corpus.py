@@ -23,7 +23,8 @@ a fault:
 - single-bit ECC ticks (``ECC_SBE_VOL_TOTAL`` rises by one now and then).
 
 Faults act on the whole job where a real one would: a hang freezes every rank's step (the hung
-node's GPUs idle, the waiting ranks' spin at 100 % at low power, and its rank's heartbeat stops);
+node's GPUs idle, or only the stuck rank's GPU while its node's others spin, ``hang_gpus``; the
+waiting ranks' spin at 100 % at low power, and its rank's heartbeat stops);
 a straggler, power cap or hot node slows the whole job (its peers' utilisation falls as they wait).
 Half of the jobs come from agents that report ``heartbeat_age_s``, half from ones that do not.
 
@@ -177,6 +178,8 @@ class CorpusSpec:
     trace: str | None = None
     ordinary: bool = True              # ordinary life (pauses, evals, slow starts, hiccups, SBE ticks)
     step_s: tuple[float, float] = (0.6, 1.4)   # each job's step time is drawn uniformly from this range
+    hang_gpus: str = "mix"             # a hang idles the hung node's GPUs ("node"), only the stuck rank's GPU ("one",
+                                       # its node's other GPUs spin with the waiting ranks), or either ("mix")
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,8 @@ class Corpus:
     """The batches and labels of one :class:`CorpusSpec` (see the module docstring)."""
 
     def __init__(self, spec: CorpusSpec) -> None:
+        if spec.hang_gpus not in ("mix", "node", "one"):
+            raise ValueError(f"CorpusSpec.hang_gpus={spec.hang_gpus!r}: expected 'mix', 'node' or 'one'")
         self.spec = spec
         self.t0 = T0 + spec.seed * 1_000_000
         self.duration = int(spec.hours * 3600)
@@ -355,8 +360,11 @@ class Corpus:
                 f = j["util_l"][t] * (nu[t] if nu is not None else 1.0)
                 hung, slow = j["hung_l"][t], j["slow_l"][t]
                 if hung >= 0:               # a hang: the waiting ranks spin in the collective, the hung one idles
-                    util[i] = 0.0 if i == hung else 100.0
-                    power[i] = 90.0 if i == hung else 150.0
+                    util[i], power[i] = 100.0, 150.0
+                    if i == hung and (g1 := j["hung_gpu_l"][t]) >= 0:
+                        util[i, g1], power[i, g1] = 0.0, 90.0
+                    elif i == hung:
+                        util[i], power[i] = 0.0, 90.0
                     continue
                 if slow >= 0:               # every GPU but the slow one waits for it at the all-reduce
                     f2 = np.full(g, f * j["wait"][t])
@@ -435,7 +443,7 @@ class Corpus:
         for job in self.nodes_of:
             ck = (sec + phase[job]) % s.checkpoint_every_s < 15        # synchronous checkpoints
             j = {"rate": np.where(ck, 0.0, 1.0), "util": np.where(ck, 0.1, 1.0), "declared": np.zeros(D, bool),
-                 "hung": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
+                 "hung": np.full(D, -1), "hung_gpu": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
                  "node_util": {}, "sbe": {}}
             out[job] = j
         for o in self.ordinary:
@@ -460,7 +468,8 @@ class Corpus:
             a, b = int(inj.start - self.t0), min(D, int(inj.end - self.t0))
             lvl = inj.detail["level"]
             if inj.cls is FaultClass.HANG:
-                j["rate"][a:b], j["hung"][a:b] = 0.0, index[inj.node]
+                one = s.hang_gpus == "one" or s.hang_gpus == "mix" and int(inj.start) % 2 == 0
+                j["rate"][a:b], j["hung"][a:b], j["hung_gpu"][a:b] = 0.0, index[inj.node], inj.gpu if one else -1
             elif inj.cls in (FaultClass.STRAGGLER, FaultClass.POWER_CAP, FaultClass.THERMAL):
                 f = {FaultClass.STRAGGLER: lvl, FaultClass.POWER_CAP: 0.5 + 0.5 * lvl,
                      FaultClass.THERMAL: 1 - 0.012 * lvl}[inj.cls]
@@ -470,7 +479,7 @@ class Corpus:
         for j in out.values():
             j["progress"] = np.concatenate([[0.0], np.cumsum(j["rate"])])[:D]
             j["sbe"] = {i: sorted(v) for i, v in j["sbe"].items()}
-            for k in ("rate", "progress", "util", "hung", "slow", "declared"):   # plain lists: fast per-second reads
+            for k in ("rate", "progress", "util", "hung", "hung_gpu", "slow", "declared"):   # plain lists: fast per-second reads
                 j[k + "_l"] = j[k].tolist()
         return out
 

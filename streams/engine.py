@@ -104,7 +104,7 @@ class TEEEngine:
         #: split, job side, event clock: a job's rank reports, released in time order (.jobwindows.JobReports)
         self.job_reports = None
         if split_peers:        # node side: the hang rule only collects what the job's worker judges
-            self.rules[self.rules.index(self._hang)] = _RankCollector(self._ranks_out)
+            self.rules[self.rules.index(self._hang)] = _RankCollector(self._ranks_out, self._hang)
             if self.config.clock == "event":
                 from .jobwindows import JobReports
                 self.job_reports = JobReports(JOB_REPORTS_WAIT_S)
@@ -392,10 +392,11 @@ class _RankCollector:
 
     name = "hang"
 
-    def __init__(self, out: dict[str, list[RankReport]]) -> None:
+    def __init__(self, out: dict[str, list[RankReport]], hang: HangDetector) -> None:
         self.out = out
+        self.reports = hang.reports
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
-        for job, report in HangDetector.reports(batch):
+        for job, report in self.reports(batch):
             self.out.setdefault(job, []).append(report)
         return []

@@ -8,7 +8,8 @@ inside a collective). Both look the same in the step counter. What tells them ap
   SIGSTOPped rank, or one holding the GIL in a C call) or the kernel says it is stopped
   (``stopped = 1``, only where the agent shares its PID namespace);
 - **the GPUs**: ranks waiting in a collective spin their GPUs at full utilisation; the rank that
-  never arrived leaves its GPUs idle. A pause idles (or keeps busy) every node alike;
+  never arrived leaves its GPUs idle (its node's, or, one rank per GPU, its own GPU while its node's
+  other GPUs spin with the waiting ranks). A pause idles (or keeps busy) every node alike;
 - **its peers**: a rank whose step stands still while the other ranks of its job step on;
 - **what the job declares**: ``report(phase="checkpoint")`` (or eval, data, compile, startup,
   restore) raises the ceiling for that phase (``hang_phase_ceilings``);
@@ -25,7 +26,9 @@ stall > step limit and the rank is stuck          that rank and its node (``caus
 stall > step limit, peers stepped on meanwhile    that rank and its node (``cause: behind``)
 stall > step limit, whole job still; this node's  this node's ranks (``cause: not in the
 GPUs idle while at least 2x as many nodes spin    collective``)
-(or, the one idle node, while all others spin),
+(or, the one idle node, while all others spin;
+or the job's only idle GPUs are this node's and
+every other GPU spins, 2x as many),
 no rank of the job declares a phase
 stall > pause ceiling (nothing stands out)        the rank that stopped first (``cause:
                                                   pause ceiling``), its node only
@@ -101,6 +104,9 @@ class JobView:
 
     ranks: dict[tuple[str, str, int], RankView] = field(default_factory=dict)
     gpu_util: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean util)
+    gpus: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # node -> (GPUs, idle, spinning) of that ts
+    #: node -> how many of its GPUs idled at its last step moves (GPUs of the node the job does not use)
+    idle_stepping: dict[str, deque] = field(default_factory=dict)
     longest_pause: float = 0.0         # the longest stall this job survived (sample time)
     reported: set = field(default_factory=set)     # (node, generation, rank, since) reported hung
     apart_since: dict[tuple, tuple] = field(default_factory=dict)   # rank -> (its stall, since when its node idles alone)
@@ -116,6 +122,7 @@ class HangDetector:
         self.config = config
         self.jobs: dict[str, JobView] = {}
         self._ceilings = dict(config.hang_phase_ceilings)
+        self._idle_at, self._busy_at = config.hang_idle_util, config.hang_busy_util
         self._hung: dict[str, list] = {}         # node -> the (job, rank key, since) of its last reported hangs
         self._seeded: dict[tuple, float] = {}    # (node, job, generation, rank) -> step an earlier worker reported
         self._swept = 0.0
@@ -165,24 +172,35 @@ class HangDetector:
             out += self.take(job_id, report, now)
         return out
 
-    @staticmethod
-    def reports(batch: MetricBatch) -> list[tuple[str, RankReport]]:
+    def reports(self, batch: MetricBatch) -> list[tuple[str, RankReport]]:
         """What of ``batch`` the judgement of each of its jobs needs: (job, report) pairs. On the
         worker that reads the node; the job's worker passes them to :meth:`take` (``transom.peer-windows``)."""
         trains = batch.of(Source.TRAIN)
-        gpus = [s.fields[_UTIL] for s in batch.of(Source.GPU) if _UTIL in s.fields]
-        util = sum(gpus) / len(gpus) if gpus else None
+        utils = [s.fields[_UTIL] for s in batch.of(Source.GPU) if _UTIL in s.fields]
+        if utils:
+            util = sum(utils) / len(utils)
+            idle = busy = 0
+            for u in utils:
+                if u <= self._idle_at:
+                    idle += 1
+                elif u >= self._busy_at:
+                    busy += 1
+            gpus = (len(utils), idle, busy)
+        else:
+            util = gpus = None
         if not trains:
-            return [] if util is None or batch.job is None else [(batch.job, RankReport(batch.node, batch.ts, util))]
+            return [] if util is None or batch.job is None else \
+                [(batch.job, RankReport(batch.node, batch.ts, util, gpus=gpus))]
         if len(trains) == 1 and not trains[0].tags.get("event"):      # the common case: one rank per node
             report = object.__new__(RankReport)      # from a validated batch: no frozen __init__
-            report.__dict__.update(node=batch.node, ts=batch.ts, gpu_util=util, samples=trains)
+            report.__dict__.update(node=batch.node, ts=batch.ts, gpu_util=util, samples=trains, gpus=gpus)
             return [(trains[0].tags.get("job") or batch.job or "", report)]
         by_job: dict[str, list] = {}
         for s in trains:
             if not s.tags.get("event"):      # a one-off event (a save, a restore), not the rank's progress
                 by_job.setdefault(s.tags.get("job") or batch.job or "", []).append(s)
-        return [(job_id, RankReport(batch.node, batch.ts, util, tuple(samples))) for job_id, samples in by_job.items()]
+        return [(job_id, RankReport(batch.node, batch.ts, util, tuple(samples), gpus))
+                for job_id, samples in by_job.items()]
 
     def take(self, job_id: str, report: RankReport, now: float) -> list[FaultEvent]:
         """Judge ``job_id``'s ranks with one node batch's ``report`` (in the node's order)."""
@@ -190,12 +208,14 @@ class HangDetector:
         if not report.samples:
             if report.gpu_util is not None and job_id in self.jobs:
                 self.jobs[job_id].gpu_util[node] = (report.ts, report.gpu_util)
+                self._count(self.jobs[job_id], node, report.gpus)
             return []
         job = self.jobs.get(job_id)
         if job is None:
             job = self.jobs[job_id] = JobView()
         if report.gpu_util is not None:
             job.gpu_util[node] = (report.ts, report.gpu_util)
+            self._count(job, node, report.gpus)
         mine: list[tuple[tuple[str, str, int], RankView]] = []
         for s in report.samples:
             key = (node, s.tags.get("generation", "0"), s.index if s.index is not None else -1)
@@ -218,6 +238,10 @@ class HangDetector:
                 if (node, key[1], key[2], r.since) not in job.reported and stalled > max(_PAUSE_MIN * median, 1.0):
                     job.longest_pause = max(job.longest_pause, stalled)
                 r.step, r.since, r.last_seen = step, ts, seen
+                if report.gpus is not None:
+                    if (idle := job.idle_stepping.get(node)) is None:
+                        idle = job.idle_stepping[node] = deque(maxlen=8)
+                    idle.append(report.gpus[1])
                 step_time = s.fields.get("step_time")
                 if step_time is not None and step_time > 0:
                     r.step_times.append(float(step_time))
@@ -238,6 +262,13 @@ class HangDetector:
         if report.ts - self._swept >= 60.0:
             self._sweep(report.ts)
         return out
+
+    @staticmethod
+    def _count(job: JobView, node: str, gpus: tuple[int, int, int] | None) -> None:
+        if gpus is not None:
+            job.gpus[node] = gpus
+        elif node in job.gpus:     # (a report from a worker that did not count: the node's mean alone)
+            del job.gpus[node]
 
     def _sweep(self, ts: float) -> None:
         self._swept = ts
@@ -264,7 +295,8 @@ class HangDetector:
         job = self.jobs[job_id]
         node, generation, rank = key
         limit = self.step_limit(r)
-        idle = job.gpu_util.get(node, (0.0, 100.0))[1] <= self.config.hang_idle_util
+        idle = job.gpu_util.get(node, (0.0, 100.0))[1] <= self.config.hang_idle_util \
+            or job.gpus.get(node, (0, 0, 0))[1] > 0
         if r.stall > 0 and (idle or key in job.apart_since):
             self._apart(job, key, r)        # how long its node has idled alone, from the start (idle nodes only: cheap)
         # a rank the kernel reports stopped has no pause of its own: only its peers wait, so it is judged
@@ -313,9 +345,14 @@ class HangDetector:
 
     def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,
-        the one idle node, while every other node's spin), and have done so for the step limit."""
-        if not peers or any(v.stall < self.step_limit(v) / 2 for _, v in peers):
+        the one idle node, while every other node's spin; or its idle GPUs are the job's only ones, every
+        other GPU spinning: :meth:`_gpus_apart`), and have done so for the step limit."""
+        if any(v.stall < self.step_limit(v) / 2 for _, v in peers):
             return False
+        if not peers:       # one rank reports (a one-node job): its own GPUs are the evidence, one idle among spinning
+            fresh = {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
+            if not self._gpus_apart(job, key[0], fresh):
+                return False
         stall, since = job.apart_since.get(key, (None, 0.0))    # kept by _decide for this very batch
         # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a
         # one-node data-loader hiccup of a few seconds has a long stall but only a moment of idling alone
@@ -333,13 +370,33 @@ class HangDetector:
         # (in a job of two nodes, the other one spinning is the whole job waiting for this one: every node of
         # the job heard from within 5 s, not two of many that a replay happened to read at the same moment)
         alone = idle == 1 and busy == len(fresh) - 1 and len(fresh) == len(job.gpu_util)
-        if mine is None or mine > self.config.hang_idle_util or (busy < 2 * idle and not alone):
+        if mine is None or (mine > self.config.hang_idle_util or (busy < 2 * idle and not alone)) \
+                and not self._gpus_apart(job, key[0], fresh):
             job.apart_since.pop(key, None)
             return None
         stall, since = job.apart_since.get(key, (None, r.last_seen))
         if stall != r.since:                # a new stall: idle alone from now
             job.apart_since[key] = (r.since, since := r.last_seen)
         return since
+
+    @staticmethod
+    def _gpus_apart(job: JobView, node: str, fresh: dict[str, float]) -> bool:
+        """One rank per GPU: the idle GPUs of the job are all on ``node`` and every other GPU of the job spins
+        (at least twice as many), among the nodes of the job heard from within 5 s (``fresh``; a lost node's
+        last report is not). The stuck rank's GPU idles; the waiting ranks, on its node too, spin in the
+        collective (the node's mean says little). GPUs that idled while the node's rank stepped (a GPU the
+        job does not use) are left out."""
+        count = idle = busy = mine = 0
+        for n in fresh:
+            g = job.gpus.get(n)
+            if g is None:
+                return False
+            base = min(job.idle_stepping.get(n) or (0,))
+            extra = max(0, g[1] - base)
+            count, idle, busy = count + g[0] - base, idle + extra, busy + g[2]
+            if n == node:
+                mine = extra
+        return mine > 0 and idle == mine and idle + busy == count and busy >= 2 * idle
 
     def _event(self, now: float, job_id: str, key, r: RankView, job: JobView, peers,
                cause: str, limit: float) -> FaultEvent:
@@ -358,6 +415,8 @@ class HangDetector:
         }
         if node in job.gpu_util:
             evidence["gpu_util"] = round(job.gpu_util[node][1], 1)
+        if node in job.gpus:
+            evidence["gpus_idle"] = f"{job.gpus[node][1]} of {job.gpus[node][0]}"
         how = {"stuck": "is stuck (" + ("stopped" if r.stopped else f"no heartbeat for {r.heartbeat_age or 0:.0f}s") + ")",
                "behind": "stands still while its peers step on",
                "not in the collective": "idles its GPUs while its peers spin in a collective",

@@ -13,8 +13,9 @@ T0 = 1_700_000_000.0
 NODES = ("node0", "node1", "node2")
 
 
-def _batch(node: str, ts: float, step: int, *, util: float = 95.0, hb: float = 0.3, phase: str = "",
+def _batch(node: str, ts: float, step: int, *, util: float | tuple = 95.0, hb: float = 0.3, phase: str = "",
            stack: str = "", stopped: bool = False, rank: int | None = None) -> c.MetricBatch:
+    """``util``: every GPU's utilisation (two GPUs), or a tuple of each GPU's."""
     fields = {"step": step, "loss": 2.0, "step_time": 0.5, "alive": 1, "heartbeat_age_s": hb}
     if stopped:
         fields["stopped"] = 1
@@ -23,7 +24,9 @@ def _batch(node: str, ts: float, step: int, *, util: float = 95.0, hb: float = 0
         tags["phase"] = phase
     if stack:
         tags["stack"] = stack
-    gpus = tuple(c.Sample(c.Source.GPU, {c.DCGM.GPU_UTIL: util, c.DCGM.SM_CLOCK: 1980.0}, index=i) for i in range(2))
+    utils = util if isinstance(util, tuple) else (util, util)
+    gpus = tuple(c.Sample(c.Source.GPU, {c.DCGM.GPU_UTIL: u, c.DCGM.SM_CLOCK: 1980.0}, index=i)
+                 for i, u in enumerate(utils))
     rank = int(node.removeprefix("node")) if rank is None else rank
     return c.MetricBatch(node=node, ts=ts, seq=int(ts - T0), job="j",
                          samples=gpus + (c.Sample(c.Source.TRAIN, fields, index=rank, tags=tags),))
@@ -129,6 +132,62 @@ def test_in_a_job_of_two_nodes_the_idle_one_while_the_other_spins_is_hung(engine
     assert found[0].observed_ts - T0 <= 30 + 30
 
 
+def test_one_idle_gpu_among_spinning_ones_names_its_node_though_its_other_gpus_spin(engine):
+    # one rank per GPU: the stuck rank's GPU idles; every waiting rank's spins, its node's other GPU too
+    # (node1's mean is 50 %, neither idle nor busy); no heartbeat evidence
+    def feed(node, t):
+        if t < 30:
+            return {"step": t, "hb": 0.0}
+        return {"step": 30, "util": (0.0, 100.0) if node == "node1" else 100.0, "hb": 0.0}
+
+    found = _run(engine, range(80), feed)
+    assert [(f.node, f.evidence["cause"], f.evidence["gpus_idle"]) for f in found] == \
+        [("node1", "not in the collective", "1 of 2")]
+    assert found[0].observed_ts - T0 <= 30 + 10 + 1
+
+
+def test_a_gpu_idle_all_along_is_not_the_job_s_and_names_no_node(engine):
+    # node0 has a GPU the job does not use (idle while its rank steps); the job then stops with every GPU
+    # it uses spinning (a deadlock inside mismatched collectives): nothing shows which rank, so no node is
+    # named at the step limit; the stuck rank's GPU idling on node2 is still found beside it
+    def feed(stuck_idles):
+        def per_node(node, t):
+            spare = (0.0, 95.0 if t < 30 else 100.0)
+            if t < 30:
+                return {"step": t, "hb": 0.0, **({"util": spare} if node == "node0" else {})}
+            util = spare if node == "node0" else (0.0, 100.0) if node == "node2" and stuck_idles else 100.0
+            return {"step": 30, "util": util, "hb": 0.0}
+        return per_node
+
+    assert _run(TEEEngine(TEEConfig(soft_detectors=())), range(120), feed(False)) == []
+    found = _run(TEEEngine(TEEConfig(soft_detectors=())), range(80), feed(True))
+    assert [(f.node, f.evidence["cause"]) for f in found] == [("node2", "not in the collective")]
+
+
+@pytest.mark.parametrize("others", [65.0, 3.0])
+def test_one_idle_gpu_is_no_hang_while_the_others_do_not_all_spin(engine, others):
+    # an evaluation-like stop (the others at 65 %) or a job-wide pause (all idle) with one GPU lower still:
+    # nothing stands out, so the pause ceiling decides (300 s), not the step limit
+    def feed(node, t):
+        if t < 30:
+            return {"step": t, "hb": 0.0}
+        return {"step": 30, "util": (0.0, 100.0) if node == "node1" else others, "hb": 0.0}
+
+    assert _run(engine, range(120), feed) == []
+
+
+def test_in_a_one_node_job_one_idle_gpu_among_spinning_ones_is_hung_and_all_idle_is_a_pause():
+    # one rank reports for the node (no peer ranks): its own GPUs are the evidence
+    def feed(utils):
+        return lambda node, t: {"step": t, "hb": 0.0} if t < 30 else {"step": 30, "util": utils, "hb": 0.0}
+
+    hung = _run(TEEEngine(TEEConfig(soft_detectors=())), range(80), feed((100.0, 0.0, 100.0, 100.0)), nodes=("node0",))
+    assert [(f.node, f.evidence["cause"], f.evidence["gpus_idle"]) for f in hung] == \
+        [("node0", "not in the collective", "1 of 4")]
+    paused = _run(TEEEngine(TEEConfig(soft_detectors=())), range(200), feed((2.0, 0.0, 3.0, 1.0)), nodes=("node0",))
+    assert paused == []
+
+
 def test_a_rank_behind_its_stepping_peers_is_hung(engine):
     def feed(node, t):
         return {"step": min(t, 20) if node == "node0" else t, "hb": 0.0}
@@ -230,12 +289,14 @@ def test_peers_are_told_by_when_the_tee_heard_them_not_by_their_skewed_clocks(en
     assert [(f.node, f.evidence["cause"]) for f in out if f.kind == c.FaultKind.HANG] == [("node2", "behind")]
 
 
-def test_a_replay_read_minutes_apart_finds_the_hang_a_live_worker_finds():
+@pytest.mark.parametrize("idle", [0.0, (0.0, 100.0)], ids=["node idle", "one GPU idle"])
+def test_a_replay_read_minutes_apart_finds_the_hang_a_live_worker_finds(idle):
     """Event clock, split (a replay, `transom tee --clock event`): the node side reads node0's metrics
     10 minutes of sample time behind the other nodes' (partitions read apart) and says how far it has
     read each node (:meth:`TEEEngine.read_up_to`); node3 falls silent for good at t=200 (its partition
     read on). The job's worker takes their rank reports in time order, so node2, idle while its peers
-    spin from t=600, is not in the collective, as in order; not held back by the silent node3."""
+    spin from t=600 (its GPUs, or one of them: the counts travel in the job feed), is not in the
+    collective, as in order; not held back by the silent node3."""
     config = TEEConfig(soft_detectors=(), clock="event")
     node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
 
@@ -244,7 +305,7 @@ def test_a_replay_read_minutes_apart_finds_the_hang_a_live_worker_finds():
             return None
         if t < 600:
             return {"step": t, "hb": 0.0}
-        return {"step": 600, "util": 0.0 if node == "node2" else 100.0, "hb": 0.0}
+        return {"step": 600, "util": idle if node == "node2" else 100.0, "hb": 0.0}
 
     found = []
     for t in range(900 + 600):

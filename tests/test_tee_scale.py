@@ -29,8 +29,11 @@ def test_a_job_feed_round_trips_and_refuses_a_bad_window_or_rank():
                      nic_err=0.25, nic_bw={"mlx5_0": 4e10}, hard_ts=65.0)
     rank = c.Sample(c.Source.TRAIN, {"step": 3.0, "alive": 1.0, "heartbeat_age_s": 0.2}, index=1,
                     tags={"generation": "0", "stack": "train.py:80 step"})
-    feed = c.JobFeed(job="j", windows=(w,), ranks=(c.RankReport("n1", 81.0, 93.5, (rank,)), c.RankReport("n2", 81.0)))
+    feed = c.JobFeed(job="j", windows=(w,), ranks=(c.RankReport("n1", 81.0, 93.5, (rank,), (8, 1, 7)),
+                                                   c.RankReport("n2", 81.0)))
     assert c.decode(c.PEER_WINDOWS, c.encode(feed)) == feed
+    with pytest.raises(c.ContractError, match=r"job feed rank report 0: field 'gpus' must be \[count, idle, spinning\]"):
+        c.decode(c.PEER_WINDOWS, c.encode(feed).replace(b'"gpus":[8,1,7]', b'"gpus":[8,5,7]'))
     out = c.JobFeed(job="j", windows=(dataclasses.replace(w, outside=True),))       # a node whose ranks are gone
     assert c.decode(c.PEER_WINDOWS, c.encode(out)).windows[0].outside is True
     with pytest.raises(c.ContractError, match="outside"):

@@ -766,18 +766,22 @@ class RankReport:
     """One node batch as the job's hang judgement needs it: the node, the batch time, the mean
     utilisation of its GPUs (None: no GPU sample) and its training samples of the job (step, step time,
     alive, heartbeat age, stopped; tags generation, phase, stack, state, pid). No samples: the node's
-    GPUs only (a node of the job that reported no training progress this time)."""
+    GPUs only (a node of the job that reported no training progress this time). ``gpus``: how many of its
+    GPUs reported utilisation, how many of those idle and how many spin (the hang thresholds of the node's
+    worker), so the job's worker can tell one idle GPU among spinning ones; None: not counted."""
 
     node: str
     ts: float
     gpu_util: float | None = None
     samples: tuple[Sample, ...] = ()
+    gpus: tuple[int, int, int] | None = None
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "rank report") -> "RankReport":
         if type(d) is not dict:
             raise ContractError(f"{what}: must be an object")
         node, ts, util, samples = d.get("node"), d.get("ts"), d.get("gpu_util"), d.get("samples")
+        gpus = d.get("gpus")
         if type(node) is not str or type(ts) is not float or not 0 < ts < math.inf or type(samples) is not list \
                 or not (util is None or type(util) is float and math.isfinite(util)):   # the slow path says why
             node = _get(d, "node", str, what=what)
@@ -786,8 +790,14 @@ class RankReport:
                 raise ContractError(f"{what}: field 'ts' must be a positive epoch time, got {ts}")
             util = _get(d, "gpu_util", _NUM, what=what, optional=True)
             samples = _get(d, "samples", list, what=what, optional=True, default=[])
+        if gpus is not None:
+            if type(gpus) is not list or len(gpus) != 3 or type(gpus[0]) is not int or type(gpus[1]) is not int \
+                    or type(gpus[2]) is not int or gpus[1] < 0 or gpus[2] < 0 or gpus[1] + gpus[2] > gpus[0]:
+                raise ContractError(f"{what}: field 'gpus' must be [count, idle, spinning] (counts, idle + "
+                                    f"spinning at most count), got {gpus!r}")
+            gpus = tuple(gpus)
         obj = object.__new__(cls)       # validated: no frozen __init__ (thousands a second)
-        obj.__dict__.update(node=node, ts=float(ts), gpu_util=None if util is None else float(util),
+        obj.__dict__.update(node=node, ts=float(ts), gpu_util=None if util is None else float(util), gpus=gpus,
                             samples=tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=True)
                                           for i, s in enumerate(samples)))
         return obj
@@ -819,7 +829,7 @@ class JobFeed:
     def plain(self) -> dict[str, Any]:
         """The JSON object of this feed, built directly (the generic walk costs more than the rules)."""
         return {"job": self.job, "windows": [_window_plain(w) for w in self.windows],
-                "ranks": [{"node": r.node, "ts": r.ts, "gpu_util": r.gpu_util,
+                "ranks": [{"node": r.node, "ts": r.ts, "gpu_util": r.gpu_util, "gpus": r.gpus,
                            "samples": [{"source": s.source.value, "index": s.index, "ts": s.ts,
                                         "fields": s.fields if type(s.fields) is dict else dict(s.fields),
                                         "tags": s.tags if type(s.tags) is dict else dict(s.tags)}
