@@ -21,7 +21,7 @@ class FaultClass(str, enum.Enum):
     ROW_REMAP_FAILURE = "row_remap_failure"  # row remapping failed (field or XID 64)
     GPU_LOST = "gpu_lost"                    # GPU_IS_LOST or XID 79
     LINK_DOWN = "link_down"                  # NIC/IB port down for longer than link_down_hold
-    LINK_FLAP = "link_flap"                  # link_flap_count down transitions within link_flap_window
+    LINK_FLAP = "link_flap"                  # link_flap_count downs shorter than the hold within link_flap_window
     NAN_LOSS = "nan_loss"
     NODE_LOST = "node_lost"                  # heartbeat missing
     HANG = "hang"                            # ranks alive, no step progress

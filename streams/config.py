@@ -122,8 +122,11 @@ class TEEConfig:
     cooldown_s: float = 300.0
     #: A NIC/IB port down for longer than this (sample time) is LINK_DOWN.
     link_down_hold_s: float = 2.0
-    #: This many down transitions of one port within ``link_flap_window_s`` is LINK_FLAP.
-    link_flap_count: int = 3
+    #: This many downs of one port shorter than ``link_down_hold_s`` (back up before the hold) within
+    #: ``link_flap_window_s`` is LINK_FLAP, reported as the port comes back up. 1: the first one (an IB
+    #: port that drops for a second breaks the job's connections; found within 2 s, as the other hard
+    #: faults); 3 was the default before 6 December 2026 (a flap found 40 s in, at its third down).
+    link_flap_count: int = 1
     link_flap_window_s: float = 60.0
     #: How many emitted fault ids the engine remembers to drop repeats (oldest forgotten first).
     dedup_capacity: int = 100_000

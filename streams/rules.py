@@ -20,7 +20,8 @@ HeartbeatRule  silent for heartbeat_timeout     critical  evict    node, last ba
 EccRule        ECC_DBE_VOL_TOTAL rises (or >0)  critical  evict    node, gpu, "ecc_dbe", sample ts
 RowRemapRule   ROW_REMAP_FAILURE == 1           critical  evict    node, gpu, "row_remap", sample ts
 LinkRule       port down > link_down_hold_s     critical  evict    node, device, port, down ts
-               or link_flap_count downs/window  warning   evict
+               or link_flap_count shorter downs warning   evict    node, device, port, first down ts
+               within link_flap_window_s
 =============  ===============================  ========  =======  ===============================
 
 Every event carries its :class:`~.classes.FaultClass` in ``evidence["class"]``; XIDs take the class
@@ -318,16 +319,17 @@ class _LinkState:
     up: bool | None = None          # None until the first sample: a port first seen down is not watched
     down_since: float | None = None
     reported_down: bool = False
-    downs: deque = field(default_factory=lambda: deque(maxlen=64))   # ts of each up->down transition
+    downs: deque = field(default_factory=lambda: deque(maxlen=64))   # down ts of each down shorter than the hold
     flap_reported_at: float = -1e18
     flapping: bool = False          # a flap episode reported and not over (no down for a whole window)
 
 
 class LinkRule:
     """NIC/IB port state (``link_up``): down for longer than ``link_down_hold_s`` is LINK_DOWN (and a
-    resolution event when it comes back); ``link_flap_count`` down transitions within
-    ``link_flap_window_s`` is LINK_FLAP (once per episode: a port that stays up for a whole window
-ends it, and its next burst of downs is a new fault). Only ports seen up are watched: a port
+    resolution event when it comes back); ``link_flap_count`` (1) downs shorter than that within
+    ``link_flap_window_s`` is LINK_FLAP, reported as the port comes back up (once per episode: a port that
+    has no down for a whole window ends it, and its next burst of downs is a new fault). Only ports seen
+    up are watched: a port
     down since the TEE first saw it (no cable, unused) and one administratively down
     (``admin_up == 0``) raise nothing."""
 
@@ -357,30 +359,41 @@ ends it, and its next burst of downs is a new fault). Only ports seen up are wat
                     out.append(dataclasses.replace(
                         self._last_down(st, batch, key, now), resolved=True, observed_ts=ts, detected_ts=now,
                         summary=f"resolved: {where} of {batch.node} is up again after {ts - st.down_since:.0f}s."))
+                elif st.up is False and st.down_since is not None:
+                    out += self._short_down(st, batch, key, now, ts, base, where)
                 st.up, st.down_since, st.reported_down = True, None, False
                 continue
             if st.up:
                 st.up, st.down_since = False, ts
-                st.downs.append(ts)
-                recent = [d for d in st.downs if d > ts - cfg.link_flap_window_s]
-                if st.flapping and len(st.downs) >= 2 and st.downs[-2] <= ts - cfg.link_flap_window_s:
-                    st.flapping = False        # a whole window without a down ended the last episode
-                if len(recent) >= cfg.link_flap_count and not st.flapping:
-                    st.flap_reported_at, st.flapping = ts, True
-                    out.append(fault(
-                        FaultKind.NODE_LOST, Severity.WARNING, Action.EVICT,
-                        fault_id=stable_id(batch.node, "link_flap", *key, recent[0]), node=batch.node,
-                        job=batch.job, detector="rule.link", observed_ts=ts, now=now,
-                        score=float(len(recent)), threshold=float(cfg.link_flap_count),
-                        evidence={"class": FaultClass.LINK_FLAP.value, **base, "downs": len(recent),
-                                  "window_s": cfg.link_flap_window_s, "first_down_ts": recent[0]},
-                        summary=(f"{where} of {batch.node} went down {len(recent)} times in "
-                                 f"{cfg.link_flap_window_s:g}s (flapping)."),
-                    ))
             if not st.reported_down and st.down_since is not None and ts - st.down_since >= cfg.link_down_hold_s:
                 st.reported_down = True
                 out.append(self._last_down(st, batch, key, now, ts))
         return out
+
+    def _short_down(self, st: _LinkState, batch: MetricBatch, key, now: float, ts: float, base: dict,
+                    where: str) -> list[FaultEvent]:
+        """The port is up again after a down shorter than the hold (a link down is reported at the hold):
+        ``link_flap_count`` of them within ``link_flap_window_s`` is a flap, reported as it comes back up."""
+        cfg = self.config
+        down = st.down_since
+        st.downs.append(down)
+        recent = [d for d in st.downs if d > ts - cfg.link_flap_window_s]
+        if st.flapping and len(st.downs) >= 2 and st.downs[-2] <= down - cfg.link_flap_window_s:
+            st.flapping = False        # a whole window without a down ended the last episode
+        if len(recent) < cfg.link_flap_count or st.flapping:
+            return []
+        st.flap_reported_at, st.flapping = ts, True
+        times = "once" if len(recent) == 1 else f"{len(recent)} times in {cfg.link_flap_window_s:g}s"
+        return [fault(
+            FaultKind.NODE_LOST, Severity.WARNING, Action.EVICT,
+            fault_id=stable_id(batch.node, "link_flap", *key, recent[0]), node=batch.node,
+            job=batch.job, detector="rule.link", observed_ts=ts, now=now,
+            score=float(len(recent)), threshold=float(cfg.link_flap_count),
+            evidence={"class": FaultClass.LINK_FLAP.value, **base, "downs": len(recent),
+                      "window_s": cfg.link_flap_window_s, "first_down_ts": recent[0], "down_s": round(ts - down, 3)},
+            summary=(f"{where} of {batch.node} went down and came back {times}, each time for less than "
+                     f"{cfg.link_down_hold_s:g}s (flapping)."),
+        )]
 
     def _last_down(self, st: _LinkState, batch: MetricBatch, key, now: float, ts: float | None = None) -> FaultEvent:
         where = f"{key[0]} port {key[1]}"
