@@ -322,14 +322,16 @@ class _LinkState:
     downs: deque = field(default_factory=lambda: deque(maxlen=64))   # down ts of each down shorter than the hold
     flap_reported_at: float = -1e18
     flapping: bool = False          # a flap episode reported and not over (no down for a whole window)
+    counted: float | None = None    # the port's own count of its downs at the last sample (link_downed, carrier)
 
 
 class LinkRule:
     """NIC/IB port state (``link_up``): down for longer than ``link_down_hold_s`` is LINK_DOWN (and a
     resolution event when it comes back); ``link_flap_count`` (1) downs shorter than that within
     ``link_flap_window_s`` is LINK_FLAP, reported as the port comes back up (once per episode: a port that
-    has no down for a whole window ends it, and its next burst of downs is a new fault). Only ports seen
-    up are watched: a port
+    has no down for a whole window ends it, and its next burst of downs is a new fault). A down between
+    two samples that both read up counts too: the port's own count of its downs rose (``link_downed`` of
+    an IB port, ``carrier_changes`` of an interface, two per down). Only ports seen up are watched: a port
     down since the TEE first saw it (no cable, unused) and one administratively down
     (``admin_up == 0``) raise nothing."""
 
@@ -354,6 +356,23 @@ class LinkRule:
             ts = _ts(s, batch)
             where = f"{key[0]} port {key[1]}"
             base = {"device": key[0], "port": key[1], "field": "link_up"}
+            # the port's own count of its downs: an IB port's link_downed, an interface's carrier changes (a
+            # down and an up each); it rising between two samples that both read up is a down shorter than
+            # the sampling interval, which the state alone never shows
+            total, counter = s.fields.get("link_downed"), "link_downed"
+            if total is None and (changes := s.fields.get("carrier_changes")) is not None:
+                total, counter = changes // 2, "carrier_changes"
+            missed = 0
+            if total is not None:
+                if up == 1 and st.up and st.counted is not None and total > st.counted:
+                    missed = int(total - st.counted)
+                st.counted = total
+            if missed:
+                st.down_since = ts
+                out += self._short_down(st, batch, key, now, ts, {**base, "field": counter,
+                                                                   "downs_between_samples": missed}, where, missed)
+                st.down_since = None
+                continue
             if up == 1:
                 if not st.up and st.reported_down:
                     out.append(dataclasses.replace(
@@ -371,14 +390,15 @@ class LinkRule:
         return out
 
     def _short_down(self, st: _LinkState, batch: MetricBatch, key, now: float, ts: float, base: dict,
-                    where: str) -> list[FaultEvent]:
+                    where: str, n: int = 1) -> list[FaultEvent]:
         """The port is up again after a down shorter than the hold (a link down is reported at the hold):
         ``link_flap_count`` of them within ``link_flap_window_s`` is a flap, reported as it comes back up."""
         cfg = self.config
         down = st.down_since
-        st.downs.append(down)
+        last = st.downs[-1] if st.downs else None
+        st.downs.extend([down] * n)
         recent = [d for d in st.downs if d > ts - cfg.link_flap_window_s]
-        if st.flapping and len(st.downs) >= 2 and st.downs[-2] <= down - cfg.link_flap_window_s:
+        if st.flapping and last is not None and last <= down - cfg.link_flap_window_s:
             st.flapping = False        # a whole window without a down ended the last episode
         if len(recent) < cfg.link_flap_count or st.flapping:
             return []

@@ -92,6 +92,35 @@ def test_short_outages_are_a_flap_not_a_link_down(count):
     assert (f.evidence["downs"], f.observed_ts) == ((1, T0 + 2) if count is None else (3, T0 + 10))
 
 
+def test_a_down_between_two_samples_that_read_up_is_a_flap_by_the_ports_own_count(engine):
+    """A port down for less than the sampling interval reads up at every sample; its own count of its
+    downs says it went down: an IB port's link_downed, an interface's carrier changes (two per down).
+    A count that fell (a reset) and a down the state showed too are not counted twice."""
+    def port(i, downed):
+        ib_port = c.Sample(c.Source.NIC, {"link_up": 1.0, "state": 4.0, "link_downed": downed}, index=1,
+                           tags={"device": "mlx5_0", "port": "1", "kind": "ib"})
+        net = c.Sample(c.Source.NIC, {"link_up": 1.0, "carrier_changes": 7.0 + 2 * downed},
+                       tags={"device": "eth0", "kind": "net"})
+        return ib_port if i == 0 else net
+
+    for i, dev in enumerate(("mlx5_0", "eth0")):
+        engine = TEEEngine(TEEConfig(soft_detectors=()))
+        counts = [3, 3, 3, 4, 4, 4]          # one down between the samples at t=2 and t=3
+        found = [f for t, n in enumerate(counts) for f in engine.process(batch(T0 + t, port(i, n)), now=T0 + t)]
+        assert [(f.evidence["class"], f.evidence["device"], f.observed_ts, f.evidence["downs_between_samples"])
+                for f in found] == [("link_flap", dev, T0 + 3, 1)]
+        assert f"{dev}" in found[0].summary
+
+    engine = TEEEngine(TEEConfig(soft_detectors=()))
+    reset = [5, 5, 0, 0]                     # the counter restarted (a driver reload): no down
+    assert [f for t, n in enumerate(reset) for f in engine.process(batch(T0 + t, port(0, n)), now=T0 + t)] == []
+    engine = TEEEngine(TEEConfig(soft_detectors=(), link_flap_count=2))
+    seen = [(1, 0), (0, 1), (1, 1), (1, 1)]  # a down the state showed, counted by the port as well: one down
+    samples = [c.Sample(c.Source.NIC, {"link_up": float(u), "state": 4.0 if u else 1.0, "link_downed": float(n)},
+                        index=1, tags={"device": "mlx5_0", "port": "1", "kind": "ib"}) for u, n in seen]
+    assert [f for t, x in enumerate(samples) for f in engine.process(batch(T0 + t, x), now=T0 + t)] == []
+
+
 def _job_minutes(engine, seconds, slow=None, at=60, clock=0.7, gone=None, unused=None, **slow_fields):
     """4 nodes of one job, 2 GPUs each, 1 Hz with a little noise; from ``at`` on node ``slow``'s GPU 0
     runs at ``clock`` of its SM clock and power (plus ``slow_fields``); ``gone`` = (node, t): that node
