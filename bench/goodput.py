@@ -956,10 +956,7 @@ class TransomRun(Runner):
                         self.result.error = f"job failed: {ev.detail.get('reason')}"
             elif topic == c.FAULTS and ev.job in (self.job, None, ""):
                 cls = (ev.evidence or {}).get("class", ev.kind.value)
-                if self.in_pause(ev.detected_ts) and not any(
-                        r.delivered_s is not None and r.first_step_s is None and r.kind in RESTARTING
-                        for r in self.result.faults):
-                    self.result.pause.false_events.append(f"TEE {cls} on {ev.node} at {ev.detected_ts - self.t0:.1f}s")
+                found = None          # the delivered fault this event is the TEE's first report of
                 for rec in self.result.faults:
                     if rec.target == ev.node and rec.tee_event_s is None and rec.delivered_s is not None \
                             and ev.detected_ts >= rec.delivered_s + self.t0 \
@@ -967,7 +964,14 @@ class TransomRun(Runner):
                         rec.tee_event_s = round(ev.detected_ts - self.t0 - rec.delivered_s, 2)
                         if rec.kind == "straggler":
                             rec.detected_s, rec.detector = ev.detected_ts - self.t0, f"TEE {cls}"
+                        found = rec
                         break
+                # an event during the pause is false unless it reports a fault the bench delivered (a straggler
+                # slowed before the pause, found during it) or a restart's fault is still being recovered
+                if self.in_pause(ev.detected_ts) and found is None and not any(
+                        r.delivered_s is not None and r.first_step_s is None and r.kind in RESTARTING
+                        for r in self.result.faults):
+                    self.result.pause.false_events.append(f"TEE {cls} on {ev.node} at {ev.detected_ts - self.t0:.1f}s")
         if reformed:
             # the spare that took the rank is a rank from now on: at the ranks' priority for its rendezvous and
             # sync, not up to a second later at the next periodic renice (on a cluster it has its host to itself)
