@@ -382,7 +382,7 @@ class HangDetector:
     @staticmethod
     def _gpus_apart(job: JobView, node: str, fresh: dict[str, float]) -> bool:
         """One rank per GPU: the idle GPUs of the job are all on ``node`` and every other GPU of the job spins
-        (at least twice as many), among the nodes of the job heard from within 5 s (``fresh``; a lost node's
+        (at least twice as many, or one against one), among the nodes of the job heard from within 5 s (``fresh``; a lost node's
         last report is not). The stuck rank's GPU idles; the waiting ranks, on its node too, spin in the
         collective (the node's mean says little). GPUs that idled while the node's rank stepped (a GPU the
         job does not use) are left out."""
@@ -396,7 +396,8 @@ class HangDetector:
             count, idle, busy = count + g[0] - base, idle + extra, busy + g[2]
             if n == node:
                 mine = extra
-        return mine > 0 and idle == mine and idle + busy == count and busy >= 2 * idle
+        # (one idle GPU against one spinning: the whole rest of a two-rank job waits for it, as two nodes do)
+        return mine > 0 and idle == mine and idle + busy == count and (busy >= 2 * idle or idle == 1 <= busy)
 
     def _event(self, now: float, job_id: str, key, r: RankView, job: JobView, peers,
                cause: str, limit: float) -> FaultEvent:

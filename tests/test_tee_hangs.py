@@ -186,6 +186,9 @@ def test_in_a_one_node_job_one_idle_gpu_among_spinning_ones_is_hung_and_all_idle
         [("node0", "not in the collective", "1 of 4")]
     paused = _run(TEEEngine(TEEConfig(soft_detectors=())), range(200), feed((2.0, 0.0, 3.0, 1.0)), nodes=("node0",))
     assert paused == []
+    # two GPUs, one idle while the other spins: the whole rest of the job waits for it (as two nodes do)
+    two = _run(TEEEngine(TEEConfig(soft_detectors=())), range(80), feed((0.0, 100.0)), nodes=("node0",))
+    assert [(f.node, f.evidence["gpus_idle"]) for f in two] == [("node0", "1 of 2")]
 
 
 def test_a_rank_behind_its_stepping_peers_is_hung(engine):
