@@ -22,7 +22,8 @@ steps of 0.2-0.4, 0.6-1.4, 2-6, 4-8 and 8-16 s; jobs of 3 and 5; 1.2 faults per 
 checkpoints every 5 minutes) were looked at while the detectors were changed, and 9211-9217 (steps of
 2-6 and 0.3-3 s; jobs of 4, of 6 x 4 GPUs, of 8 and of 16) once after the changes (none followed).
 ``--hang-gpus`` says what a hang idles (the hung node's GPUs, only the stuck rank's, or either: mix, the
-default); 9201 (one) and tuning seed 1 (mix) were looked at while the per-GPU hang rule was built.
+default); 9201 (one) and tuning seed 1 (mix) were looked at while the per-GPU hang rule was built, and
+9221-9225 (one; jobs of 8, of 2, and one-node jobs of 2 GPUs) once after it.
 
 The peer: the skeleton's engine (rules XID, GPU lost, NaN, hang, heartbeat + per-sample ECOD),
 run on the same corpus; the JSON line carries both and the ratio of mean F1.
@@ -61,7 +62,7 @@ REPORT_SEEDS = "3003,3004"
 #: ... and the seeds looked at while the detectors were changed for jobs of 1 or 2 nodes (other shapes).
 SHAPE_TUNING_SEEDS = "9001,9002,9003,9004,9005,9006,9007,9008,9009,9101,9102,9103,9104,9105,9106"
 #: ... and those looked at while the hang limits were changed for other step times (and other variants).
-VARIANT_TUNING_SEEDS = "9201,9202,9203,9204,9205,9206,9207,9211,9212,9213,9214,9215,9216,9217"
+VARIANT_TUNING_SEEDS = "9201,9202,9203,9204,9205,9206,9207,9211,9212,9213,9214,9215,9216,9217,9221,9222,9223,9224,9225"
 
 
 def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool = True):
