@@ -104,7 +104,8 @@ class JobView:
 
     ranks: dict[tuple[str, str, int], RankView] = field(default_factory=dict)
     gpu_util: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean util)
-    gpus: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # node -> (GPUs, idle, spinning) of that ts
+    #: node -> (GPUs, idle, spinning) of that ts; None: its worker did not count (the node's mean alone)
+    gpus: dict[str, tuple[int, int, int] | None] = field(default_factory=dict)
     #: node -> how many of its GPUs idled at its last step moves (GPUs of the node the job does not use)
     idle_stepping: dict[str, deque] = field(default_factory=dict)
     longest_pause: float = 0.0         # the longest stall this job survived (sample time)
@@ -208,14 +209,14 @@ class HangDetector:
         if not report.samples:
             if report.gpu_util is not None and job_id in self.jobs:
                 self.jobs[job_id].gpu_util[node] = (report.ts, report.gpu_util)
-                self._count(self.jobs[job_id], node, report.gpus)
+                self.jobs[job_id].gpus[node] = report.gpus
             return []
         job = self.jobs.get(job_id)
         if job is None:
             job = self.jobs[job_id] = JobView()
         if report.gpu_util is not None:
             job.gpu_util[node] = (report.ts, report.gpu_util)
-            self._count(job, node, report.gpus)
+            job.gpus[node] = report.gpus
         mine: list[tuple[tuple[str, str, int], RankView]] = []
         for s in report.samples:
             key = (node, s.tags.get("generation", "0"), s.index if s.index is not None else -1)
@@ -263,13 +264,6 @@ class HangDetector:
             self._sweep(report.ts)
         return out
 
-    @staticmethod
-    def _count(job: JobView, node: str, gpus: tuple[int, int, int] | None) -> None:
-        if gpus is not None:
-            job.gpus[node] = gpus
-        elif node in job.gpus:     # (a report from a worker that did not count: the node's mean alone)
-            del job.gpus[node]
-
     def _sweep(self, ts: float) -> None:
         self._swept = ts
         cutoff = ts - _FORGET_AFTER
@@ -296,7 +290,7 @@ class HangDetector:
         node, generation, rank = key
         limit = self.step_limit(r)
         idle = job.gpu_util.get(node, (0.0, 100.0))[1] <= self.config.hang_idle_util \
-            or job.gpus.get(node, (0, 0, 0))[1] > 0
+            or (job.gpus.get(node) or (0, 0, 0))[1] > 0
         if r.stall > 0 and (idle or key in job.apart_since):
             self._apart(job, key, r)        # how long its node has idled alone, from the start (idle nodes only: cheap)
         # a rank the kernel reports stopped has no pause of its own: only its peers wait, so it is judged
@@ -350,8 +344,7 @@ class HangDetector:
         if any(v.stall < self.step_limit(v) / 2 for _, v in peers):
             return False
         if not peers:       # one rank reports (a one-node job): its own GPUs are the evidence, one idle among spinning
-            fresh = {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
-            if not self._gpus_apart(job, key[0], fresh):
+            if not self._gpus_apart(job, key[0], self._fresh(job, r)):
                 return False
         stall, since = job.apart_since.get(key, (None, 0.0))    # kept by _decide for this very batch
         # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a
@@ -363,7 +356,7 @@ class HangDetector:
         as many nodes' spin, or the one idle node while every other node's spin); None: it does not now.
         Kept from the first batch it does, not only once the stall passed the step limit: then a hang was
         named only after twice the limit (the stall's, then the idling's)."""
-        fresh = {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
+        fresh = self._fresh(job, r)
         mine = fresh.get(key[0])
         idle = sum(1 for u in fresh.values() if u <= self.config.hang_idle_util)
         busy = sum(1 for u in fresh.values() if u >= self.config.hang_busy_util)
@@ -378,6 +371,11 @@ class HangDetector:
         if stall != r.since:                # a new stall: idle alone from now
             job.apart_since[key] = (r.since, since := r.last_seen)
         return since
+
+    @staticmethod
+    def _fresh(job: JobView, r: RankView) -> dict[str, float]:
+        """The mean GPU utilisation of the job's nodes heard from within 5 s (sample time) of ``r``'s last sample."""
+        return {n: u for n, (ts, u) in job.gpu_util.items() if abs(ts - r.last_seen) <= 5.0}
 
     @staticmethod
     def _gpus_apart(job: JobView, node: str, fresh: dict[str, float]) -> bool:
@@ -416,8 +414,8 @@ class HangDetector:
         }
         if node in job.gpu_util:
             evidence["gpu_util"] = round(job.gpu_util[node][1], 1)
-        if node in job.gpus:
-            evidence["gpus_idle"] = f"{job.gpus[node][1]} of {job.gpus[node][0]}"
+        if (gpus := job.gpus.get(node)) is not None:
+            evidence["gpus_idle"] = f"{gpus[1]} of {gpus[0]}"
         how = {"stuck": "is stuck (" + ("stopped" if r.stopped else f"no heartbeat for {r.heartbeat_age or 0:.0f}s") + ")",
                "behind": "stands still while its peers step on",
                "not in the collective": "idles its GPUs while its peers spin in a collective",

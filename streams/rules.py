@@ -320,7 +320,6 @@ class _LinkState:
     down_since: float | None = None
     reported_down: bool = False
     downs: deque = field(default_factory=lambda: deque(maxlen=64))   # down ts of each down shorter than the hold
-    flap_reported_at: float = -1e18
     flapping: bool = False          # a flap episode reported and not over (no down for a whole window)
     counted: float | None = None    # the port's own count of its downs at the last sample (link_downed, carrier)
 
@@ -368,10 +367,8 @@ class LinkRule:
                     missed = int(total - st.counted)
                 st.counted = total
             if missed:
-                st.down_since = ts
-                out += self._short_down(st, batch, key, now, ts, {**base, "field": counter,
-                                                                   "downs_between_samples": missed}, where, missed)
-                st.down_since = None
+                out += self._short_down(st, batch, key, now, ts, ts, {**base, "field": counter,
+                                                                       "downs_between_samples": missed}, where, missed)
                 continue
             if up == 1:
                 if not st.up and st.reported_down:
@@ -379,7 +376,7 @@ class LinkRule:
                         self._last_down(st, batch, key, now), resolved=True, observed_ts=ts, detected_ts=now,
                         summary=f"resolved: {where} of {batch.node} is up again after {ts - st.down_since:.0f}s."))
                 elif st.up is False and st.down_since is not None:
-                    out += self._short_down(st, batch, key, now, ts, base, where)
+                    out += self._short_down(st, batch, key, now, ts, st.down_since, base, where)
                 st.up, st.down_since, st.reported_down = True, None, False
                 continue
             if st.up:
@@ -389,12 +386,12 @@ class LinkRule:
                 out.append(self._last_down(st, batch, key, now, ts))
         return out
 
-    def _short_down(self, st: _LinkState, batch: MetricBatch, key, now: float, ts: float, base: dict,
+    def _short_down(self, st: _LinkState, batch: MetricBatch, key, now: float, ts: float, down: float, base: dict,
                     where: str, n: int = 1) -> list[FaultEvent]:
-        """The port is up again after a down shorter than the hold (a link down is reported at the hold):
-        ``link_flap_count`` of them within ``link_flap_window_s`` is a flap, reported as it comes back up."""
+        """The port is up again at ``ts`` after ``n`` downs (the last from ``down``) shorter than the hold (a link
+        down is reported at the hold): ``link_flap_count`` of them within ``link_flap_window_s`` is a flap,
+        reported as it comes back up."""
         cfg = self.config
-        down = st.down_since
         last = st.downs[-1] if st.downs else None
         st.downs.extend([down] * n)
         recent = [d for d in st.downs if d > ts - cfg.link_flap_window_s]
@@ -402,7 +399,7 @@ class LinkRule:
             st.flapping = False        # a whole window without a down ended the last episode
         if len(recent) < cfg.link_flap_count or st.flapping:
             return []
-        st.flap_reported_at, st.flapping = ts, True
+        st.flapping = True
         times = "once" if len(recent) == 1 else f"{len(recent)} times in {cfg.link_flap_window_s:g}s"
         return [fault(
             FaultKind.NODE_LOST, Severity.WARNING, Action.EVICT,
