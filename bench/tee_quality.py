@@ -1,13 +1,14 @@
 """bench/tee_quality: the TEE engine on a labelled fault corpus (offline, through the detector library).
 
 Generates corpora with seeds never used for tuning or tests and replays every batch through :class:`TEEEngine` in time order
-(``now`` = the sample time plus ``--lag`` seconds, heartbeats checked once a second of sample
+(``now`` = the sample time plus ``LAG_S``, 0.05 s, heartbeats checked once a second of sample
 time), and matches fault events to the injected faults: an event counts for an injection when it
 names the same node and class and its trigger lies between the injection's start and its end plus
 ``GRACE_S``. Per class: precision (events that match an injection of their class, first event per
-injection only), recall (injections with a matching event), F1, detection delay (trigger sample
-minus injection start, p50/p99); overall: false alarms (events on a node with no injection
-running) per 1,000 node-hours. Resolution events are not counted as detections.
+injection only), recall (injections with a matching event), F1, detection delay (the decision's
+sample time minus the injection start, p50/p99; beside it the onset, the trigger sample's, which
+comes earlier where the decision waits for silence: a node lost); overall: false alarms (events on a
+node with no injection running) per 1,000 node-hours. Resolution events are not counted as detections.
 
 Seeds (house rule 4, never tune on what you report): ``TUNING_SEEDS`` (1, 7, 1001, 1002, 1003, 3001,
 3002) are the seeds whose false alarms and misses were looked at while the detectors were changed
@@ -65,7 +66,11 @@ SHAPE_TUNING_SEEDS = "9001,9002,9003,9004,9005,9006,9007,9008,9009,9101,9102,910
 VARIANT_TUNING_SEEDS = "9201,9202,9203,9204,9205,9206,9207,9211,9212,9213,9214,9215,9216,9217,9221,9222,9223,9224,9225"
 
 
-def replay(corpus: Corpus, config: TEEConfig, lag: float = 0.05, progress: bool = True):
+#: Offline, each batch is taken this long after its sample time (and each second's heartbeat check too).
+LAG_S = 0.05
+
+
+def replay(corpus: Corpus, config: TEEConfig, lag: float = LAG_S, progress: bool = True):
     engine = TEEEngine(config)
     events = []
     last_sec = None
@@ -161,7 +166,11 @@ def pipeline(corpus: Corpus, bootstrap: str | None = None, workers: int = 1,
             broker.stop()
 
 
-def score(corpus: Corpus, events) -> dict:
+def score(corpus: Corpus, events, lag: float = 0.0) -> dict:
+    """Match ``events`` to ``corpus``'s injections. A detection's delay is the decision's time (the event's
+    ``detected_ts``, on the sample clock: ``lag``, the replay's own, taken off) minus the injection start;
+    the onset (its trigger sample, ``observed_ts``) is kept beside it. They differ where the decision waits
+    for what did not come: a node lost is triggered by its last batch and decided on the silence after it."""
     inj_by_node = defaultdict(list)
     for inj in corpus.injections:
         inj_by_node[inj.node].append(inj)
@@ -186,7 +195,7 @@ def score(corpus: Corpus, events) -> dict:
                     match = inj
                     break
         if match is not None:
-            hit[id(match)] = f.observed_ts - match.start
+            hit[id(match)] = (max(f.observed_ts, f.detected_ts - lag) - match.start, f.observed_ts - match.start)
             per[cls]["tp"] += 1
         else:
             per.setdefault(cls or "unclassified", {"tp": 0, "fp": 0})["fp"] += 1
@@ -199,7 +208,8 @@ def score(corpus: Corpus, events) -> dict:
     out = {}
     for c in FaultClass:
         injs = [i for i in corpus.injections if i.cls is c]
-        found = [hit[id(i)] for i in injs if id(i) in hit]
+        found = [hit[id(i)][0] for i in injs if id(i) in hit]
+        onset = [hit[id(i)][1] for i in injs if id(i) in hit]
         tp, fp = per[c]["tp"], per[c]["fp"]
         p = tp / (tp + fp) if tp + fp else 1.0
         r = len(found) / len(injs) if injs else 1.0
@@ -207,7 +217,8 @@ def score(corpus: Corpus, events) -> dict:
                         "precision": round(p, 4), "recall": round(r, 4),
                         "f1": round(2 * p * r / (p + r), 4) if p + r else 0.0,
                         "delay_p50_s": round(float(np.percentile(found, 50)), 2) if found else None,
-                        "delay_p99_s": round(float(np.percentile(found, 99)), 2) if found else None}
+                        "delay_p99_s": round(float(np.percentile(found, 99)), 2) if found else None,
+                        "onset_p99_s": round(float(np.percentile(onset, 99)), 2) if onset else None}
     misses = [f"{i.node} {i.cls.value} severity {i.severity} +{i.start - corpus.t0:.0f}s..+{i.end - corpus.t0:.0f}s"
               for i in corpus.injections if id(i) not in hit]
     return {"classes": out, "false_alarms": false_alarms, "false_restart_or_evict": disruptive,
@@ -227,7 +238,8 @@ def merge(results: list[dict]) -> dict:
         out[c.value] = {"injected": inj, "detected": det, "false": fp, "precision": round(p, 4),
                         "recall": round(rec, 4), "f1": round(2 * p * rec / (p + rec), 4) if p + rec else 0.0,
                         "delay_p50_s": max((r["delay_p50_s"] or 0) for r in rows),
-                        "delay_p99_s": max((r["delay_p99_s"] or 0) for r in rows)}
+                        "delay_p99_s": max((r["delay_p99_s"] or 0) for r in rows),
+                        "onset_p99_s": max((r["onset_p99_s"] or 0) for r in rows)}
     return out
 
 
@@ -275,7 +287,7 @@ def main(argv=None) -> int:
               f"(jobs of {a.job_size} nodes, {a.gpus} GPUs each, steps of {lo:g}-{hi:g} s, "
               f"hangs idle: {a.hang_gpus})", file=sys.stderr, flush=True)
         events, n, counts = replay(corpus, config)
-        r = score(corpus, events)
+        r = score(corpus, events, LAG_S)
         ours.append(r)
         fa += r["false_alarms"]
         batches += n
@@ -285,11 +297,11 @@ def main(argv=None) -> int:
             # slow (an ECOD refit per node every 10 samples): it runs on the first seed, first peer_hours
             pc_corpus = Corpus(CorpusSpec(nodes=a.nodes, hours=a.peer_hours, seed=seed, faults_per_node_hour=a.rate,
                                           **shape))
-            ours_short = score(pc_corpus, replay(pc_corpus, config, progress=False)[0])
+            ours_short = score(pc_corpus, replay(pc_corpus, config, progress=False)[0], LAG_S)
             events_p, _, _ = replay(pc_corpus, peer_config, progress=False)
             events_p = [e for e in events_p if e.detector in ("rule.xid", "rule.gpu_lost", "rule.nan_loss",
                                                                 "rule.hang", "rule.heartbeat", "pyod.ecod")]
-            rp = score(pc_corpus, events_p)
+            rp = score(pc_corpus, events_p, LAG_S)
             theirs.append(rp)
             fa_peer = rp["false_alarms"]
             peer_node_hours = a.nodes * a.peer_hours
@@ -304,8 +316,8 @@ def main(argv=None) -> int:
         "false_alarms_per_1000_node_hours": {"value": round(fa_rate, 3), "target": 1.0, "at_most": True},
         "false_restart_or_evict": {"value": sum(len(r["false_restart_or_evict"]) for r in ours), "target": 0,
                                    "at_most": True},
-        # the issue's onset delays (p99, the worst seed's): hard faults within 2 s (the hard classes but
-        # hang, which has its own), hangs within 30 s, stragglers within 60 s
+        # the issue's delays (p99, the worst seed's), from the fault's start to the decision: hard faults
+        # within 2 s (the hard classes but hang, which has its own), hangs within 30 s, stragglers within 60 s
         "hard_delay_p99_s": {"value": max((v["delay_p99_s"] or 0) for k, v in hard.items() if k != "hang"),
                              "target": 2.0, "at_most": True},
         "hang_delay_p99_s": {"value": classes["hang"]["delay_p99_s"], "target": 30.0, "at_most": True},
@@ -319,12 +331,13 @@ def main(argv=None) -> int:
            "seeds_role": ("TUNING seeds " + ",".join(looked) + ": looked at while tuning, not a report") if looked
            else "report seeds: never looked at while tuning", "nodes": a.nodes,
            **shape, "hours": a.hours, "node_hours": node_hours, "batches": batches, "classes": classes,
-           "false_alarms": fa, "hard_onset_delay_p99_s": hard_p99,
+           "false_alarms": fa, "hard_delay_p99_s_with_hang": hard_p99,
            "false_restart_or_evict_events": [e for r in ours for e in r["false_restart_or_evict"]][:20],
            "false_events": [e for r in ours for e in r["false_events"]][:50],
            "misses": [m for r in ours for m in r["misses"]][:50],
-           "note": ("delays are trigger sample minus injection start (onset); the latency from trigger "
-                    "sample to decision offline is the replay lag, see bench/tee_throughput for the pipeline"),
+           "note": ("delays are the decision (detected_ts on the sample clock, the replay lag taken off) minus the "
+                    "injection start; onset_p99_s is the trigger sample's; the pipeline's own latency: "
+                    "bench/tee_throughput"),
            "engine_counts": counts, "targets": targets,
            "all_targets_met": all(v["met"] for v in targets.values())}
     if theirs:
@@ -346,7 +359,7 @@ def main(argv=None) -> int:
               f"{a.pipeline_hours} h, through the broker and a `transom tee --clock event` worker",
               file=sys.stderr, flush=True)
         events, n, span = pipeline(corpus, a.bootstrap)
-        offline = score(corpus, replay(corpus, config, progress=False)[0])
+        offline = score(corpus, replay(corpus, config, progress=False)[0], LAG_S)
         live = score(corpus, events)
         nh = a.pipeline_nodes * a.pipeline_hours
         pc = live["classes"]
