@@ -24,7 +24,8 @@ a fault:
 
 Faults act on the whole job where a real one would: a hang freezes every rank's step (the hung
 node's GPUs idle, or only the stuck rank's GPU while its node's others spin, ``hang_gpus``; the
-waiting ranks' spin at 100 % at low power, and its rank's heartbeat stops);
+waiting ranks' spin at 100 % at low power, and its rank's heartbeat stops); a lost node sends
+nothing and its job stops with it (the other ranks spin, waiting for it, until it is back);
 a straggler, power cap or hot node slows the whole job (its peers' utilisation falls as they wait).
 Half of the jobs come from agents that report ``heartbeat_age_s``, half from ones that do not.
 
@@ -36,7 +37,8 @@ to measure anything, so faults are injected at ``faults_per_node_hour``; their d
 trace's repair times scaled by ``seconds_per_trace_day`` and clamped per class. Each injection has
 a severity level 1..3 (see :data:`SEVERITIES`); nothing else happens on its node from ``gap_s``
 before it starts until ``gap_s`` after it ends, and faults that act on the whole job (a hang, a
-straggler, a power cap, a hot node) keep that far apart within a job (one would hide the other).
+straggler, a power cap, a hot node, a node lost) keep that far apart within a job (one would hide the
+other).
 
 Command: ``python -m transom.streams.corpus --help`` writes a corpus as JSON lines.
 """
@@ -212,7 +214,8 @@ class Ordinary:
 
 _JOB_WIDE = frozenset({"startup", "pause", "eval", "restore"})
 #: Faults whose effect reaches the whole job (it stops, or waits for the slow node); one at a time per job.
-_JOB_FAULTS = frozenset({FaultClass.HANG, FaultClass.STRAGGLER, FaultClass.POWER_CAP, FaultClass.THERMAL})
+_JOB_FAULTS = frozenset({FaultClass.HANG, FaultClass.STRAGGLER, FaultClass.POWER_CAP, FaultClass.THERMAL,
+                         FaultClass.NODE_LOST})
 
 T0 = 1_750_000_000.0
 
@@ -255,7 +258,7 @@ class Corpus:
             if o.kind in _JOB_WIDE:
                 for node in self.nodes_of[o.job]:
                     busy[node].append((o.start - self.t0, o.end - self.t0))
-        # a hang stops the whole job and a slow node slows all of it: two of these at once in one job would
+        # a hang or a lost node stops the whole job and a slow node slows all of it: two of these at once in one job would
         # hide each other (a straggler in a hung job shows no slowdown), so they keep apart per job
         job_busy: dict[str, list[tuple[float, float]]] = {j: [] for j in self.nodes_of}
         out: list[Injection] = []
@@ -359,6 +362,9 @@ class Corpus:
                 nu = j["node_util"].get(i)
                 f = j["util_l"][t] * (nu[t] if nu is not None else 1.0)
                 hung, slow = j["hung_l"][t], j["slow_l"][t]
+                if j["lost_l"][t] >= 0:     # its lost node sends nothing; the others wait for it
+                    util[i], power[i] = 100.0, 150.0
+                    continue
                 if hung >= 0:               # a hang: the waiting ranks spin in the collective, the hung one idles
                     util[i], power[i] = 100.0, 150.0
                     if i == hung and (g1 := j["hung_gpu_l"][t]) >= 0:
@@ -443,7 +449,7 @@ class Corpus:
         for job in self.nodes_of:
             ck = (sec + phase[job]) % s.checkpoint_every_s < 15        # synchronous checkpoints
             j = {"rate": np.where(ck, 0.0, 1.0), "util": np.where(ck, 0.1, 1.0), "declared": np.zeros(D, bool),
-                 "hung": np.full(D, -1), "hung_gpu": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
+                 "hung": np.full(D, -1), "hung_gpu": np.full(D, -1), "lost": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
                  "node_util": {}, "sbe": {}}
             out[job] = j
         for o in self.ordinary:
@@ -467,7 +473,10 @@ class Corpus:
             j = out[self.job_of[inj.node]]
             a, b = int(inj.start - self.t0), min(D, int(inj.end - self.t0))
             lvl = inj.detail["level"]
-            if inj.cls is FaultClass.HANG:
+            if inj.cls is FaultClass.NODE_LOST:
+                # a synchronous job waits for its lost node: no step, the other ranks spin in the collective
+                j["rate"][a:b], j["lost"][a:b] = 0.0, index[inj.node]
+            elif inj.cls is FaultClass.HANG:
                 one = s.hang_gpus == "one" or s.hang_gpus == "mix" and int(inj.start) % 2 == 0
                 j["rate"][a:b], j["hung"][a:b], j["hung_gpu"][a:b] = 0.0, index[inj.node], inj.gpu if one else -1
             elif inj.cls in (FaultClass.STRAGGLER, FaultClass.POWER_CAP, FaultClass.THERMAL):
@@ -479,7 +488,7 @@ class Corpus:
         for j in out.values():
             j["progress"] = np.concatenate([[0.0], np.cumsum(j["rate"])])[:D]
             j["sbe"] = {i: sorted(v) for i, v in j["sbe"].items()}
-            for k in ("rate", "progress", "util", "hung", "hung_gpu", "slow", "declared"):   # plain lists: fast per-second reads
+            for k in ("rate", "progress", "util", "hung", "hung_gpu", "lost", "slow", "declared"):   # plain lists: fast per-second reads
                 j[k + "_l"] = j[k].tolist()
         return out
 

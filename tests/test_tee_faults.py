@@ -341,7 +341,8 @@ def _replay(corpus: Corpus, config: TEEConfig):
 
 
 def test_corpus_faults_each_yield_one_event_on_the_right_node():
-    corpus = Corpus(CorpusSpec(nodes=16, hours=0.6, seed=7, min_per_class=1, faults_per_node_hour=0.3))
+    # jobs of 4: a lost node stops its job, and faults that reach the whole job keep apart within it
+    corpus = Corpus(CorpusSpec(nodes=16, hours=0.6, seed=7, job_size=4, min_per_class=1, faults_per_node_hour=0.3))
     assert {i.cls for i in corpus.injections} == set(FaultClass)
     events = [e for e in _replay(corpus, TEEConfig()) if not e.resolved]
     for inj in corpus.injections:

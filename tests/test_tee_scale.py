@@ -154,8 +154,9 @@ def test_hangs_are_judged_with_every_node_of_the_job_whatever_the_workers():
 @pytest.mark.integration
 @pytest.mark.e2e
 def test_three_workers_find_the_same_soft_faults_and_hangs_as_one(monkeypatch):
-    """The labelled corpus (16 nodes in 2 jobs of 8, 12 minutes at 1 Hz, every fault class once; a
-    straggler, a power cap, a hot GPU, a degraded link and a hang among them), replayed on the event
+    """The labelled corpus (16 nodes in 4 jobs of 4, 12 minutes at 1 Hz, every fault class at least once; a
+    straggler, a power cap, a hot GPU, a degraded link, a hang and a node lost among them; a lost node
+    stops its job, so faults that reach the whole job take 4 jobs to fit), replayed on the event
     clock through the real broker by one `transom tee` worker, then by three sharing the partitions:
     the same soft faults (class and node), each on the same window (observed time within one window),
     each an injected one, and the same hang events (node and rank, observed within 10 s), on the hung
@@ -166,7 +167,7 @@ def test_three_workers_find_the_same_soft_faults_and_hangs_as_one(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
     from tee_quality import pipeline
 
-    corpus = Corpus(CorpusSpec(nodes=16, hours=0.2, seed=16, faults_per_node_hour=1.0, min_per_class=1,
+    corpus = Corpus(CorpusSpec(nodes=16, hours=0.2, seed=22, job_size=4, faults_per_node_hour=1.0, min_per_class=1,
                                warmup_s=240, gap_s=30))
     soft = {s.value for s in SOFT}
 
