@@ -42,10 +42,9 @@ rank, the time its step last moved), with the stuck rank's process state and sta
 evidence, where the waiting ranks are. Ranks are keyed by node too (two nodes may both call a
 rank 0 when the agents do not know the global rank).
 
-The detector also finds a node lost before the heartbeat timeout: silent for ``node_lost_fast_s``
-(2 s) while every rank of its job still heard from began to wait as it fell silent, its GPUs spinning
-(:meth:`HangDetector._lost`); and a job that stands still because a node of it was lost as the stall
-began is no pause-ceiling hang.
+A job that stands still because a node of it was lost as the stall began (silent for the heartbeat
+timeout: the job waits for it) is no pause-ceiling hang, also once the node is back and before the
+job steps again; the heartbeat rule reports the node lost.
 
 Where it runs: the rules compare a job's ranks across its nodes, so the detector must see every node
 of the job. In one process (offline, tests) it is the engine's rule, ``observe(state, batch, now)``.
@@ -118,11 +117,9 @@ class JobView:
     apart_since: dict[tuple, tuple] = field(default_factory=dict)   # rank -> (its stall, since when its node idles alone)
     #: node -> (the ts of its newest report, the detector's clock when it was taken)
     heard: dict[str, tuple[float, float]] = field(default_factory=dict)
-    lost: dict[str, float] = field(default_factory=dict)   # node -> the report ts it was found lost after
-    #: node -> the ts of its last report before its latest silence of the heartbeat timeout or more (or found
+    #: node -> the ts of its last report before its latest silence of the heartbeat timeout or more (its node
     #: lost): the job may stand still from then on, waiting for it
     gone: dict[str, float] = field(default_factory=dict)
-    busy_since: dict[str, float] = field(default_factory=dict)   # node -> ts since which its GPUs spin (or compute)
 
 
 class HangDetector:
@@ -271,8 +268,6 @@ class HangDetector:
             if s.fields.get("alive") == 1:
                 mine.append((key, r))
         out = []
-        if mine and mine[0][1].stall >= 1.0 and len(job.heard) > 1:      # stands still: is a node of the job lost?
-            out += self._lost(now, job_id, job)
         for key, r in mine:
             f = self._decide(now, job_id, key, r)
             if f is not None:
@@ -290,9 +285,7 @@ class HangDetector:
                 job.apart_since.pop(key, None)
             for n in [n for n, (t, _) in job.heard.items() if t < cutoff]:
                 del job.heard[n]
-                job.lost.pop(n, None)
                 job.gone.pop(n, None)
-                job.busy_since.pop(n, None)
             if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
                 del self.jobs[job_id]
 
@@ -363,77 +356,19 @@ class HangDetector:
         return self._event(now, job_id, key, r, job, peers, cause, limit)
 
     def _heard(self, job: JobView, node: str, ts: float, now: float) -> None:
-        """A report of ``node`` (sample time ``ts``) taken at ``now``: when it was heard, whether it comes back
-        from a loss, since when its GPUs spin."""
+        """A report of ``node`` (sample time ``ts``) taken at ``now``: when it was heard, and whether it comes
+        back from a silence as long as the heartbeat timeout (its node lost)."""
         last = job.heard.get(node)
-        if last is not None and (now - last[1] >= self.config.heartbeat_timeout or job.lost.get(node) == last[0]):
+        if last is not None and now - last[1] >= self.config.heartbeat_timeout:
             job.gone[node] = last[0]          # back from a silence its job may still stand still for
         job.heard[node] = (ts if last is None else max(ts, last[0]), now)
-        if not self._spins(job, node):
-            job.busy_since.pop(node, None)
-        elif node not in job.busy_since:
-            job.busy_since[node] = ts
-
-    def _spins(self, job: JobView, node: str) -> bool:
-        """The node's GPUs are busy (its mean at ``hang_busy_util`` or more, or every GPU the job uses)."""
-        if job.gpu_util.get(node, (0.0, 0.0))[1] >= self.config.hang_busy_util:
-            return True
-        g = job.gpus.get(node)      # one rank per GPU, some GPUs not the job's: those that idled while it stepped
-        return g is not None and g[2] > 0 and g[2] + min(job.idle_stepping.get(node) or (0,)) >= g[0]
 
     def _gone_since(self, job: JobView, now: float, but: str) -> list[float]:
         """When the job's nodes other than ``but`` that are, or were lately, lost (silent for the heartbeat
-        timeout, or found lost) sent their last report before it."""
+        timeout) sent their last report before it."""
         out = [ts for n, ts in job.gone.items() if n != but]
-        out += [ts for n, (ts, at) in job.heard.items()
-                if n != but and (now - at >= self.config.heartbeat_timeout or job.lost.get(n) == ts)]
+        out += [ts for n, (ts, at) in job.heard.items() if n != but and now - at >= self.config.heartbeat_timeout]
         return out
-
-    def _lost(self, now: float, job_id: str, job: JobView) -> list[FaultEvent]:
-        """Nodes of the job silent for ``node_lost_fast_s`` (this detector's clock) while every rank of the
-        job still heard from began to wait as the node fell silent and spins its GPUs (ranks waiting in a
-        collective for the ranks that never come): those nodes are lost, found before the heartbeat
-        timeout, with the heartbeat rule's fault id. A node's metrics late for a moment leave its job stepping; a job-wide pause idles its
-        GPUs; either way the heartbeat timeout alone decides."""
-        fast, timeout = self.config.node_lost_fast_s, self.config.heartbeat_timeout
-        silent = [(n, ts, now - at) for n, (ts, at) in job.heard.items()
-                  if fast <= now - at <= timeout and job.lost.get(n) != ts]
-        if not silent:
-            return []
-        out = []
-        for n, ts, quiet in silent:
-            waiting = [(k, v) for k, v in job.ranks.items() if k[0] != n and now - v.heard < fast]
-            if not waiting or any(not self._waits_for(job, v, quiet) for _, v in waiting) \
-                    or any(k[0] == n and now - v.heard < fast for k, v in job.ranks.items()):
-                continue
-            job.lost[n] = ts
-            shown = [{"node": k[0], "rank": k[2], "stall_s": round(v.stall, 1),
-                      **({"gpu_util": round(job.gpu_util[k[0]][1], 1)} if k[0] in job.gpu_util else {})}
-                     for k, v in sorted(waiting, key=lambda kv: kv[0])[:8]]
-            out.append(fault(
-                FaultKind.NODE_LOST, Severity.CRITICAL, Action.EVICT,
-                fault_id=stable_id(n, "node_lost", ts), node=n, job=job_id or None, detector="rule.heartbeat",
-                observed_ts=ts, now=now, score=quiet, threshold=fast,
-                evidence={"last_batch_ts": ts, "silent_s": round(quiet, 3), "heartbeat_timeout_s": timeout,
-                          "corroborated_after_s": fast, "cause": "its job stopped as it fell silent",
-                          "waiting_ranks": shown},
-                summary=(f"Node {n} has sent no metrics for {quiet:.1f}s and job {job_id} stopped stepping as it "
-                         f"fell silent: its other {len(waiting)} rank(s) spin, waiting for it (found before the "
-                         f"{timeout:g}s heartbeat timeout)."),
-            ))
-        return out
-
-    def _waits_for(self, job: JobView, v: RankView, quiet: float) -> bool:
-        """Rank ``v``, in no declared phase, stands still with its node's GPUs spinning, and began to wait about
-        when a node fell silent ``quiet`` seconds ago: its step stopped then, or (the job paused with idle GPUs
-        until then) its GPUs took to spinning then; not a wait that began long before (a barrier while rank 0
-        saves), where a node's metrics late for a moment say nothing."""
-        median = v.median_step() or 1.0
-        if v.phase or v.stall < max(1.0, 1.5 * median) or v.node not in job.busy_since \
-                or abs(job.gpu_util.get(v.node, (0.0, 0.0))[0] - v.last_seen) > 5.0:
-            return False
-        began = min(v.stall, v.last_seen - job.busy_since[v.node])   # both on the rank's node's clock
-        return began <= quiet + max(2.0, 2.0 * median) + 1.0
 
     def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,
