@@ -362,10 +362,9 @@ class Corpus:
                 nu = j["node_util"].get(i)
                 f = j["util_l"][t] * (nu[t] if nu is not None else 1.0)
                 hung, slow = j["hung_l"][t], j["slow_l"][t]
-                if j["lost_l"][t] >= 0:     # its lost node sends nothing; the others wait for it
-                    util[i], power[i] = 100.0, 150.0
-                    continue
-                if hung >= 0:               # a hang: the waiting ranks spin in the collective, the hung one idles
+                if hung >= 0 or j["lost_l"][t] >= 0:
+                    # a hang or a lost node (which sends nothing): the waiting ranks spin in the collective, the
+                    # hung one idles
                     util[i], power[i] = 100.0, 150.0
                     if i == hung and (g1 := j["hung_gpu_l"][t]) >= 0:
                         util[i, g1], power[i, g1] = 0.0, 90.0

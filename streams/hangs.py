@@ -115,10 +115,8 @@ class JobView:
     longest_pause: float = 0.0         # the longest stall this job survived (sample time)
     reported: set = field(default_factory=set)     # (node, generation, rank, since) reported hung
     apart_since: dict[tuple, tuple] = field(default_factory=dict)   # rank -> (its stall, since when its node idles alone)
-    #: node -> (the ts of its newest report, the detector's clock when it was taken)
-    heard: dict[str, tuple[float, float]] = field(default_factory=dict)
-    #: node -> the ts of its last report before its latest silence of the heartbeat timeout or more (its node
-    #: lost): the job may stand still from then on, waiting for it
+    #: node -> the last sample time of its ranks before their latest silence of the heartbeat timeout or more
+    #: (its node lost): the job may stand still from then on, waiting for it
     gone: dict[str, float] = field(default_factory=dict)
 
 
@@ -220,7 +218,6 @@ class HangDetector:
                 job = self.jobs[job_id]
                 job.gpu_util[node] = (report.ts, report.gpu_util)
                 job.gpus[node] = report.gpus
-                self._heard(job, node, report.ts, now)
             return []
         job = self.jobs.get(job_id)
         if job is None:
@@ -228,7 +225,6 @@ class HangDetector:
         if report.gpu_util is not None:
             job.gpu_util[node] = (report.ts, report.gpu_util)
             job.gpus[node] = report.gpus
-        self._heard(job, node, report.ts, now)
         mine: list[tuple[tuple[str, str, int], RankView]] = []
         for s in report.samples:
             key = (node, s.tags.get("generation", "0"), s.index if s.index is not None else -1)
@@ -243,7 +239,9 @@ class HangDetector:
             r = job.ranks.get(key)
             if r is None:
                 r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen, heard=now)
-            elif step != r.step:
+            elif now - r.heard >= self.config.heartbeat_timeout:
+                job.gone[node] = r.last_seen      # back from a silence its job may still stand still for
+            if step != r.step:
                 # the time it was seen standing still: a node silent for a while (its agent down, the node
                 # lost and back) comes back at a new step, and that gap is no pause the job survived
                 stalled = r.last_seen - r.since
@@ -283,9 +281,8 @@ class HangDetector:
             for key in [k for k, v in job.ranks.items() if v.last_seen < cutoff]:
                 del job.ranks[key]
                 job.apart_since.pop(key, None)
-            for n in [n for n, (t, _) in job.heard.items() if t < cutoff]:
-                del job.heard[n]
-                job.gone.pop(n, None)
+            for n in [n for n, t in job.gone.items() if t < cutoff]:
+                del job.gone[n]
             if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
                 del self.jobs[job_id]
 
@@ -355,19 +352,12 @@ class HangDetector:
         self._hung[node] = [*self._hung.get(node, [])[-7:], (job_id, key, r.since)]
         return self._event(now, job_id, key, r, job, peers, cause, limit)
 
-    def _heard(self, job: JobView, node: str, ts: float, now: float) -> None:
-        """A report of ``node`` (sample time ``ts``) taken at ``now``: when it was heard, and whether it comes
-        back from a silence as long as the heartbeat timeout (its node lost)."""
-        last = job.heard.get(node)
-        if last is not None and now - last[1] >= self.config.heartbeat_timeout:
-            job.gone[node] = last[0]          # back from a silence its job may still stand still for
-        job.heard[node] = (ts if last is None else max(ts, last[0]), now)
-
     def _gone_since(self, job: JobView, now: float, but: str) -> list[float]:
-        """When the job's nodes other than ``but`` that are, or were lately, lost (silent for the heartbeat
-        timeout) sent their last report before it."""
+        """When the job's nodes other than ``but`` that are, or were lately, lost (their ranks silent for the
+        heartbeat timeout, on this detector's clock) last showed their ranks before it."""
         out = [ts for n, ts in job.gone.items() if n != but]
-        out += [ts for n, (ts, at) in job.heard.items() if n != but and now - at >= self.config.heartbeat_timeout]
+        out += [v.last_seen for (n, _, _), v in job.ranks.items()
+                if n != but and now - v.heard >= self.config.heartbeat_timeout]
         return out
 
     def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers) -> bool:
