@@ -34,6 +34,11 @@ def register(sub) -> None:
                         "at least 5 median step times are allowed anyway (default 10)")
     p.add_argument("--heartbeat-timeout", type=_positive, default=None, metavar="S",
                    help="seconds without metrics from a node before it is lost (default 6)")
+    p.add_argument("--node-lost-fast", type=_positive, default=None, metavar="S",
+                   help="seconds without metrics from a node before it is lost when its job stopped as it "
+                        "fell silent and the job's other ranks spin their GPUs, waiting for it (default 2; "
+                        "the node's partition must be read that far past its newest batch, so a node alone "
+                        "on its partition waits for --heartbeat-timeout)")
     p.add_argument("--soft-detector", default=None, choices=("ecod", "copod", "iforest", "hbos", "lof", "combo"),
                    help="pyod model of the soft-fault detector (default ecod)")
     p.add_argument("--cooldown", type=_positive, default=None, metavar="S",
@@ -55,6 +60,7 @@ def _run(args: argparse.Namespace) -> int:
 
     config = TEEConfig.from_mapping({"hang_timeout": args.hang_timeout,
                                      "heartbeat_timeout": args.heartbeat_timeout,
+                                     "node_lost_fast_s": args.node_lost_fast,
                                      "soft_detector": args.soft_detector, "cooldown_s": args.cooldown,
                                      "clock": args.clock})
     with bootstrap_or_embedded(args.bootstrap, args.embedded_broker) as bootstrap:

@@ -51,6 +51,12 @@ class TEEConfig:
     #: A node from which nothing has arrived for this long (the TEE's own clock, so skewed node
     #: clocks do not matter) is lost.
     heartbeat_timeout: float = 6.0
+    #: ... or for this long, when its job stopped stepping as it fell silent and the job's other ranks spin
+    #: their GPUs (waiting in a collective for the ranks that never come): a node lost, found within 2 s.
+    #: Late metrics leave the job stepping, and a job-wide pause idles its GPUs; on the wall clock the
+    #: node's partition must also have been read this far past its newest batch (a worker reading late
+    #: proves nothing). Otherwise the heartbeat timeout decides.
+    node_lost_fast_s: float = 2.0
     #: A node whose newest batch was already this old when the heartbeat check saw it is history
     #: being replayed (a TEE that starts from the beginning of the topic), not a node to evict.
     heartbeat_horizon: float = 120.0
@@ -140,8 +146,9 @@ class TEEConfig:
                 raise ConfigError(f"TEE setting hang_phase_ceilings={ceilings!r}: expected phase names with a "
                                   "positive number of seconds each")
         object.__setattr__(self, "hang_phase_ceilings", pairs)
-        for f in ("hang_timeout", "hang_step_factor", "heartbeat_timeout", "heartbeat_horizon", "hang_stale_s",
-                  "hang_stopped_s", "hang_pause_floor_s", "hang_pause_margin", "hang_busy_util", "hang_idle_util"):
+        for f in ("hang_timeout", "hang_step_factor", "heartbeat_timeout", "node_lost_fast_s", "heartbeat_horizon",
+                  "hang_stale_s", "hang_stopped_s", "hang_pause_floor_s", "hang_pause_margin", "hang_busy_util",
+                  "hang_idle_util"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a positive number of seconds")

@@ -114,6 +114,9 @@ class TEEEngine:
             wait = self.config.soft_peer_wait or (360 if self.config.clock == "event" else 3)
             self.job_windows = JobWindows(wait)
         self.heartbeat = HeartbeatRule(self.config)
+        self._read = 0.0         # one engine reads every node (not split): the newest sample time of any node
+        if not split_peers:
+            self._hang.read_past = self._read_past
         self._nodes: dict[str, NodeState] = {}
         self._emitted: OrderedDict[str, None] = OrderedDict()
         self._last: dict[tuple, float] = {}            # (node, class, device) -> last trigger ts
@@ -134,6 +137,9 @@ class TEEEngine:
             for f in self._seeds.pop(batch.node, ()):
                 _seed_state(state, f)
         state.last_batch_ts = max(state.last_batch_ts, batch.ts)
+        if not self.split:
+            self._read = max(self._read, batch.ts)
+            state.read_mark = self._read
         # the newest arrival: a batch delivered again or late (a producer's retry, a re-read after a
         # rebalance) must not make the node look silent on the event clock, where ``now`` is its sample time
         state.last_received = max(state.last_received, now)
@@ -155,6 +161,12 @@ class TEEEngine:
             self._hard_at[batch.node] = batch.ts    # soft symptoms of an ongoing hard fault are explained
         return self._new(found)
 
+    def _read_past(self, node: str) -> float:
+        """Not split: how far (sample time of the other nodes' newest batch) this engine read past ``node``'s
+        newest batch: one stream, read in order, as a partition of its own."""
+        st = self._nodes.get(node)
+        return 0.0 if st is None else self._read - st.read_mark
+
     def windows(self) -> list[PeerWindow]:
         """Split peers, node side: the windows closed since the last call, each with its node's last
         hard-fault trigger when it closed (the job's worker cannot see the node's hard faults otherwise)."""
@@ -173,6 +185,15 @@ class TEEEngine:
             st = self._nodes.get(node)
             if st is not None and st.job and ts >= st.last_batch_ts:
                 self._ranks_out.setdefault(st.job, []).append(RankReport(node, ts))
+
+    def read_past(self, advance: Mapping[str, float]) -> None:
+        """Split, node side, wall clock: each of these nodes' partitions was read ``advance`` seconds past the
+        node's newest batch (how far the sample time of the partition's newest batch moved since that batch
+        was read: the other nodes' progress, immune to the worker's lag and to node clocks' skew). Each node
+        of a known job gets a read mark at its newest batch's time plus that: the job's worker finds a node
+        lost before the heartbeat timeout only when it was silent that long where lag cannot fake it."""
+        self.read_up_to({node: st.last_batch_ts + a for node, a in advance.items()
+                         if (st := self._nodes.get(node)) is not None})
 
     def feeds(self, most: int = 500) -> list[JobFeed]:
         """Split, node side: what the jobs' workers need since the last call, one :class:`JobFeed` per

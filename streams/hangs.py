@@ -42,9 +42,14 @@ rank, the time its step last moved), with the stuck rank's process state and sta
 evidence, where the waiting ranks are. Ranks are keyed by node too (two nodes may both call a
 rank 0 when the agents do not know the global rank).
 
-A job that stands still because a node of it was lost as the stall began (silent for the heartbeat
-timeout: the job waits for it) is no pause-ceiling hang, also once the node is back and before the
-job steps again; the heartbeat rule reports the node lost.
+The detector also finds a node lost before the heartbeat timeout (:meth:`HangDetector._lost`): its
+ranks silent for ``node_lost_fast_s`` (2 s) while every rank of its generation still heard from began
+to wait as it fell silent, its GPUs spinning (ranks waiting in a collective for ranks that never
+come). On the wall clock the silence must also be proven where a worker's lag cannot fake it: the
+node's metrics partition was read that far past its newest batch, in the sample time of the other
+nodes' batches on it (read marks, :meth:`TEEEngine.read_past`); a node alone on its partition is
+left to the heartbeat timeout. A job that stands still because a node of it was lost as the stall
+began is no pause-ceiling hang, also once the node is back and before the job steps again.
 
 Where it runs: the rules compare a job's ranks across its nodes, so the detector must see every node
 of the job. In one process (offline, tests) it is the engine's rule, ``observe(state, batch, now)``.
@@ -57,9 +62,9 @@ sends them keyed by job; the worker that owns the job feeds them, in each node's
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch, RankReport, Severity, Source,
                                stable_id)
@@ -118,6 +123,13 @@ class JobView:
     #: node -> the last sample time of its ranks before their latest silence of the heartbeat timeout or more
     #: (its node lost): the job may stand still from then on, waiting for it
     gone: dict[str, float] = field(default_factory=dict)
+    lost: dict[str, float] = field(default_factory=dict)   # node -> the report ts it was found lost after
+    busy_since: dict[str, float] = field(default_factory=dict)   # node -> ts since which its GPUs spin
+    #: node -> how far its metrics partition was read (the node's own sample time: its newest batch plus the
+    #: other nodes' progress read after it), from the read marks of its worker on the wall clock
+    read: dict[str, float] = field(default_factory=dict)
+    #: node -> the detector's clock when its ranks were last heard, the longest silent first
+    heard: OrderedDict = field(default_factory=OrderedDict)
 
 
 class HangDetector:
@@ -134,6 +146,9 @@ class HangDetector:
         self._hung: dict[str, list] = {}         # node -> the (job, rank key, since) of its last reported hangs
         self._seeded: dict[tuple, float] = {}    # (node, job, generation, rank) -> step an earlier worker reported
         self._swept = 0.0
+        #: where one engine reads every node (not split): node -> how far it read past the node's newest batch
+        #: (the other nodes' sample time); else the read marks of the nodes' workers say it (``JobView.read``)
+        self.read_past: Callable[[str], float] | None = None
 
     # ------------------------------------------------------------------ limits
 
@@ -214,17 +229,22 @@ class HangDetector:
         """Judge ``job_id``'s ranks with one node batch's ``report`` (in the node's order)."""
         node = report.node
         if not report.samples:
-            if report.gpu_util is not None and job_id in self.jobs:
-                job = self.jobs[job_id]
-                job.gpu_util[node] = (report.ts, report.gpu_util)
-                job.gpus[node] = report.gpus
+            if (job := self.jobs.get(job_id)) is not None:
+                if report.gpu_util is not None:
+                    self._util(job, node, report)
+                    if node in job.heard:          # its agent reports: not lost, whatever its ranks do
+                        job.heard[node] = now
+                        job.heard.move_to_end(node)
+                else:            # a read mark: its partition was read this far past its newest batch
+                    job.read[node] = max(job.read.get(node, report.ts), report.ts)
+                    if len(job.ranks) > 1:
+                        return self._lost(now, job_id, job)
             return []
         job = self.jobs.get(job_id)
         if job is None:
             job = self.jobs[job_id] = JobView()
         if report.gpu_util is not None:
-            job.gpu_util[node] = (report.ts, report.gpu_util)
-            job.gpus[node] = report.gpus
+            self._util(job, node, report)
         mine: list[tuple[tuple[str, str, int], RankView]] = []
         for s in report.samples:
             key = (node, s.tags.get("generation", "0"), s.index if s.index is not None else -1)
@@ -239,7 +259,7 @@ class HangDetector:
             r = job.ranks.get(key)
             if r is None:
                 r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen, heard=now)
-            elif now - r.heard >= self.config.heartbeat_timeout:
+            elif now - r.heard >= self.config.heartbeat_timeout or node in job.lost:
                 job.gone[node] = r.last_seen      # back from a silence its job may still stand still for
             if step != r.step:
                 # the time it was seen standing still: a node silent for a while (its agent down, the node
@@ -265,7 +285,12 @@ class HangDetector:
                                                 s.tags.get("state", ""), s.tags.get("pid", ""))
             if s.fields.get("alive") == 1:
                 mine.append((key, r))
+        job.lost.pop(node, None)
+        job.heard[node] = now
+        job.heard.move_to_end(node)
         out = []
+        if mine and mine[0][1].stall >= 1.0 and len(job.ranks) > 1:      # it stands still: is a node of it lost?
+            out += self._lost(now, job_id, job)
         for key, r in mine:
             f = self._decide(now, job_id, key, r)
             if f is not None:
@@ -283,6 +308,11 @@ class HangDetector:
                 job.apart_since.pop(key, None)
             for n in [n for n, t in job.gone.items() if t < cutoff]:
                 del job.gone[n]
+            for n in [n for n, (t, _) in job.gpu_util.items() if t < cutoff]:
+                job.heard.pop(n, None)
+                job.busy_since.pop(n, None)
+                job.read.pop(n, None)
+                job.lost.pop(n, None)
             if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
                 del self.jobs[job_id]
 
@@ -357,8 +387,83 @@ class HangDetector:
         heartbeat timeout, on this detector's clock) last showed their ranks before it."""
         out = [ts for n, ts in job.gone.items() if n != but]
         out += [v.last_seen for (n, _, _), v in job.ranks.items()
-                if n != but and now - v.heard >= self.config.heartbeat_timeout]
+                if n != but and (now - v.heard >= self.config.heartbeat_timeout or n in job.lost)]
         return out
+
+    def _util(self, job: JobView, node: str, report: RankReport) -> None:
+        """A report of ``node``'s GPUs: their mean and counts, and since when they spin."""
+        job.gpu_util[node] = (report.ts, report.gpu_util)
+        job.gpus[node] = report.gpus
+        if not self._spins(job, node):
+            job.busy_since.pop(node, None)
+        elif node not in job.busy_since:
+            job.busy_since[node] = report.ts
+
+    def _spins(self, job: JobView, node: str) -> bool:
+        """The node's GPUs are busy (their mean at ``hang_busy_util`` or more, or every GPU the job uses)."""
+        if job.gpu_util[node][1] >= self.config.hang_busy_util:
+            return True
+        g = job.gpus.get(node)      # one rank per GPU, some GPUs not the job's: those that idled while it stepped
+        return g is not None and g[2] > 0 and g[2] + min(job.idle_stepping.get(node) or (0,)) >= g[0]
+
+    def _lost(self, now: float, job_id: str, job: JobView) -> list[FaultEvent]:
+        """Nodes of the job whose ranks are silent for ``node_lost_fast_s`` (this detector's clock) while every
+        rank of their generation still heard from began to wait as they fell silent, its node's GPUs spinning
+        (waiting in a collective for the ranks that never come): those nodes are lost, found before the
+        heartbeat timeout, with the heartbeat rule's fault id. Late metrics leave the job stepping, and a
+        job-wide pause idles its GPUs: the heartbeat timeout decides those. On the wall clock the silence
+        must also show in the node's read marks (its partition read ``node_lost_fast_s`` past its newest
+        batch), so that a worker reading the partition late finds no node lost."""
+        fast, timeout = self.config.node_lost_fast_s, self.config.heartbeat_timeout
+        silent = []
+        for n, heard in job.heard.items():     # the longest silent first: a look costs the silent nodes only
+            if now - heard < fast:
+                break
+            if now - heard <= timeout and n not in job.lost:
+                silent.append((n, now - heard))
+        out = []
+        for n, quiet in silent:
+            seen, generation = max(((v.last_seen, k[1]) for k, v in job.ranks.items() if k[0] == n),
+                                   default=(None, None))
+            if seen is None:
+                continue            # its ranks left the job
+            ts = max(seen, job.gpu_util.get(n, (seen,))[0])     # its newest report: the heartbeat rule's id
+            past = self.read_past(n) if self.read_past is not None else job.read.get(n, ts) - ts
+            if self.config.clock != "event" and past < fast:
+                continue        # its partition was not read that far past it: the worker may only be late
+            waiting = [(k, v) for k, v in job.ranks.items() if k[0] != n and k[1] == generation
+                       and now - v.heard < fast]
+            if not waiting or not all(self._waits_for(job, v, quiet) for _, v in waiting):
+                continue
+            job.lost[n] = ts
+            shown = [{"node": k[0], "rank": k[2], "stall_s": round(v.stall, 1),
+                      **({"gpu_util": round(job.gpu_util[k[0]][1], 1)} if k[0] in job.gpu_util else {})}
+                     for k, v in sorted(waiting, key=lambda kv: kv[0])[:8]]
+            out.append(fault(
+                FaultKind.NODE_LOST, Severity.CRITICAL, Action.EVICT,
+                fault_id=stable_id(n, "node_lost", ts), node=n, job=job_id or None, detector="rule.heartbeat",
+                observed_ts=ts, now=now, score=quiet, threshold=fast,
+                evidence={"last_batch_ts": ts, "silent_s": round(quiet, 3), "heartbeat_timeout_s": timeout,
+                          "corroborated_after_s": fast, "cause": "its job stopped as it fell silent",
+                          "read_past_s": round(past, 3),
+                          "waiting_ranks": shown},
+                summary=(f"Node {n} has sent no metrics for {quiet:.1f}s and job {job_id} stopped stepping as it "
+                         f"fell silent: its other {len(waiting)} rank(s) spin, waiting for it (found before the "
+                         f"{timeout:g}s heartbeat timeout)."),
+            ))
+        return out
+
+    def _waits_for(self, job: JobView, v: RankView, quiet: float) -> bool:
+        """Rank ``v``, in no declared phase, stands still with its node's GPUs spinning, and began to wait about
+        when a node fell silent ``quiet`` seconds ago: its step stopped then, or (the job paused with idle GPUs
+        until then) its GPUs took to spinning then; not a wait that began long before (a barrier while rank 0
+        saves), where a node's metrics late for a moment say nothing."""
+        median = v.median_step() or 1.0
+        if v.phase or v.stall < max(1.0, 1.5 * median) or v.node not in job.busy_since \
+                or abs(job.gpu_util.get(v.node, (0.0, 0.0))[0] - v.last_seen) > 5.0:
+            return False
+        began = min(v.stall, v.last_seen - job.busy_since[v.node])   # both on the rank's node's clock
+        return began <= quiet + max(2.0, 2.0 * median) + 1.0
 
     def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,

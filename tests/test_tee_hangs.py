@@ -333,7 +333,7 @@ def _live(engine: TEEEngine, seconds: range, per_node) -> list[c.FaultEvent]:
     return out
 
 
-def test_a_job_that_waits_for_its_lost_node_past_the_pause_floor_has_no_hung_rank(engine):
+def test_a_node_that_falls_silent_as_its_job_stops_and_its_peers_spin_is_lost_within_2_s_and_no_rank_hangs(engine):
     # node2 dies after its batch of t=29: its peers block in the next all-reduce, GPUs spinning, for good
     def feed(node, t):
         if t < 30:
@@ -342,7 +342,64 @@ def test_a_job_that_waits_for_its_lost_node_past_the_pause_floor_has_no_hung_ran
 
     [f] = _live(engine, range(400), feed)          # past the 300 s pause floor: the job waits for its lost node
     assert (f.kind, f.node, f.action, f.detector) == (c.FaultKind.NODE_LOST, "node2", c.Action.EVICT, "rule.heartbeat")
+    assert f.evidence["cause"] == "its job stopped as it fell silent"
+    assert {w["node"] for w in f.evidence["waiting_ranks"]} == {"node0", "node1"}
+    assert f.detected_ts - (T0 + 30) <= 2.0 < engine.config.heartbeat_timeout
+    # the same fault the heartbeat timeout finds later (one id: a controller that sees both evicts once)
+    assert f.fault_id == c.stable_id("node2", "node_lost", T0 + 29)
+
+
+def test_a_node_lost_as_a_checkpoint_ends_is_found_within_2_s_as_its_peers_take_to_spinning(engine):
+    # a checkpoint from t=30 (every rank still, GPUs idle); node2 dies at t=45, as it ends: instead of
+    # stepping again, the others block in the next collective (their steps stood still for 15 s already)
+    def feed(node, t):
+        if node == "node2" and t >= 45:
+            return None
+        return {"step": min(t, 29), "util": 3.0 if 30 <= t < 45 else 95.0 if t < 30 else 100.0}
+
+    [f] = _live(engine, range(120), feed)
+    assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.NODE_LOST, "node2", "its job stopped as it fell silent")
+    assert f.detected_ts - (T0 + 45) <= 2.0
+
+
+def test_a_node_silent_long_into_a_job_wide_wait_is_lost_only_at_the_heartbeat_timeout(engine):
+    # every rank has stood still since t=30, GPUs spinning (a collective waiting on something outside the
+    # job); node2's metrics stop at t=100: a wait that began a minute before it fell silent says nothing
+    def feed(node, t):
+        if node == "node2" and t >= 100:
+            return None
+        return {"step": min(t, 29), "util": 95.0 if t < 30 else 100.0}
+
+    [f] = _live(engine, range(140), feed)
+    assert f.node == "node2" and "cause" not in f.evidence
+    assert f.detected_ts - (T0 + 99) > engine.config.heartbeat_timeout
+
+
+def test_a_node_silent_while_its_job_steps_on_is_lost_only_at_the_heartbeat_timeout(engine):
+    # its metrics stop (the agent died, or the network to the broker): the job is fine, so no haste
+    def feed(node, t):
+        return None if node == "node2" and t >= 30 else {"step": t}
+
+    [f] = _live(engine, range(60), feed)
+    assert (f.kind, f.node) == (c.FaultKind.NODE_LOST, "node2") and "cause" not in f.evidence
     assert f.detected_ts - (T0 + 29) > engine.config.heartbeat_timeout
+
+
+def test_a_node_silent_in_a_job_wide_pause_is_lost_only_at_the_heartbeat_timeout(engine):
+    # a checkpoint: every rank stands still with its GPUs idle; node2's metrics are late, not its job waiting
+    def feed(node, t):
+        if node == "node2" and t >= 30:
+            return None
+        return {"step": min(t, 29), "util": 3.0 if t >= 30 else 95.0}
+
+    [f] = _live(engine, range(60), feed)
+    assert f.node == "node2" and "cause" not in f.evidence
+    assert f.detected_ts - (T0 + 29) > engine.config.heartbeat_timeout
+
+
+def test_node_lost_fast_s_must_be_a_positive_number():
+    with pytest.raises(ConfigError, match="node_lost_fast_s"):
+        TEEConfig(node_lost_fast_s=0)
 
 
 def test_a_job_that_waited_for_its_lost_node_past_the_pause_floor_is_not_hung_as_the_node_comes_back(engine):
@@ -356,10 +413,11 @@ def test_a_job_that_waited_for_its_lost_node_past_the_pause_floor_is_not_hung_as
     assert [(f.kind, f.node) for f in _live(engine, range(400), feed)] == [(c.FaultKind.NODE_LOST, "node2")]
 
 
-def test_split_the_job_s_worker_does_not_hang_a_job_that_waits_for_its_lost_node():
-    """Split, event clock (`transom tee` workers): the job's worker hears each node through the feeds; node2
-    falls silent after t=29 as its job stops, the others spinning, for 400 s. The node's own worker finds it
-    lost at the heartbeat timeout; the job's worker names no rank hung at the pause ceiling."""
+def test_split_the_job_s_worker_finds_the_lost_node_within_2_s_and_hangs_no_rank_of_the_waiting_job():
+    """Split, event clock (`transom tee --clock event` workers): the job's worker hears each node through the
+    feeds; node2 falls silent after t=29 as its job stops, the others spinning, for 400 s. The job's worker
+    finds it lost within 2 s of sample time and names no rank hung at the pause ceiling; the node's own
+    heartbeat check, at the timeout, reports the same fault (one id)."""
     config = TEEConfig(soft_detectors=(), clock="event")
     node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
     found = []
@@ -372,4 +430,36 @@ def test_split_the_job_s_worker_does_not_hang_a_job_that_waits_for_its_lost_node
         for f in node_side.feeds():
             found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)))
         found += node_side.check_heartbeats(now=T0 + t + 0.5)
-    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.NODE_LOST, "node2")]
+    fast = [f for f in found if f.evidence.get("cause") == "its job stopped as it fell silent"]
+    assert [(f.kind, f.node) for f in fast] == [(c.FaultKind.NODE_LOST, "node2")]
+    assert fast[0].detected_ts - (T0 + 30) <= 2.0
+    assert {(f.kind, f.fault_id) for f in found} == {(c.FaultKind.NODE_LOST, fast[0].fault_id)}
+
+
+@pytest.mark.parametrize("read_past", [True, False], ids=["partition read past it", "worker reads it late"])
+def test_split_wall_clock_a_node_is_lost_within_2_s_only_where_its_partition_was_read_past_it(read_past):
+    """Split, wall clock (the live `transom tee` workers). From t=30 the job's ranks stand still, GPUs
+    spinning, and the job's worker hears nothing more of node2. Its node's worker says (read marks, as
+    the app sends them from its partition's newest sample time) whether it read node2's partition past
+    node2's newest batch: then node2 is lost within 2 s. Without that (node2 alone on its partition, or
+    a worker reading it late: its batches may be there, unread) the job's worker waits for the
+    heartbeat timeout, which the node's worker decides."""
+    config = TEEConfig(soft_detectors=())
+    node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
+    found = []
+    for t in range(60):
+        for node in NODES:
+            if t < 30 or node != "node2":
+                kw = {"step": t} if t < 30 else {"step": 29, "util": 100.0}
+                node_side.process(_batch(node, T0 + t, **kw), now=T0 + t + 0.1)
+        if read_past and t >= 30:          # node2's partition-mates' batches moved its partition's clock on
+            node_side.read_past({"node2": float(t - 29)})
+        for f in node_side.feeds():
+            found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)), now=T0 + t + 0.2)
+    assert not [f for f in found if f.kind == c.FaultKind.HANG]
+    if read_past:
+        [f] = found
+        assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.NODE_LOST, "node2", "its job stopped as it fell silent")
+        assert f.detected_ts - (T0 + 30) <= 2.0 and f.evidence["read_past_s"] >= config.node_lost_fast_s
+    else:
+        assert found == []

@@ -768,7 +768,9 @@ class RankReport:
     alive, heartbeat age, stopped; tags generation, phase, stack, state, pid). No samples: the node's
     GPUs only (a node of the job that reported no training progress this time). ``gpus``: how many of its
     GPUs reported utilisation, how many of those idle and how many spin (the hang thresholds of the node's
-    worker), so the job's worker can tell one idle GPU among spinning ones; None: not counted."""
+    worker), so the job's worker can tell one idle GPU among spinning ones; None: not counted. Neither
+    samples nor utilisation: a read mark, the node's worker saying it read the node's partition up to
+    ``ts`` (on the node's own clock) without a newer batch of it."""
 
     node: str
     ts: float
