@@ -116,7 +116,7 @@ class TEEEngine:
         self.heartbeat = HeartbeatRule(self.config)
         self._read = 0.0         # one engine reads every node (not split): the newest sample time of any node
         if not split_peers:
-            self._hang.read_past = self._read_past
+            self._hang.read_past_of = self._read_past
         self._nodes: dict[str, NodeState] = {}
         self._emitted: OrderedDict[str, None] = OrderedDict()
         self._last: dict[tuple, float] = {}            # (node, class, device) -> last trigger ts

@@ -148,7 +148,7 @@ class HangDetector:
         self._swept = 0.0
         #: where one engine reads every node (not split): node -> how far it read past the node's newest batch
         #: (the other nodes' sample time); else the read marks of the nodes' workers say it (``JobView.read``)
-        self.read_past: Callable[[str], float] | None = None
+        self.read_past_of: Callable[[str], float] | None = None
 
     # ------------------------------------------------------------------ limits
 
@@ -428,7 +428,7 @@ class HangDetector:
             if seen is None:
                 continue            # its ranks left the job
             ts = max(seen, job.gpu_util.get(n, (seen,))[0])     # its newest report: the heartbeat rule's id
-            past = self.read_past(n) if self.read_past is not None else job.read.get(n, ts) - ts
+            past = self.read_past_of(n) if self.read_past_of is not None else job.read.get(n, ts) - ts
             if self.config.clock != "event" and past < fast:
                 continue        # its partition was not read that far past it: the worker may only be late
             waiting = [(k, v) for k, v in job.ranks.items() if k[0] != n and k[1] == generation

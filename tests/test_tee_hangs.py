@@ -413,6 +413,17 @@ def test_a_job_that_waited_for_its_lost_node_past_the_pause_floor_is_not_hung_as
     assert [(f.kind, f.node) for f in _live(engine, range(400), feed)] == [(c.FaultKind.NODE_LOST, "node2")]
 
 
+def _node2_lost_at_30(engine: TEEEngine, t: int, now: float) -> list[c.FaultEvent]:
+    """Second ``t`` of a job whose node2 dies after its batch of t=29: the others' ranks stand still at step
+    29 from then on, their GPUs spinning in the collective that waits for it."""
+    out = []
+    for node in NODES:
+        if t < 30 or node != "node2":
+            kw = {"step": t} if t < 30 else {"step": 29, "util": 100.0}
+            out += engine.process(_batch(node, T0 + t, **kw), now=now)
+    return out
+
+
 def test_split_the_job_s_worker_finds_the_lost_node_within_2_s_and_hangs_no_rank_of_the_waiting_job():
     """Split, event clock (`transom tee --clock event` workers): the job's worker hears each node through the
     feeds; node2 falls silent after t=29 as its job stops, the others spinning, for 400 s. The job's worker
@@ -422,10 +433,7 @@ def test_split_the_job_s_worker_finds_the_lost_node_within_2_s_and_hangs_no_rank
     node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
     found = []
     for t in range(400):
-        for node in NODES:
-            if t < 30 or node != "node2":
-                kw = {"step": t} if t < 30 else {"step": 29, "util": 100.0}
-                found += node_side.process(_batch(node, T0 + t, **kw), now=T0 + t)
+        found += _node2_lost_at_30(node_side, t, now=T0 + t)
         node_side.read_up_to({n: T0 + t for n in NODES})
         for f in node_side.feeds():
             found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)))
@@ -448,10 +456,7 @@ def test_split_wall_clock_a_node_is_lost_within_2_s_only_where_its_partition_was
     node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
     found = []
     for t in range(60):
-        for node in NODES:
-            if t < 30 or node != "node2":
-                kw = {"step": t} if t < 30 else {"step": 29, "util": 100.0}
-                node_side.process(_batch(node, T0 + t, **kw), now=T0 + t + 0.1)
+        _node2_lost_at_30(node_side, t, now=T0 + t + 0.1)
         if read_past and t >= 30:          # node2's partition-mates' batches moved its partition's clock on
             node_side.read_past({"node2": float(t - 29)})
         for f in node_side.feeds():
