@@ -115,7 +115,6 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     nodes_of: dict[int, set[str]] = defaultdict(set)   # metrics partition -> nodes seen on it
     jobs_of: dict[int, set[str]] = defaultdict(set)    # peer-windows partition -> jobs judged from it
     watermarks: dict[int, float] = {}                    # partition -> newest sample time read
-    read_at: dict[str, tuple[int, float]] = {}           # node -> (its partition, the watermark at its newest batch)
     checked: dict[int, int] = {}                         # event clock: partition -> second last checked
     positions: dict[int, int] = {}                       # partition -> offset last processed
     behind_since: dict[str, float] = {}                  # wall clock: since when catching up, last said
@@ -210,11 +209,8 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             fed[0] = time.monotonic()
             if event_clock:      # how far each node was read: its job's worker does not wait for it beyond that
                 engine.read_up_to({node: now for p, now in event_clocks().items() for node in nodes_of[p]})
-            else:      # nodes silent for a second or more on a partition read past them (node_lost_fast_s; past
-                       # the heartbeat timeout the heartbeat rule has decided)
-                most = engine.config.heartbeat_timeout + 2.0
-                engine.read_past({node: past for node, (p, mark) in read_at.items()
-                                  if 1.0 <= (past := watermarks.get(p, mark) - mark) <= most})
+            else:                # nodes silent on a partition read past them (node_lost_fast_s)
+                engine.read_past()
             for feed in engine.feeds():      # drained and sent under the lock: in order per job
                 await peer_windows.send(key=feed.job.encode(), value=contracts.encode(feed))
 
@@ -236,14 +232,13 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
         nodes_of[msg.partition].add(batch.node)
         found: list[contracts.FaultEvent] = []
         watermarks[msg.partition] = max(watermarks.get(msg.partition, 0.0), batch.ts)
-        read_at[batch.node] = (msg.partition, watermarks[msg.partition])
         if event_clock:
             # the partition's clock moves to this batch's time before the batch is taken: a node that was
             # silent and is back (alone on its partition, nothing else moved the clock while it was away)
             # is found silent at its return, as a live worker would have found it while it was away
             found = event_heartbeats()
         try:
-            found += engine.process(batch, now=batch.ts if event_clock else None)
+            found += engine.process(batch, now=batch.ts if event_clock else None, partition=msg.partition)
         except Exception as exc:   # a detector bug must not stop the stream: keep the input
             log.exception("the engine failed on a batch of %s", batch.node)
             return found, (f"tee failed to process the batch: {exc!r}", msg)
@@ -297,10 +292,7 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
     async def on_revoked(sender, revoked, **_):
         for tp in revoked:
             if tp.topic == contracts.METRICS:
-                gone = nodes_of.pop(tp.partition, set())
-                engine.forget(gone)
-                for node in gone:
-                    read_at.pop(node, None)
+                engine.forget(nodes_of.pop(tp.partition, ()))
                 watermarks.pop(tp.partition, None)
                 positions.pop(tp.partition, None)
                 checked.pop(tp.partition, None)

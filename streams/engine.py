@@ -114,8 +114,8 @@ class TEEEngine:
             wait = self.config.soft_peer_wait or (360 if self.config.clock == "event" else 3)
             self.job_windows = JobWindows(wait)
         self.heartbeat = HeartbeatRule(self.config)
-        self._read = 0.0         # one engine reads every node (not split): the newest sample time of any node
-        if not split_peers:
+        self._read: dict[int, float] = {}    # metrics partition -> the newest sample time read on it
+        if not split_peers:      # one engine reads every node: it knows how far past each one it read
             self._hang.read_past_of = self._read_past
         self._nodes: dict[str, NodeState] = {}
         self._emitted: OrderedDict[str, None] = OrderedDict()
@@ -128,8 +128,9 @@ class TEEEngine:
     def nodes(self) -> Mapping[str, NodeState]:
         return self._nodes
 
-    def process(self, batch: MetricBatch, now: float | None = None) -> list[FaultEvent]:
-        """Run every rule over ``batch``; return the faults not emitted before."""
+    def process(self, batch: MetricBatch, now: float | None = None, partition: int = 0) -> list[FaultEvent]:
+        """Run every rule over ``batch`` (read from metrics ``partition``: one stream where there are none);
+        return the faults not emitted before."""
         now = self.clock() if now is None else now
         state = self._nodes.get(batch.node)
         if state is None:
@@ -137,9 +138,8 @@ class TEEEngine:
             for f in self._seeds.pop(batch.node, ()):
                 _seed_state(state, f)
         state.last_batch_ts = max(state.last_batch_ts, batch.ts)
-        if not self.split:
-            self._read = max(self._read, batch.ts)
-            state.read_mark = self._read
+        state.partition = partition
+        state.read_mark = self._read[partition] = max(self._read.get(partition, 0.0), batch.ts)
         # the newest arrival: a batch delivered again or late (a producer's retry, a re-read after a
         # rebalance) must not make the node look silent on the event clock, where ``now`` is its sample time
         state.last_received = max(state.last_received, now)
@@ -162,10 +162,12 @@ class TEEEngine:
         return self._new(found)
 
     def _read_past(self, node: str) -> float:
-        """Not split: how far (sample time of the other nodes' newest batch) this engine read past ``node``'s
-        newest batch: one stream, read in order, as a partition of its own."""
+        """How far this engine read ``node``'s partition past the node's newest batch: how far the sample time
+        of the partition's newest batch moved since that batch was read (the other nodes' progress on the same
+        partition, which a worker reading late cannot fake, and a difference of one maximum, which a node's
+        skewed clock does not shift)."""
         st = self._nodes.get(node)
-        return 0.0 if st is None else self._read - st.read_mark
+        return 0.0 if st is None else self._read[st.partition] - st.read_mark
 
     def windows(self) -> list[PeerWindow]:
         """Split peers, node side: the windows closed since the last call, each with its node's last
@@ -186,14 +188,14 @@ class TEEEngine:
             if st is not None and st.job and ts >= st.last_batch_ts:
                 self._ranks_out.setdefault(st.job, []).append(RankReport(node, ts))
 
-    def read_past(self, advance: Mapping[str, float]) -> None:
-        """Split, node side, wall clock: each of these nodes' partitions was read ``advance`` seconds past the
-        node's newest batch (how far the sample time of the partition's newest batch moved since that batch
-        was read: the other nodes' progress, immune to the worker's lag and to node clocks' skew). Each node
-        of a known job gets a read mark at its newest batch's time plus that: the job's worker finds a node
-        lost before the heartbeat timeout only when it was silent that long where lag cannot fake it."""
-        self.read_up_to({node: st.last_batch_ts + a for node, a in advance.items()
-                         if (st := self._nodes.get(node)) is not None})
+    def read_past(self) -> None:
+        """Split, node side, wall clock: each node whose partition was read a second or more past its newest
+        batch (:meth:`_read_past`; up to the heartbeat timeout and 2 s, after which the heartbeat rule has
+        decided) gets a read mark at that batch's time plus as much: the job's worker finds a node lost
+        before the heartbeat timeout only when it was silent that long where lag cannot fake it."""
+        most = self.config.heartbeat_timeout + 2.0
+        self.read_up_to({node: st.last_batch_ts + past for node, st in self._nodes.items()
+                         if 1.0 <= (past := self._read_past(node)) <= most})
 
     def feeds(self, most: int = 500) -> list[JobFeed]:
         """Split, node side: what the jobs' workers need since the last call, one :class:`JobFeed` per

@@ -54,7 +54,8 @@ class NodeState:
     job: str | None = None
     last_batch_ts: float = 0.0         # newest batch ts (sample time)
     last_received: float = 0.0         # wall clock when the newest batch arrived here
-    read_mark: float = 0.0             # one engine reads every node: its newest sample time of any node then
+    partition: int = 0                 # the metrics partition its batches are read from
+    read_mark: float = 0.0             # the newest sample time read on that partition at its newest batch
     lost_reported_for: float | None = None   # last_batch_ts a NODE_LOST was emitted for
     lost_gpus: set[int] = field(default_factory=set)
     nan_ranks: set[tuple[str, str, int]] = field(default_factory=set)

@@ -413,14 +413,16 @@ def test_a_job_that_waited_for_its_lost_node_past_the_pause_floor_is_not_hung_as
     assert [(f.kind, f.node) for f in _live(engine, range(400), feed)] == [(c.FaultKind.NODE_LOST, "node2")]
 
 
-def _node2_lost_at_30(engine: TEEEngine, t: int, now: float) -> list[c.FaultEvent]:
+def _node2_lost_at_30(engine: TEEEngine, t: int, now: float, node2_partition: int = 0) -> list[c.FaultEvent]:
     """Second ``t`` of a job whose node2 dies after its batch of t=29: the others' ranks stand still at step
-    29 from then on, their GPUs spinning in the collective that waits for it."""
+    29 from then on, their GPUs spinning in the collective that waits for it. Metrics partition 0, but
+    node2's own (``node2_partition``)."""
     out = []
     for node in NODES:
         if t < 30 or node != "node2":
             kw = {"step": t} if t < 30 else {"step": 29, "util": 100.0}
-            out += engine.process(_batch(node, T0 + t, **kw), now=now)
+            out += engine.process(_batch(node, T0 + t, **kw), now=now,
+                                  partition=node2_partition if node == "node2" else 0)
     return out
 
 
@@ -444,21 +446,20 @@ def test_split_the_job_s_worker_finds_the_lost_node_within_2_s_and_hangs_no_rank
     assert {(f.kind, f.fault_id) for f in found} == {(c.FaultKind.NODE_LOST, fast[0].fault_id)}
 
 
-@pytest.mark.parametrize("read_past", [True, False], ids=["partition read past it", "worker reads it late"])
+@pytest.mark.parametrize("read_past", [True, False], ids=["partition read past it", "node2 alone on its partition"])
 def test_split_wall_clock_a_node_is_lost_within_2_s_only_where_its_partition_was_read_past_it(read_past):
     """Split, wall clock (the live `transom tee` workers). From t=30 the job's ranks stand still, GPUs
-    spinning, and the job's worker hears nothing more of node2. Its node's worker says (read marks, as
-    the app sends them from its partition's newest sample time) whether it read node2's partition past
-    node2's newest batch: then node2 is lost within 2 s. Without that (node2 alone on its partition, or
-    a worker reading it late: its batches may be there, unread) the job's worker waits for the
-    heartbeat timeout, which the node's worker decides."""
+    spinning, and the job's worker hears nothing more of node2. Its node's worker says with each feed
+    (read marks, ``TEEEngine.read_past``) how far it read node2's partition past node2's newest batch:
+    on the partition of the other nodes, their batches move it on, and node2 is lost within 2 s. Alone
+    on its partition, nothing does (as for a worker reading it late: its batches may be there, unread),
+    and the job's worker waits for the heartbeat timeout, which the node's worker decides."""
     config = TEEConfig(soft_detectors=())
     node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
     found = []
     for t in range(60):
-        _node2_lost_at_30(node_side, t, now=T0 + t + 0.1)
-        if read_past and t >= 30:          # node2's partition-mates' batches moved its partition's clock on
-            node_side.read_past({"node2": float(t - 29)})
+        _node2_lost_at_30(node_side, t, now=T0 + t + 0.1, node2_partition=0 if read_past else 1)
+        node_side.read_past()
         for f in node_side.feeds():
             found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)), now=T0 + t + 0.2)
     assert not [f for f in found if f.kind == c.FaultKind.HANG]
