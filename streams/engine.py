@@ -71,6 +71,11 @@ _ONCE = frozenset({"node_lost", "hang", "nan_loss", "gpu_lost", "link_flap", "li
 #: further behind (a replay reads partitions up to tens of minutes of sample time apart; a node that
 #: left the job stops being waited for after this)
 JOB_REPORTS_WAIT_S = 3600.0
+#: Event clock, job side: a node behind its job (reports and windows) is given up on only once nothing of it
+#: (a report, a window, a read mark) came for this many seconds of the worker's own time: a worker on a busy
+#: machine reads a replay hours of sample time behind another worker, and a node it reads is behind, not gone
+#: (its worker sends marks every feed; a stopped worker's partitions are taken over within the 6 s session)
+GONE_QUIET_S = 30.0
 
 log = get("tee")
 
@@ -107,12 +112,12 @@ class TEEEngine:
             self.rules[self.rules.index(self._hang)] = _RankCollector(self._ranks_out, self._hang)
             if self.config.clock == "event":
                 from .jobwindows import JobReports
-                self.job_reports = JobReports(JOB_REPORTS_WAIT_S)
+                self.job_reports = JobReports(JOB_REPORTS_WAIT_S, quiet_s=GONE_QUIET_S)
         if self.peers is not None and split_peers:
             from .jobwindows import JobWindows
             self.peers.outbox = []
             wait = self.config.soft_peer_wait or (360 if self.config.clock == "event" else 3)
-            self.job_windows = JobWindows(wait)
+            self.job_windows = JobWindows(wait, quiet_s=GONE_QUIET_S if self.config.clock == "event" else 0.0)
         self.heartbeat = HeartbeatRule(self.config)
         self._read: dict[int, float] = {}    # metrics partition -> the newest sample time read on it
         if not split_peers:      # one engine reads every node: it knows how far past each one it read

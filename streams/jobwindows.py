@@ -11,7 +11,10 @@ Window ``k`` of a job is complete when every node of the job that reported one o
 before ``k`` has sent window ``k`` or a later one (a node's summaries arrive in its own order, so a
 node past ``k`` without ``k`` skipped it). A node gone silent holds its job back until another node
 of the job is ``wait`` windows past ``k``; then ``k`` is released without it, and it is no longer
-waited for. A job's first window is released on that rule alone (its nodes are not known yet). A
+waited for. With ``quiet_s`` (the event clock), also only once nothing of the node (a window or a
+read mark) came for that many seconds of the worker's own time: in a replay a worker may read its
+partitions hours of sample time behind another's, and a node it still reads is behind, not gone.
+A job's first window is released on that rule alone (its nodes are not known yet). A
 window arriving after its job's window was released (a node far behind the others) is released at
 once; the peers detector judges it against the peers its job's window was decided with.
 
@@ -24,10 +27,11 @@ where its peers stood at the same time, not minutes earlier or later.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Iterable
+from typing import Callable, Iterable
 
 from transom.contracts import PeerWindow, RankReport
 
@@ -45,9 +49,10 @@ def window_complete(newest: dict[str, int], k: int, wait: int) -> bool:
     return all(i >= k for i in newest.values() if i >= k - wait)
 
 
-def drop_gone(newest: dict[str, int], k: int, wait: int) -> None:
-    """Forget the nodes whose newest window is more than ``wait`` windows before ``k``: gone from the job."""
-    for n in [n for n, i in newest.items() if i < k - wait]:
+def drop_gone(newest: dict[str, int], k: int, wait: int, quiet: Callable[[str], bool] = lambda n: True) -> None:
+    """Forget the nodes whose newest window is more than ``wait`` windows before ``k`` (and that are
+    ``quiet``: nothing of them came for a while): gone from the job."""
+    for n in [n for n, i in newest.items() if i < k - wait and quiet(n)]:
         del newest[n]
 
 
@@ -55,17 +60,22 @@ def drop_gone(newest: dict[str, int], k: int, wait: int) -> None:
 class _Job:
     waiting: dict[int, dict[str, PeerWindow]] = field(default_factory=lambda: defaultdict(dict))
     newest: dict[str, int] = field(default_factory=dict)     # node -> newest window index received
+    heard: dict[str, float] = field(default_factory=dict)    # node -> when a window or mark of it came (own clock)
     released: int = -1
     marked: bool = False          # the node side says how far it read the job's nodes (read_past)
 
 
 class JobWindows:
-    """Collects :class:`PeerWindow` summaries by job and window; :meth:`add` returns those released."""
+    """Collects :class:`PeerWindow` summaries by job and window; :meth:`add` returns those released.
+    ``quiet_s``: a node behind is given up on only once nothing of it came for that many seconds of
+    ``clock`` (0: on the window count alone)."""
 
-    def __init__(self, wait: int = 3) -> None:
+    def __init__(self, wait: int = 3, quiet_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         if wait < 1:
             raise ValueError("wait must be at least one window")
-        self.wait = wait
+        if not quiet_s >= 0:
+            raise ValueError("quiet_s must be a number of seconds >= 0")
+        self.wait, self.quiet_s, self.clock = wait, quiet_s, clock
         self._jobs: dict[str, _Job] = {}
         self.late = 0          # windows that came after their job's window was released
 
@@ -78,6 +88,7 @@ class JobWindows:
     def add(self, w: PeerWindow) -> list[PeerWindow]:
         j = self._job(w.job)
         j.newest[w.node] = max(j.newest.get(w.node, w.index), w.index)
+        j.heard[w.node] = self.clock()
         if w.index <= j.released:
             self.late += 1
             return [w]
@@ -93,23 +104,29 @@ class JobWindows:
         of minutes apart: a node read far behind is not silent, and its job waits for it.)"""
         j = self._job(job)
         j.marked = True                 # the job's nodes are known: its first window needs them all too
+        now = self.clock()
         for node, k in passed.items():
+            j.heard[node] = now
             if k > j.newest.get(node, k - 1):
                 j.newest[node] = k
         return self._release(j)
 
     def _release(self, j: _Job) -> list[PeerWindow]:
         out: list[PeerWindow] = []
+        now = self.clock()
+        quiet = (lambda n: True) if not self.quiet_s else (lambda n: now - j.heard.get(n, now) >= self.quiet_s)
         while j.waiting:
             k = min(j.waiting)
-            ahead = max(j.newest.values()) >= k + self.wait
             complete = (j.released >= 0 or j.marked) and window_complete(j.newest, k, self.wait)
+            # another node `wait` windows past k, and the nodes without k fell silent (not only read behind)
+            ahead = not complete and max(j.newest.values()) >= k + self.wait and \
+                all(quiet(n) for n, i in j.newest.items() if k - self.wait <= i < k)
             if not (complete or ahead):
                 break
             got = j.waiting.pop(k)
             j.released = k
             out += [got[n] for n in sorted(got)]
-            drop_gone(j.newest, k, self.wait)      # gone from the job: not waited for again
+            drop_gone(j.newest, k, self.wait, quiet)      # gone from the job: not waited for again
         return out
 
     def flush(self) -> list[PeerWindow]:
@@ -132,6 +149,7 @@ class JobWindows:
 class _Reports:
     held: list = field(default_factory=list)                 # heap of (ts, arrival, report)
     newest: dict[str, float] = field(default_factory=dict)   # node -> the newest report time received
+    heard: dict[str, float] = field(default_factory=dict)    # node -> when a report or mark of it came (own clock)
 
 
 class JobReports:
@@ -140,13 +158,18 @@ class JobReports:
     report with no samples and no utilisation only says how far the node was read (the node side's
     partition clock: :meth:`TEEEngine.read_up_to`), so a silent node does not hold its job; it is not
     released. A node whose newest report is more than ``wait`` seconds (sample time) behind the job's
-    newest is gone (left the job, its worker stopped) and no longer waited for; one that comes back is
-    waited for again (what it sends meanwhile is released at once: the job is past it)."""
+    newest, and of which nothing (a report or a read mark) came for ``quiet_s`` seconds of ``clock``
+    (the worker's own time), is gone (left the job, its worker stopped) and no longer waited for; one
+    that comes back is waited for again (what it sends meanwhile is released at once: the job is past
+    it). A node whose worker reads it hours of sample time behind the others' (a replay on a busy
+    machine) still sends its reports and marks: it is behind, not gone, and its job waits for it."""
 
-    def __init__(self, wait: float) -> None:
+    def __init__(self, wait: float, quiet_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         if not wait > 0:
             raise ValueError("wait must be a positive number of seconds")
-        self.wait = wait
+        if not quiet_s >= 0:
+            raise ValueError("quiet_s must be a number of seconds >= 0")
+        self.wait, self.quiet_s, self.clock = wait, quiet_s, clock
         self._jobs: dict[str, _Reports] = {}
         self._arrival = count()          # ties in time keep their arrival order
 
@@ -154,7 +177,9 @@ class JobReports:
         j = self._jobs.get(job)
         if j is None:
             j = self._jobs[job] = _Reports()
+        now = self.clock()
         for r in reports:
+            j.heard[r.node] = now
             if r.ts > j.newest.get(r.node, 0.0):
                 j.newest[r.node] = r.ts
             if not is_read_mark(r):
@@ -162,7 +187,8 @@ class JobReports:
         if not j.newest:
             return []
         top = max(j.newest.values())
-        for node in [n for n, t in j.newest.items() if t < top - self.wait]:
+        for node in [n for n, t in j.newest.items()
+                     if t < top - self.wait and now - j.heard.get(n, now) >= self.quiet_s]:
             del j.newest[node]
         mark = min(j.newest.values())
         out = []

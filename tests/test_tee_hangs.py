@@ -324,6 +324,39 @@ def test_a_replay_read_minutes_apart_finds_the_hang_a_live_worker_finds(idle):
     assert T0 + 600 < hang.detected_ts <= T0 + 600 + 30          # on the replay's clock, as live
 
 
+def test_a_replay_whose_workers_read_hours_apart_waits_for_the_node_read_behind_and_finds_nothing():
+    """Event clock, split, one worker per node: all three read together to t=95, then node1's worker reads on
+    to t=1,500 and node0's to t=4,000 (more than ``JOB_REPORTS_WAIT_S`` past node2) while node2's, busy,
+    is still at t=95. From t=96 node2's data loader hiccups for 5 s (its GPUs idle, the job stands still,
+    the others spin): ordinary life. Node2's worker still sends its reports and read marks, so the job's
+    worker waits for it, then takes the hiccup in time order, and finds nothing. Before, a node an hour
+    of sample time behind the job's newest was taken for gone, the others' reports were taken without
+    it, and node2 was found lost 2 s into its hiccup (a false evict; seen in the two-worker replay of 30
+    clean node-hours on a busy machine)."""
+    config = TEEConfig(soft_detectors=(), clock="event")
+    sides = {n: TEEEngine(config, split_peers=True) for n in NODES}
+    job_side = TEEEngine(config, split_peers=True)
+    found = []
+
+    def read(node, t):
+        nonlocal found
+        hiccup = 96 <= t < 101
+        found += sides[node].process(_batch(node, T0 + t, step=95 if hiccup else t, hb=0.0,
+                                            util=0.0 if hiccup and node == "node2" else 100.0), now=T0 + t)
+        sides[node].read_up_to({node: T0 + t})
+        for f in sides[node].feeds():
+            found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)))
+
+    for t in range(96):
+        for node in NODES:
+            read(node, t)
+    for node, end in (("node1", 1500), ("node0", 4000), ("node2", 1500)):
+        for t in range(96, end):
+            read(node, t)
+    assert [(f.node, f.kind.value, f.summary) for f in found] == []
+    assert job_side.job_reports._jobs["j"].newest.keys() == set(NODES)    # none taken for gone
+
+
 def _live(engine: TEEEngine, seconds: range, per_node) -> list[c.FaultEvent]:
     """:func:`_run` with the heartbeat check a live worker runs every second."""
     out = []

@@ -11,7 +11,7 @@ import pytest
 from transom import contracts as c
 from transom.broker import EmbeddedBroker
 from transom.streams.classes import SOFT
-from transom.streams.jobwindows import JobWindows
+from transom.streams.jobwindows import JobReports, JobWindows
 
 
 def win(node: str, index: int, job: str = "j") -> c.PeerWindow:
@@ -104,6 +104,43 @@ def test_a_jobs_window_is_released_whole_and_in_order_whatever_the_arrival():
     # flush (end of a replay) releases what is held, in order
     assert g2.add(win("x", 0, job="k")) == [] and g2.add(win("y", 0, job="k")) == []
     assert names(g2.flush()) == [("x", 0), ("y", 0)]
+
+
+def test_a_node_read_far_behind_is_waited_for_until_nothing_of_it_came_for_quiet_s():
+    """Event clock: a node whose worker reads it far behind (more than ``wait``) but still sends its windows,
+    reports or read marks holds its job; one of which nothing came for ``quiet_s`` of the worker's own time
+    is gone (left the job, its worker stopped). Without ``quiet_s`` (the wall clock) the window count
+    alone decides, as before."""
+    clock = [0.0]
+    quiet = JobWindows(wait=2, quiet_s=30.0, clock=lambda: clock[0])
+    count_only = JobWindows(wait=2)
+    for g in (quiet, count_only):          # the node side names the job's nodes, then both send window 0
+        assert g.read_past("j", {"a": -1, "b": -1}) == [] and g.add(win("a", 0)) == []
+        assert names(g.add(win("b", 0))) == [("a", 0), ("b", 0)]
+    for k in (1, 2):                         # a reads on; b is read behind, its marks say it has no window 1 yet
+        assert quiet.add(win("a", k)) == [] and quiet.read_past("j", {"b": 0}) == []
+        assert count_only.add(win("a", k)) == []
+    assert names(count_only.add(win("a", 3))) == [("a", 1)]          # b two windows behind: not waited for
+    assert quiet.add(win("a", 3)) == [] and quiet.read_past("j", {"b": 0}) == []   # b heard: waited for
+    assert quiet.add(win("a", 4)) == []
+    clock[0] = 31.0                                                    # nothing of b for 31 s: gone
+    assert names(quiet.add(win("a", 5))) == [("a", k) for k in range(1, 6)]
+
+    clock[0] = 0.0
+    reports = JobReports(wait=100.0, quiet_s=30.0, clock=lambda: clock[0])
+    at_once = JobReports(wait=100.0)
+    rep = lambda node, ts: c.RankReport(node, ts, 90.0)               # noqa: E731
+    for r in (reports, at_once):
+        assert [x.ts for x in r.add("j", [rep("a", 1.0), rep("b", 1.0)])] == [1.0, 1.0]
+    ahead = [rep("a", float(t)) for t in range(2, 500)]               # a read 500 s ahead of b
+    assert len(at_once.add("j", ahead)) == 498                         # b more than `wait` behind: gone
+    assert reports.add("j", ahead) == []                               # b heard just now: a's held for it
+    assert [x.ts for x in reports.add("j", [c.RankReport("b", 3.0)])] == [2.0, 3.0]   # b's read mark
+    clock[0] = 20.0
+    assert reports.add("j", [rep("a", 500.0)]) == []                    # b heard 20 s ago: still waited for
+    clock[0] = 51.0                                                     # nothing of b for 51 s: gone
+    out = reports.add("j", [rep("a", 501.0)])
+    assert [x.ts for x in out] == [float(t) for t in range(4, 502)]
 
 
 def _hangs_on(workers: int, feed, seconds: int, *, split: bool = True) -> list[tuple[str, int, str]]:
