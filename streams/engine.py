@@ -223,6 +223,9 @@ class TEEEngine:
         now = self.clock() if now is None else now
         ranks = feed.ranks
         if event_clock and self.job_reports is not None:     # a replay: the job's nodes in step
+            for r in ranks:
+                if is_read_mark(r):        # how far the node was read: proof of its silence (node lost, 2 s)
+                    self._hang.read_to(feed.job, r.node, r.ts)
             ranks = self.job_reports.add(feed.job, ranks)
         found = self._take_ranks(feed.job, ranks, None if event_clock else now)
         for w in feed.windows:

@@ -45,10 +45,11 @@ rank 0 when the agents do not know the global rank).
 The detector also finds a node lost before the heartbeat timeout (:meth:`HangDetector._lost`): its
 ranks silent for ``node_lost_fast_s`` (2 s) while every rank of its generation still heard from began
 to wait as it fell silent, its GPUs spinning (ranks waiting in a collective for ranks that never
-come). On the wall clock the silence must also be proven where a worker's lag cannot fake it: the
-node's metrics partition was read that far past its newest batch, in the sample time of the other
-nodes' batches on it (read marks, :meth:`TEEEngine.read_past`); a node alone on its partition is
-left to the heartbeat timeout. A job that stands still because a node of it was lost as the stall
+come). The silence must also be proven where a worker's lag cannot fake it: the node's metrics
+partition was read that far past its newest batch, in the sample time of the other nodes' batches
+on it (read marks: :meth:`TEEEngine.read_past` on the wall clock, the partition's clock,
+:meth:`TEEEngine.read_up_to`, on the event clock; one engine reading every node knows it itself); a
+node alone on its partition is left to the heartbeat timeout on the wall clock. A job that stands still because a node of it was lost as the stall
 began is no pause-ceiling hang, also once the node is back and before the job steps again.
 
 Where it runs: the rules compare a job's ranks across its nodes, so the detector must see every node
@@ -126,7 +127,8 @@ class JobView:
     lost: dict[str, float] = field(default_factory=dict)   # node -> the report ts it was found lost after
     busy_since: dict[str, float] = field(default_factory=dict)   # node -> ts since which its GPUs spin
     #: node -> how far its metrics partition was read (the node's own sample time: its newest batch plus the
-    #: other nodes' progress read after it), from the read marks of its worker on the wall clock
+    #: other nodes' progress read after it; on the event clock, the partition's clock), from the read marks
+    #: of its worker
     read: dict[str, float] = field(default_factory=dict)
     #: node -> the detector's clock when its ranks were last heard, the longest silent first
     heard: OrderedDict = field(default_factory=OrderedDict)
@@ -224,6 +226,13 @@ class HangDetector:
                 by_job.setdefault(s.tags.get("job") or batch.job or "", []).append(s)
         return [(job_id, RankReport(batch.node, batch.ts, util, tuple(samples), gpus))
                 for job_id, samples in by_job.items()]
+
+    def read_to(self, job_id: str, node: str, ts: float) -> None:
+        """Event clock, job side: ``node``'s worker read its partition up to ``ts`` (a read mark, which the
+        job's reports wait for and which judges nothing by itself: :class:`.jobwindows.JobReports`)."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.read[node] = max(job.read.get(node, ts), ts)
 
     def take(self, job_id: str, report: RankReport, now: float) -> list[FaultEvent]:
         """Judge ``job_id``'s ranks with one node batch's ``report`` (in the node's order)."""
@@ -411,9 +420,9 @@ class HangDetector:
         rank of their generation still heard from began to wait as they fell silent, its node's GPUs spinning
         (waiting in a collective for the ranks that never come): those nodes are lost, found before the
         heartbeat timeout, with the heartbeat rule's fault id. Late metrics leave the job stepping, and a
-        job-wide pause idles its GPUs: the heartbeat timeout decides those. On the wall clock the silence
-        must also show in the node's read marks (its partition read ``node_lost_fast_s`` past its newest
-        batch), so that a worker reading the partition late finds no node lost."""
+        job-wide pause idles its GPUs: the heartbeat timeout decides those. The silence must also show in
+        the node's read marks (its partition read ``node_lost_fast_s`` past its newest batch; on either
+        clock), so that a worker reading the partition late finds no node lost."""
         fast, timeout = self.config.node_lost_fast_s, self.config.heartbeat_timeout
         silent = []
         for n, heard in job.heard.items():     # the longest silent first: a look costs the silent nodes only
@@ -429,7 +438,7 @@ class HangDetector:
                 continue            # its ranks left the job
             ts = max(seen, job.gpu_util.get(n, (seen,))[0])     # its newest report: the heartbeat rule's id
             past = self.read_past_of(n) if self.read_past_of is not None else job.read.get(n, ts) - ts
-            if self.config.clock != "event" and past < fast:
+            if past < fast:
                 continue        # its partition was not read that far past it: the worker may only be late
             waiting = [(k, v) for k, v in job.ranks.items() if k[0] != n and k[1] == generation
                        and now - v.heard < fast]

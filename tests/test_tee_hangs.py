@@ -357,6 +357,33 @@ def test_a_replay_whose_workers_read_hours_apart_waits_for_the_node_read_behind_
     assert job_side.job_reports._jobs["j"].newest.keys() == set(NODES)    # none taken for gone
 
 
+def test_a_replay_finds_no_node_lost_in_2_s_without_its_partition_read_past_it():
+    """Event clock, split: node2's worker stops at t=95 (nothing more of node2: no report, no read mark).
+    After 30 s of its worker's silence the job's worker stops waiting for it and takes the others'
+    reports, in which the job stands still from t=96, the others spinning. The silence of node2 is
+    the stopped worker's, not proven on node2's partition: no node lost before the heartbeat timeout
+    (which node2's next worker decides). Before, the job's worker found it lost at t=97. (The job steps
+    again from t=110, as after a hiccup.)"""
+    config = TEEConfig(soft_detectors=(), clock="event")
+    sides = {n: TEEEngine(config, split_peers=True) for n in NODES}
+    job_side = TEEEngine(config, split_peers=True)
+    wall = [0.0]
+    job_side.job_reports.clock = lambda: wall[0]
+    found = []
+    for t in range(3800):           # past JOB_REPORTS_WAIT_S: node2 is given up on after its 30 s of nothing
+        wall[0] = t
+        for node in NODES:
+            if node == "node2" and t >= 96:
+                continue
+            step = t if t < 96 else 95 if t < 110 else t - 14
+            found += sides[node].process(_batch(node, T0 + t, step=step, hb=0.0, util=100.0), now=T0 + t)
+            sides[node].read_up_to({node: T0 + t})
+            for f in sides[node].feeds():
+                found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)))
+    assert "node2" not in job_side.job_reports._jobs["j"].newest       # given up on after 30 s
+    assert [(f.node, f.kind.value) for f in found if f.kind == c.FaultKind.NODE_LOST] == []
+
+
 def _live(engine: TEEEngine, seconds: range, per_node) -> list[c.FaultEvent]:
     """:func:`_run` with the heartbeat check a live worker runs every second."""
     out = []
