@@ -49,8 +49,9 @@ come). The silence must also be proven where a worker's lag cannot fake it: the 
 partition was read that far past its newest batch, in the sample time of the other nodes' batches
 on it (read marks: :meth:`TEEEngine.read_past` on the wall clock, the partition's clock,
 :meth:`TEEEngine.read_up_to`, on the event clock; one engine reading every node knows it itself); a
-node alone on its partition is left to the heartbeat timeout on the wall clock. A job that stands still because a node of it was lost as the stall
-began is no pause-ceiling hang, also once the node is back and before the job steps again.
+node alone on its partition is left to the heartbeat timeout on the wall clock. A job that stands
+still because a node of it was lost as the stall began is no pause-ceiling hang, also once the node
+is back and before the job steps again.
 
 Where it runs: the rules compare a job's ranks across its nodes, so the detector must see every node
 of the job. In one process (offline, tests) it is the engine's rule, ``observe(state, batch, now)``.
