@@ -229,8 +229,9 @@ class HangDetector:
                 for job_id, samples in by_job.items()]
 
     def read_to(self, job_id: str, node: str, ts: float) -> None:
-        """Event clock, job side: ``node``'s worker read its partition up to ``ts`` (a read mark, which the
-        job's reports wait for and which judges nothing by itself: :class:`.jobwindows.JobReports`)."""
+        """Job side: ``node``'s worker read its partition up to ``ts`` (a read mark: the proof of a silence
+        that :meth:`_lost` asks for; on the event clock the job's reports wait for the marks too,
+        :class:`.jobwindows.JobReports`)."""
         job = self.jobs.get(job_id)
         if job is not None:
             job.read[node] = max(job.read.get(node, ts), ts)
@@ -246,7 +247,7 @@ class HangDetector:
                         job.heard[node] = now
                         job.heard.move_to_end(node)
                 else:            # a read mark: its partition was read this far past its newest batch
-                    job.read[node] = max(job.read.get(node, report.ts), report.ts)
+                    self.read_to(job_id, node, report.ts)
                     if len(job.ranks) > 1:
                         return self._lost(now, job_id, job)
             return []

@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 
 from transom.contracts import PeerWindow, RankReport
 
-__all__ = ["JobReports", "JobWindows", "is_read_mark", "window_complete", "drop_gone"]
+__all__ = ["JobReports", "JobWindows", "is_read_mark", "window_complete", "drop_gone", "quiet_for"]
 
 
 def is_read_mark(r: RankReport) -> bool:
@@ -47,6 +47,12 @@ def window_complete(newest: dict[str, int], k: int, wait: int) -> bool:
     """Whether every node that reported one of the ``wait`` windows before ``k`` has reported ``k`` or a
     later one (``newest``: node -> the newest window index it reported)."""
     return all(i >= k for i in newest.values() if i >= k - wait)
+
+
+def quiet_for(heard: dict[str, float], now: float, quiet_s: float) -> Callable[[str], bool]:
+    """Whether nothing of a node came for ``quiet_s`` seconds before ``now`` (``heard``: node -> when something
+    of it last came, on the same clock; 0 s: always)."""
+    return lambda n: now - heard.get(n, now) >= quiet_s
 
 
 def drop_gone(newest: dict[str, int], k: int, wait: int, quiet: Callable[[str], bool] = lambda n: True) -> None:
@@ -114,7 +120,7 @@ class JobWindows:
     def _release(self, j: _Job) -> list[PeerWindow]:
         out: list[PeerWindow] = []
         now = self.clock()
-        quiet = (lambda n: True) if not self.quiet_s else (lambda n: now - j.heard.get(n, now) >= self.quiet_s)
+        quiet = quiet_for(j.heard, now, self.quiet_s)
         while j.waiting:
             k = min(j.waiting)
             complete = (j.released >= 0 or j.marked) and window_complete(j.newest, k, self.wait)
@@ -186,9 +192,8 @@ class JobReports:
                 heapq.heappush(j.held, (r.ts, next(self._arrival), r))
         if not j.newest:
             return []
-        top = max(j.newest.values())
-        for node in [n for n, t in j.newest.items()
-                     if t < top - self.wait and now - j.heard.get(n, now) >= self.quiet_s]:
+        top, quiet = max(j.newest.values()), quiet_for(j.heard, now, self.quiet_s)
+        for node in [n for n, t in j.newest.items() if t < top - self.wait and quiet(n)]:
             del j.newest[node]
         mark = min(j.newest.values())
         out = []
