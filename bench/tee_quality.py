@@ -373,12 +373,11 @@ def main(argv=None) -> int:
         live = score(corpus, events)
         nh = a.pipeline_nodes * a.pipeline_hours
         pc = live["classes"]
-        ids = [e.fault_id for e in events if not e.resolved]
         out["pipeline"] = {
             "mode": "embedded broker + one TEE worker process (event clock), same scoring as offline",
             "seed": seed, "node_hours": nh, "batches": n, "seconds": round(span, 1),
-            "batches_per_s": round(n / span, 1), "fault_events": len(ids),
-            "duplicate_fault_ids": len(ids) - len(set(ids)),
+            "batches_per_s": round(n / span, 1), "fault_events": sum(not e.resolved for e in events),
+            "duplicate_fault_ids": live["repeated_ids"],
             "f1": {k: v["f1"] for k, v in pc.items()},
             "f1_offline_same_corpus": {k: v["f1"] for k, v in offline["classes"].items()},
             "delay_p99_s": {k: v["delay_p99_s"] for k, v in pc.items()},

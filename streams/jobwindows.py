@@ -52,6 +52,8 @@ def window_complete(newest: dict[str, int], k: int, wait: int) -> bool:
 def quiet_for(heard: dict[str, float], now: float, quiet_s: float) -> Callable[[str], bool]:
     """Whether nothing of a node came for ``quiet_s`` seconds before ``now`` (``heard``: node -> when something
     of it last came, on the same clock; 0 s: always)."""
+    if not quiet_s:
+        return lambda n: True
     return lambda n: now - heard.get(n, now) >= quiet_s
 
 
