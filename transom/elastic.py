@@ -14,10 +14,12 @@ The training side of in-job recovery (issue 17; the controller's side is the ``h
 
 :meth:`ElasticGroup.step` runs ``fn``. When a collective raises (gloo fails within milliseconds
 when a peer process dies; a stuck peer is killed by the controller, which fails it the same way),
-the rank drops the broken group (``Replica.drop``, then ``destroy_process_group``), waits for the
-controller to name the new group, joins it with a fresh rendezvous, runs :meth:`sync`, rebuilds
-(``Replica.rebuild``) and redoes the step once, from the same per-rank position
-(``Replica.position``/``rewind``). Survivors load no checkpoint.
+the rank drops the broken group (``Replica.drop``, then aborts it; a group whose collective is still
+pending is kept aside instead, see :meth:`ElasticGroup.close`), waits for the controller to name the
+new group, joins it with a fresh rendezvous, runs :meth:`sync`, rebuilds (``Replica.rebuild``) and
+redoes the step once, from the same per-rank position (``Replica.position``/``rewind``). Survivors
+load no checkpoint. ``group.close()`` at the end (also run at the interpreter's exit) lets a rank
+exit at once even while such a kept group still waits on a peer.
 
 :meth:`sync` (collective, every rank of the new group): all ranks exchange their step counters;
 the lowest rank among those with the highest counter (a survivor; a spare counts -1) broadcasts
@@ -56,6 +58,8 @@ Exception tree::
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import datetime
 import gc
 import hashlib
@@ -287,6 +291,7 @@ class ElasticGroup:
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="transom-elastic", daemon=True)
         self._reader.start()
+        atexit.register(self._outlive_pending)     # a script that never calls close() exits at once too
 
     @classmethod
     def from_env(cls) -> "ElasticGroup | None":
@@ -618,9 +623,37 @@ class ElasticGroup:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
+        """Leave the control channel. Call it once the loop is done (it is also run at the interpreter's
+        exit): a group left by a heal whose collective is still pending is kept past the process's end
+        (:meth:`_outlive_pending`), so the rank exits at once instead of waiting out the group's timeout."""
+        self._outlive_pending()
         self._closed.set()
         self._reader.join(2.0)
         try:
             self._consumer.close()
         except Exception:                 # noqa: BLE001
             pass
+
+    def _outlive_pending(self) -> None:
+        """Give each graveyard group whose collective is still pending a reference that is never dropped.
+
+        Tearing such a group down (when its last reference goes, at the latest while the interpreter
+        finalizes) waits for that collective, and it may wait on a peer that stays alive (another
+        survivor, or a rank whose host did not answer the kill): the rank then exits only when that peer
+        does, or at the group's timeout (``TRANSOM_PG_TIMEOUT_S``, 300 s). Measured with two gloo ranks, an
+        all-reduce pending on a peer alive for 30 s: the exit took 33 s as it was (aborting the group
+        does not release it either), 3.5 s with the extra reference. A group never torn down costs
+        nothing at the end: its threads and sockets end with the process, and the exit status and every
+        flush stay the interpreter's own. Groups whose collective has ended are released as usual."""
+        if not self._graveyard:
+            return
+        self._bury()
+        pending = self._graveyard
+        if not pending:
+            return
+        for _epoch, pg, work in pending:
+            for obj in (pg, work):
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+        self._graveyard = []
+        _log(f"rank {self.rank}: the group(s) of epoch {', '.join(str(e) for e, _, _ in pending)} still wait on "
+             "a peer; left to the process's end, not torn down (that would wait for the group's timeout)")
