@@ -43,21 +43,21 @@ def test_a_survivor_exits_at_once_while_the_group_it_left_still_waits_on_a_live_
 
     def start(name: str, **env: str) -> None:
         with logs[name].open("w") as out:
-            procs[name] = subprocess.Popen([sys.executable, str(RANK), "40", "0.05"], env={**base, **env},
+            procs[name] = subprocess.Popen([sys.executable, str(RANK), "80", "0.05"], env={**base, **env},
                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def text(name: str) -> str:
         return logs[name].read_text(errors="replace")
 
     try:
+        start("spare", TRANSOM_NODE="node2", TRANSOM_SPARE="1")
+        wait_until(lambda: "waiting for a rank" in text("spare"), 90, "a spare waiting")    # before the job runs
         start("rank0", RANK="0", TRANSOM_NODE="node0")
         start("rank1", RANK="1", TRANSOM_NODE="node1")
-        start("spare", TRANSOM_NODE="node2", TRANSOM_SPARE="1")
-        wait_until(lambda: "step 5 epoch 0" in text("rank0") and "waiting for a rank" in text("spare"), 90,
-                   "step 5 and a spare waiting")
+        wait_until(lambda: "step 5 epoch 0" in text("rank0"), 90, "step 5")
         os.kill(procs["rank1"].pid, signal.SIGSTOP)      # lost, but alive: its connections stay open
         time.sleep(1.0)                                  # rank 0 is in an all-reduce that rank 1 never joins
-        assert "step 40" not in text("rank0")
+        assert "step 80" not in text("rank0")
         # what the controller names for the heal: the spare on node2 takes rank 1 in a new group
         producer = make_producer(broker.bootstrap, linger_ms=0)
         ev = c.LifecycleEvent(job=job, seq=0, ts=time.time(), name="reforming", state="recovering", detail={
@@ -65,14 +65,14 @@ def test_a_survivor_exits_at_once_while_the_group_it_left_still_waits_on_a_live_
             "nodes": ["node0", "node2"], "assign": {"node2": 1}, "rank": 1})
         publish(producer, c.HISTORY, job, ev)
         assert producer.flush(10) == 0
-        # both finish the job in the new group and exit, while rank 1 still lives (stopped)
+        # both finish the job (80 steps) in the new group and exit, while rank 1 still lives (stopped)
         for name in ("rank0", "spare"):
             try:
                 procs[name].wait(60)
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{name} did not exit within 60 s of the heal:\n{text(name)[-3000:]}") from None
             assert procs[name].returncode == 0, text(name)[-3000:]
-            assert "step 40 epoch 1" in text(name) and "closed" in text(name), text(name)[-3000:]
+            assert "step 80 epoch 1" in text(name) and "closed" in text(name), text(name)[-3000:]
         assert procs["rank1"].poll() is None
         survivor = text("rank0")
         assert "all-reduce of rank 0 given up: group epoch 1 was named" in survivor
