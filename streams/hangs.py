@@ -381,9 +381,10 @@ class HangDetector:
         else:
             if any((k[0], k[1], k[2], v.since) in job.reported for k, v in peers):
                 return None           # a rank of this stall is reported hung already: the job waits for it
-            if any(ts >= r.since - 5.0 for ts in self._gone_since(job, now, node)):
+            if any(ts >= r.since - 5.0 for ts in self._gone_since(job, now)):
                 return None           # a node of the job was lost as the stall began (5 s of clock skew allowed):
-                                      # the job waits for it (the node_lost event), no rank of it is hung
+                                      # the job waits for it (the node_lost event), no rank of it is hung; this
+                                      # rank's own node too, back at the step it was lost at (its stall is the loss)
             ceiling = self.pause_limit(job, phase)
             first = min([(r.since, key), *((v.since, k) for k, v in peers)])[1]
             if r.stall <= ceiling or first != key:
@@ -393,12 +394,12 @@ class HangDetector:
         self._hung[node] = [*self._hung.get(node, [])[-7:], (job_id, key, r.since)]
         return self._event(now, job_id, key, r, job, peers, cause, limit)
 
-    def _gone_since(self, job: JobView, now: float, but: str) -> list[float]:
-        """When the job's nodes other than ``but`` that are, or were lately, lost (their ranks silent for the
-        heartbeat timeout, on this detector's clock) last showed their ranks before it."""
-        out = [ts for n, ts in job.gone.items() if n != but]
+    def _gone_since(self, job: JobView, now: float) -> list[float]:
+        """When the job's nodes that are, or were lately, lost (their ranks silent for the heartbeat timeout,
+        on this detector's clock) last showed their ranks before it."""
+        out = list(job.gone.values())
         out += [v.last_seen for (n, _, _), v in job.ranks.items()
-                if n != but and (now - v.heard >= self.config.heartbeat_timeout or n in job.lost)]
+                if now - v.heard >= self.config.heartbeat_timeout or n in job.lost]
         return out
 
     def _util(self, job: JobView, node: str, report: RankReport) -> None:
@@ -470,7 +471,7 @@ class HangDetector:
         until then) its GPUs took to spinning then; not a wait that began long before (a barrier while rank 0
         saves), where a node's metrics late for a moment say nothing."""
         median = v.median_step() or 1.0
-        if v.phase or v.stall < max(1.0, 1.5 * median) or v.node not in job.busy_since \
+        if v.phase or v.stall < max(1.0, min(1.5 * median, median + 0.5)) or v.node not in job.busy_since \
                 or abs(job.gpu_util.get(v.node, (0.0, 0.0))[0] - v.last_seen) > 5.0:
             return False
         began = min(v.stall, v.last_seen - job.busy_since[v.node])   # both on the rank's node's clock

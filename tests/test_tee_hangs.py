@@ -14,9 +14,9 @@ NODES = ("node0", "node1", "node2")
 
 
 def _batch(node: str, ts: float, step: int, *, util: float | tuple = 95.0, hb: float = 0.3, phase: str = "",
-           stack: str = "", stopped: bool = False, rank: int | None = None) -> c.MetricBatch:
+           stack: str = "", stopped: bool = False, rank: int | None = None, step_time: float = 0.5) -> c.MetricBatch:
     """``util``: every GPU's utilisation (two GPUs), or a tuple of each GPU's."""
-    fields = {"step": step, "loss": 2.0, "step_time": 0.5, "alive": 1, "heartbeat_age_s": hb}
+    fields = {"step": step, "loss": 2.0, "step_time": step_time, "alive": 1, "heartbeat_age_s": hb}
     if stopped:
         fields["stopped"] = 1
     tags = {"job": "j", "generation": "0", "pid": "77"}
@@ -409,6 +409,30 @@ def test_a_node_that_falls_silent_as_its_job_stops_and_its_peers_spin_is_lost_wi
     assert f.fault_id == c.stable_id("node2", "node_lost", T0 + 29)
 
 
+def test_in_a_job_of_1_4_s_steps_a_node_lost_mid_step_is_found_within_2_s(engine):
+    # steps of 1.4 s, reports every second: node2 dies at t=30.6, in step 22 (21 done at 29.4); its peers
+    # never finish step 22. A healthy rank shows one step for at most 2 reports (a stall of 1 s): the wait
+    # is told from a step by a stall of 2 s, the median step plus half a second (1.5 steps asked for 3 s)
+    def feed(node, t):
+        if node == "node2":
+            return None if t >= 30.6 else {"step": int(t / 1.4), "step_time": 1.4}
+        return {"step": min(int(t / 1.4), 21), "step_time": 1.4, "util": 100.0 if t >= 30.6 else 95.0}
+
+    [f] = _live(engine, range(120), feed)
+    assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.NODE_LOST, "node2", "its job stopped as it fell silent")
+    assert f.detected_ts - (T0 + 30.6) <= 2.0
+
+
+def test_a_node_silent_while_its_job_of_1_4_s_steps_steps_on_is_lost_only_at_the_heartbeat_timeout(engine):
+    # a healthy rank of 1.4 s steps stands still for up to 1 s between reports: no wait, so no haste
+    def feed(node, t):
+        return None if node == "node2" and t >= 30 else {"step": int(t / 1.4), "step_time": 1.4, "util": 100.0}
+
+    [f] = _live(engine, range(60), feed)
+    assert (f.kind, f.node) == (c.FaultKind.NODE_LOST, "node2") and "cause" not in f.evidence
+    assert f.detected_ts - (T0 + 29) > engine.config.heartbeat_timeout
+
+
 def test_a_node_lost_as_a_checkpoint_ends_is_found_within_2_s_as_its_peers_take_to_spinning(engine):
     # a checkpoint from t=30 (every rank still, GPUs idle); node2 dies at t=45, as it ends: instead of
     # stepping again, the others block in the next collective (their steps stood still for 15 s already)
@@ -471,6 +495,18 @@ def test_a_job_that_waited_for_its_lost_node_past_the_pause_floor_is_not_hung_as
         return {"step": t - 303 if t >= 333 else min(t, 29), "util": 95.0 if t < 30 or t >= 333 else 100.0}
 
     assert [(f.kind, f.node) for f in _live(engine, range(400), feed)] == [(c.FaultKind.NODE_LOST, "node2")]
+
+
+def test_a_lost_node_that_holds_rank_0_is_not_hung_itself_as_it_comes_back_past_the_pause_floor(engine):
+    # node0 (rank 0, the job's first rank) is gone for 300 s and comes back at its old step at t=330; the job
+    # steps again from t=333. Its own stall (29..330) began as it was lost: the loss, not a hang (found on
+    # bench/tee_quality seed 9405, jobs of 4: a false pause-ceiling hang naming the node that came back)
+    def feed(node, t):
+        if node == "node0" and 30 <= t < 330:
+            return None
+        return {"step": t - 303 if t >= 333 else min(t, 29), "util": 95.0 if t < 30 or t >= 333 else 100.0}
+
+    assert [(f.kind, f.node) for f in _live(engine, range(400), feed)] == [(c.FaultKind.NODE_LOST, "node0")]
 
 
 def _node2_lost_at_30(engine: TEEEngine, t: int, now: float, node2_partition: int = 0) -> list[c.FaultEvent]:
