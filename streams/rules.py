@@ -13,7 +13,7 @@ The heartbeat rule is driven by time instead (:meth:`HeartbeatRule.check`).
 rule           fires on                         severity  action   fault id from
 =============  ===============================  ========  =======  ===============================
 XidRule        GPU sample, XID_ERRORS > 0       table     table    node, gpu, code, sample ts
-GpuLostRule    GPU sample, GPU_LOST == 1        critical  evict    node, gpu, sample ts (once/gpu)
+GpuLostRule    GPU sample, GPU_LOST == 1        critical  evict    node, gpu, sample ts (once/loss)
 NanLossRule    train sample, loss_nonfinite==1  critical  restart  job, gen, node, rank, step
 (hang)         see :mod:`.hangs` (a hang told from a pause)
 HeartbeatRule  silent for heartbeat_timeout     critical  evict    node, last batch ts
@@ -87,6 +87,8 @@ _CLASS_OF_KIND = {"xid": "xid", "gpu_lost": "gpu_lost", "node_lost": "node_lost"
 
 
 _XID, _LOST, _DBE = DCGM.XID_ERRORS, DCGM.GPU_LOST, DCGM.ECC_DBE_VOL_TOTAL
+#: GPU fields that record an event rather than a reading: a sample of only these does not show the GPU answering
+_EVENT_FIELDS = frozenset({_XID, _LOST, "transom_nvml_error"})
 
 
 def _ts(sample: Sample, batch: MetricBatch) -> float:
@@ -153,14 +155,20 @@ class XidRule:
 
 
 class GpuLostRule:
-    """``transom_gpu_lost == 1``: the GPU no longer answers; reported once per node and GPU."""
+    """``transom_gpu_lost == 1``: the GPU no longer answers; reported once per loss. A GPU that answers again
+    (a sample of its metrics without ``transom_gpu_lost``: reset, or its node back) and is lost later is a
+    new fault."""
 
     name = "gpu_lost"
 
     def observe(self, state: NodeState, batch: MetricBatch, now: float) -> list[FaultEvent]:
         out = []
         for s in batch.of(Source.GPU):
-            if _LOST not in s.fields or s.fields[_LOST] != 1 or s.index in state.lost_gpus:
+            if s.fields.get(_LOST) != 1:
+                if s.index in state.lost_gpus and any(k not in _EVENT_FIELDS for k in s.fields):
+                    state.lost_gpus.discard(s.index)     # it answers again: the next loss is a new fault
+                continue
+            if s.index in state.lost_gpus:
                 continue
             state.lost_gpus.add(s.index)
             ts = _ts(s, batch)

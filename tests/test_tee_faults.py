@@ -518,8 +518,8 @@ def test_a_straggler_that_begins_minutes_after_a_hang_of_its_node_is_its_own_fau
 
 
 def test_a_fault_that_ends_and_comes_back_is_a_new_event(engine):
-    """Every occurrence: a second NaN after finite losses, and a link that flaps again after a quiet
-    window, are new faults (merging is for one ongoing fault only)."""
+    """Every occurrence: a second NaN after finite losses, a link that flaps again after a quiet window, and
+    a GPU lost again after it answered again, are new faults (merging is for one ongoing fault only)."""
     def train(step, nan):
         fields = {"step": step, "alive": 1, "loss_nonfinite": 1} if nan else {"step": step, "alive": 1, "loss": 2.0}
         return c.Sample(c.Source.TRAIN, fields, index=0, tags={"job": "job1", "generation": "0"})
@@ -528,12 +528,16 @@ def test_a_fault_that_ends_and_comes_back_is_a_new_event(engine):
     for t in range(300):
         nan = 10 <= t < 13 or 210 <= t < 212            # the same generation, 200 s apart
         up = 0 if (30 <= t < 40 or 150 <= t < 160) and t % 3 == 0 else 1   # two bursts of downs
-        found += engine.process(batch(T0 + t, gpu(0), ib(up), train(t, nan)), now=T0 + t)
+        # GPU 1 lost twice (its metrics back in between: reset), as bench/tee_quality seed 9407's second loss
+        g1 = c.Sample(c.Source.GPU, {c.DCGM.GPU_LOST: 1}, index=1) if 50 <= t < 80 or 250 <= t < 270 else gpu(1)
+        found += engine.process(batch(T0 + t, gpu(0), g1, ib(up), train(t, nan)), now=T0 + t)
     nans = [f for f in found if f.kind == c.FaultKind.NAN_LOSS]
     flaps = [f for f in found if f.evidence.get("class") == "link_flap"]
+    lost = [f for f in found if f.kind == c.FaultKind.GPU_LOST]
     assert [f.evidence["step"] for f in nans] == [10, 210]
     assert [f.observed_ts - T0 for f in flaps] == [31, 151]      # each burst's first down, back up
-    assert len({f.fault_id for f in nans + flaps}) == 4
+    assert [(f.observed_ts - T0, f.evidence["gpu"]) for f in lost] == [(50, 1), (250, 1)]
+    assert len({f.fault_id for f in nans + flaps + lost}) == 6
 
 
 def _small_jobs(engine, seconds, per_job, slow=None, at=400, clock=0.9, hotter=0.0, startup=0, hung=None):
