@@ -33,11 +33,12 @@ far off is anomalous even when the joint model scores the vector under its thres
 GPU whose SM clock is ``straggler_evict_drop`` or more below the job's median is anomalous whatever
 the model says (detector ``peers.rule``): a model refitted on history that already holds slow
 windows can learn to accept them.
-A window in which the node's training step did not move (a checkpoint, a pause, a hang) is neither
-judged nor added to the baselines: soft faults are slowdowns of a running job, and a long pause
-would otherwise teach the baselines idle temperatures and power. In a job of fewer than 3 nodes such
-a window also ends a run of anomalous windows (a hang's first and last windows, each half spent
-waiting, are no slowdown). Nor is a window a node closed
+A window in which the node's training step did not move (a checkpoint, a pause, a hang, a job waiting
+for a lost node) is not added to the baselines and is judged on its NIC error rate alone: soft faults
+of the GPUs are slowdowns of a running job, and a long pause would otherwise teach the baselines idle
+temperatures and power; a failing link shows its errors without traffic (``_judge_stood``). In a job
+of fewer than 3 nodes such a window without NIC errors also ends a run of anomalous windows (a hang's
+first and last windows, each half spent waiting, are no slowdown). Nor is a window a node closed
 outside its job (``PeerWindow.outside``: its batches carried no job after it trained in one, its ranks
 gone); it still counts as closed for the job's windows, so they do not wait for it.
 
@@ -103,6 +104,7 @@ _POWER_CAP_BITS = 0x4 | 0x8 | 0x100
 _THERMAL_BITS = 0x20 | 0x40          # SW and HW thermal slowdown
 _RISE = 0                            # FEATURES.index of the temperature rise
 _CLOCK = 1                           # FEATURES.index("clock_drop")
+_ERR = 3                             # FEATURES.index("nic_errors_per_s")
 _WAIT_UTIL = 0.1                     # a utilisation drop of this share (of its own baseline) is waiting
 _WAIT_PEERS = 0.15                   # peers whose utilisation fell this much wait for the one that did not
 _WAIT_LEARN = 90                     # windows of waiting (15 min at 10 s) before they become the baseline
@@ -117,6 +119,11 @@ def _median(values) -> float:
     v = sorted(values)
     n = len(v)
     return float(v[n // 2]) if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2.0
+
+
+def _stood(win: "_Window") -> bool:
+    """Whether the node's training step stood still through ``win`` (no training reports: it did not)."""
+    return bool(win.steps) and min(win.steps) == max(win.steps)
 
 
 def make_model(name: str) -> Any:
@@ -210,7 +217,7 @@ class _NodeSoft:
     last_features: np.ndarray | None = None
     waited: int = 0                  # windows in a row not learned because the node waited
     run_index: int = -1              # the newest window of the run of anomalous windows (``run``)
-    stalled: int = -1                # the newest window in which the node's step stood still
+    stalled: int = -1                # the newest window in which the node's step stood still (and its NIC was clean)
     base_job: str | None = None      # the job ``base`` was learned in
 
 
@@ -395,12 +402,9 @@ class PeerDetector:
         if judged and ns.base_job != job:   # a node's normal is what it runs in its job: a spare that idled
             ns.base.clear()                 # outside any job (low clocks, no load) starts its baselines afresh
             ns.base_job, ns.waited = job, 0
-        steps = ns.window.steps
-        if judged and not (steps and min(steps) == max(steps)):   # a window without a step (a pause, a hang) is
-            x, worst, medians = self._raw_features(ns)           # not judged, nor learned from either
+        if judged:      # (a window in which the job stood still is judged on its NIC errors alone: _stood)
+            x, worst, medians = self._raw_features(ns)
             self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state, ns.window)
-        elif judged:
-            ns.stalled = max(ns.stalled, ns.window.index)        # and it breaks a run of anomalous windows
         # peers: decide a window once every node of the job that closed one of its last windows has closed
         # it too; a node that stopped reporting holds it until a later window of the job closes (then it
         # is decided with the nodes that came, or alone: one-node jobs, peers owned by another worker)
@@ -453,7 +457,13 @@ class PeerDetector:
 
     def _decide(self, key: tuple[str, int], peers: dict, now: float) -> list[FaultEvent]:
         """Judge the nodes of ``peers`` in the job's window ``key``: with each other, or, when the window
-        was decided before (they came late), with the nodes it was decided with."""
+        was decided before (they came late), with the nodes it was decided with. Nodes whose step stood
+        still in it are judged apart (:meth:`_judge_stood`)."""
+        stood = {node: p for node, p in peers.items() if _stood(p[5])}
+        if stood:
+            peers = {node: p for node, p in peers.items() if node not in stood}
+            out = self._judge_stood(stood, now)
+            return out + self._decide(key, peers, now) if peers else out
         before = self.decided.pop(key, None)
         view = _View.of(peers) if before is None else before.plus(peers)
         self.decided[key] = view          # the newest last: the oldest go first (_LATE_KEEP_S)
@@ -570,6 +580,34 @@ class PeerDetector:
         self.since_fit += 1
         return out
 
+    def _judge_stood(self, peers: dict, now: float) -> list[FaultEvent]:
+        """Windows in which the node's step stood still (a pause, a hang, a job waiting for a lost node):
+        their GPUs idle or spin, so nothing of them is learned and nothing is judged but the NIC's error
+        rate. A failing link shows its symbol and receive errors without traffic, and a job that stands
+        still because of another fault must not hide it (a link degraded for a minute while the job waited
+        for a lost node was missed). An error rate ``soft_cold_z`` spreads or more above the clean median
+        (against the job's median as well, with 3 nodes or more stood still in the window) is a hit; a
+        window without one breaks the node's run of anomalous windows (the windows on either side of a
+        stop, each half spent waiting, are no slowdown's run)."""
+        cfg = self.config
+        n = len(peers)
+        errs = [float(p[0][_ERR]) for p in peers.values()]
+        median = _median(errs) if n >= 3 else 0.0
+        out: list[FaultEvent] = []
+        for err, (node, (x, worst, medians, ns, state, win)) in zip(errs, peers.items()):
+            row = np.zeros(len(FEATURES))
+            row[_ERR] = err - median
+            z = np.zeros(len(FEATURES))
+            z[_ERR] = (row[_ERR] - self.center[_ERR]) / self.spread[_ERR]
+            if z[_ERR] < cfg.soft_cold_z:
+                ns.stalled = max(ns.stalled, win.index)
+                continue
+            worst = {"nic_errors": {"value": round(err, 3), "job_median": round(median, 3),
+                                    "steps": [min(win.steps), max(win.steps)]}}
+            hit = ("nic", float(z[_ERR]), float(z[_ERR]), float(cfg.soft_cold_z), "stood")
+            out += self._advance(state, ns, win, row, z, worst, hit, n, now)
+        return out
+
     @staticmethod
     def _waiting(x, worst: dict, fam: str) -> bool:
         """Whether a node's GPU or NIC symptoms are those of waiting on a slow peer: its utilisation fell
@@ -578,7 +616,7 @@ class PeerDetector:
         drop = worst.get("util", {}).get("drop", 0.0)
         if drop < _WAIT_UTIL or x[_CLOCK] >= _WAIT_UTIL or fam == "thermal":
             return False
-        return fam == "gpu" or x[3] < _FLOOR[3]
+        return fam == "gpu" or x[_ERR] < _FLOOR[_ERR]
 
     @staticmethod
     def _below_job(view: _View, peers: dict) -> dict[str, dict]:
@@ -701,16 +739,18 @@ class PeerDetector:
                               "reason": "SM clock soft_min_z noise floors or more below the job's median, with a "
                                         "power-cap or thermal clock-event reason",
                               "slows": "SM clock soft_min_z spreads or more below the job's median while the other "
-                                       "nodes' utilisation fell (they wait for it)"}[mode],
+                                       "nodes' utilisation fell (they wait for it)",
+                              "stood": "NIC error rate soft_cold_z spreads or more above the clean median while the "
+                                       "job stood still (a failing link shows errors without traffic)"}[mode],
                     "top_features": {n: feats[n] for n in top}, "devices": worst,
                     "window_s": cfg.soft_window_s, "window": [win.first_ts, win.last_ts],
                     "since_ts": ns.run_start, "peers": n_peers,
                     "baseline": "each device's own clean history" + (", relative to the job's median" if n_peers >= 3 else "")}
         dev = worst.get({"thermal": "thermal", "gpu": "clock", "nic": "nic_bw"}[fam], {})
-        where = f"GPU {dev['gpu']}" if "gpu" in dev else f"port {dev.get('device', '?')}"
+        where = f"GPU {dev['gpu']}" if "gpu" in dev else f"port {dev['device']}" if "device" in dev else "NIC"
         detector = {"model": f"pyod.{cfg.soft_detector}.peers", "cold": "peers.cold", "rule": "peers.rule",
                     "wait": "peers.wait", "z": "peers.z", "reason": "peers.reason",
-                    "slows": "peers.slows"}[mode]
+                    "slows": "peers.slows", "stood": "peers.stood"}[mode]
         f = fault(KIND_OF[cls], severity, action,
                   fault_id=stable_id(state.node, "soft", cls.value, ns.run_start), node=state.node,
                   job=None if win.job == state.node else win.job, detector=detector,

@@ -815,3 +815,46 @@ def test_a_nodes_window_carries_its_hard_faults_up_to_its_end_not_those_read_bef
     [feed] = engine.feeds()
     assert [(w.index - int(T0 // 10), w.hard_ts) for w in feed.windows] == [(0, None), (1, None), (2, T0 + 25),
                                                                             (3, T0 + 25)]
+
+
+def _paused_job(engine, seconds, pause, errors=None, rate=15.0):
+    """4 nodes of one job stepping once a second (2 GPUs and 2 IB ports each, receiving 10 GB/s), standing
+    still through ``pause`` = (start, end) (GPUs idle, no traffic: the job waits, for a save or a lost
+    peer); ``errors`` = (node, start, end): that node's port mlx5_0 counts ``rate`` symbol errors a second
+    then. Returns the fault events that are not resolutions."""
+    rng = np.random.default_rng(11)
+    out, step = [], 0
+    for t in range(seconds):
+        still = pause[0] <= t < pause[1]
+        step += 0 if still else 1
+        for n in range(4):
+            node = f"node{n}"
+            gpus = [gpu(i, **{c.DCGM.SM_CLOCK: (1400.0 if still else 1980.0) - abs(rng.normal(0, 20)),
+                              c.DCGM.POWER_USAGE: (90.0 if still else 560.0) + rng.normal(0, 12),
+                              c.DCGM.GPU_TEMP: (45.0 if still else 62.0) + rng.normal(0, 0.7),
+                              c.DCGM.GPU_UTIL: 0.0 if still else 95.0}) for i in range(2)]
+            bad = errors is not None and node == errors[0] and errors[1] <= t < errors[2]
+            ports = [c.Sample(c.Source.NIC, {"link_up": 1.0, "state": 4.0,
+                                             "symbol_error_per_s": rate if bad and p == 0 else 0.0,
+                                             "port_rcv_errors_per_s": rate / 3 if bad and p == 0 else 0.0,
+                                             "port_rcv_bytes_per_s": 0.0 if still else 1e10 + rng.normal(0, 1e7)},
+                              index=1, tags={"device": f"mlx5_{p}", "port": "1", "kind": "ib"}) for p in range(2)]
+            run = c.Sample(c.Source.TRAIN, {"step": step, "alive": 1, "loss": 2.0, "step_time": 1.0}, index=n,
+                           tags={"job": "job1", "generation": "0"})
+            out += engine.process(batch(T0 + t, *gpus, *ports, run, node=node), now=T0 + t + 0.05)
+    return [f for f in out if not f.resolved]
+
+
+def test_a_link_degraded_while_the_job_stands_still_is_found_and_a_quiet_pause_raises_nothing(engine):
+    """A job stands still for 2 minutes (GPUs idle, no traffic: it waits for a save, or for a lost peer).
+    A minute of symbol errors on one node's port inside that stop is a degraded link on that node, found
+    while the job still waits (nothing else of the stopped windows is judged: idle GPUs are no fault);
+    the same stop without errors raises nothing (bench/tee_quality seed 9406 missed such a link)."""
+    assert _paused_job(engine, 540, pause=(300, 420)) == []
+    found = _paused_job(TEEEngine(TEEConfig(soft_detectors=("peers",))), 540, pause=(300, 420),
+                        errors=("node1", 330, 390))
+    assert [(f.node, f.kind, f.detector, f.action) for f in found] == \
+        [("node1", c.FaultKind.ANOMALY, "peers.stood", c.Action.OBSERVE)]
+    assert found[0].evidence["class"] == "link_degraded"
+    assert found[0].evidence["devices"]["nic_errors"]["value"] == pytest.approx((15 + 5) / 2)   # mean of 2 ports
+    assert T0 + 330 < found[0].detected_ts <= T0 + 360          # two windows of errors, the job still waiting
