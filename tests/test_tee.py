@@ -536,7 +536,10 @@ def test_worker_finds_a_node_lost_within_its_jobs_stop_on_a_partition_read_past_
     [f] = wait_until(lambda: _faults(broker.bootstrap, nodes[2], c.FaultKind.NODE_LOST), 30, "node2 found lost")
     assert (f.job, f.action, f.evidence.get("cause")) == (job, c.Action.EVICT, "its job stopped as it fell silent")
     assert f.evidence["read_past_s"] >= 2.0 and f.evidence["silent_s"] < 6
-    assert {w["node"] for w in f.evidence["waiting_ranks"]} == set(nodes[:2])
+    # its peers waiting, as heard in the last node_lost_fast_s: both, or one when this loop's own reads of the
+    # faults topic held the next second's batches back and the worker decided between the two nodes' batches
+    shown = {w["node"] for w in f.evidence["waiting_ranks"]}
+    assert shown and shown <= set(nodes[:2])
     assert [x for x in topic_values(broker.bootstrap, c.FAULTS) if x.kind == c.FaultKind.HANG and x.job == job] == []
 
 
