@@ -50,7 +50,8 @@ def test_a_job_feed_round_trips_and_refuses_a_bad_window_or_rank():
 
 def test_a_window_summary_gives_the_features_of_its_window_and_whether_the_job_moved():
     """What the node's worker sends is what the job's worker needs: the same features, the same
-    baselines learned, and a window where the training step stood still is still one (not judged)."""
+    baselines learned, and a window where the training step stood still is still one (judged on its NIC
+    errors alone)."""
     from transom.streams.config import TEEConfig
     from transom.streams.peers import PeerDetector, _NodeSoft, _Window
 
