@@ -77,6 +77,10 @@ from .rules import NodeState, fault
 __all__ = ["HangDetector", "RankView", "JobView"]
 
 _UTIL = DCGM.GPU_UTIL
+_POWER = DCGM.POWER_USAGE
+#: a node's GPUs that spin at this share or less of the power they drew at its rank's last step moves
+#: wait in a collective (a spin-wait kernel keeps them busy at a fraction of a compute kernel's power)
+_WAIT_POWER = 0.6
 _FORGET_AFTER = 3600.0    # drop ranks not seen for this long (sample time)
 #: a rank not heard from for this many heartbeat timeouts (30 s by default; the TEE has found its node
 #: lost by then) is no peer of the ranks still reporting
@@ -127,6 +131,9 @@ class JobView:
     gone: dict[str, float] = field(default_factory=dict)
     lost: dict[str, float] = field(default_factory=dict)   # node -> the report ts it was found lost after
     busy_since: dict[str, float] = field(default_factory=dict)   # node -> ts since which its GPUs spin
+    gpu_power: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean power draw)
+    #: node -> its GPUs' mean power draw at its rank's last step moves (what they draw stepping)
+    step_power: dict[str, deque] = field(default_factory=dict)
     #: node -> how far its metrics partition was read (the node's own sample time: its newest batch plus the
     #: other nodes' progress read after it; on the event clock, the partition's clock), from the read marks
     #: of its worker
@@ -202,7 +209,10 @@ class HangDetector:
         """What of ``batch`` the judgement of each of its jobs needs: (job, report) pairs. On the
         worker that reads the node; the job's worker passes them to :meth:`take` (``transom.peer-windows``)."""
         trains = batch.of(Source.TRAIN)
-        utils = [s.fields[_UTIL] for s in batch.of(Source.GPU) if _UTIL in s.fields]
+        gpu_samples = batch.of(Source.GPU)
+        utils = [s.fields[_UTIL] for s in gpu_samples if _UTIL in s.fields]
+        powers = [s.fields[_POWER] for s in gpu_samples if _POWER in s.fields]
+        power = sum(powers) / len(powers) if powers else None
         if utils:
             util = sum(utils) / len(utils)
             idle = busy = 0
@@ -216,16 +226,17 @@ class HangDetector:
             util = gpus = None
         if not trains:
             return [] if util is None or batch.job is None else \
-                [(batch.job, RankReport(batch.node, batch.ts, util, gpus=gpus))]
+                [(batch.job, RankReport(batch.node, batch.ts, util, gpus=gpus, gpu_power=power))]
         if len(trains) == 1 and not trains[0].tags.get("event"):      # the common case: one rank per node
             report = object.__new__(RankReport)      # from a validated batch: no frozen __init__
-            report.__dict__.update(node=batch.node, ts=batch.ts, gpu_util=util, samples=trains, gpus=gpus)
+            report.__dict__.update(node=batch.node, ts=batch.ts, gpu_util=util, samples=trains, gpus=gpus,
+                                   gpu_power=power)
             return [(trains[0].tags.get("job") or batch.job or "", report)]
         by_job: dict[str, list] = {}
         for s in trains:
             if not s.tags.get("event"):      # a one-off event (a save, a restore), not the rank's progress
                 by_job.setdefault(s.tags.get("job") or batch.job or "", []).append(s)
-        return [(job_id, RankReport(batch.node, batch.ts, util, tuple(samples), gpus))
+        return [(job_id, RankReport(batch.node, batch.ts, util, tuple(samples), gpus, power))
                 for job_id, samples in by_job.items()]
 
     def read_to(self, job_id: str, node: str, ts: float) -> None:
@@ -284,6 +295,10 @@ class HangDetector:
                     if (idle := job.idle_stepping.get(node)) is None:
                         idle = job.idle_stepping[node] = deque(maxlen=8)
                     idle.append(report.gpus[1])
+                if report.gpu_power is not None:
+                    if (drew := job.step_power.get(node)) is None:
+                        drew = job.step_power[node] = deque(maxlen=8)
+                    drew.append(report.gpu_power)
                 step_time = s.fields.get("step_time")
                 if step_time is not None and step_time > 0:
                     r.step_times.append(float(step_time))
@@ -406,6 +421,8 @@ class HangDetector:
         """A report of ``node``'s GPUs: their mean and counts, and since when they spin."""
         job.gpu_util[node] = (report.ts, report.gpu_util)
         job.gpus[node] = report.gpus
+        if report.gpu_power is not None:
+            job.gpu_power[node] = (report.ts, report.gpu_power)
         if not self._spins(job, node):
             job.busy_since.pop(node, None)
         elif node not in job.busy_since:
@@ -469,13 +486,27 @@ class HangDetector:
         """Rank ``v``, in no declared phase, stands still with its node's GPUs spinning, and began to wait about
         when a node fell silent ``quiet`` seconds ago: its step stopped then, or (the job paused with idle GPUs
         until then) its GPUs took to spinning then; not a wait that began long before (a barrier while rank 0
-        saves), where a node's metrics late for a moment say nothing."""
+        saves), where a node's metrics late for a moment say nothing. Standing still means for the median step
+        time plus half a second (1.5 step times where that is less), or, its GPUs drawing a fraction of their
+        stepping power (:meth:`_spins_waiting`), for a second: a job of long steps shows its stop in power first."""
         median = v.median_step() or 1.0
-        if v.phase or v.stall < max(1.0, min(1.5 * median, median + 0.5)) or v.node not in job.busy_since \
+        if v.phase or v.stall < 1.0 or v.node not in job.busy_since \
                 or abs(job.gpu_util.get(v.node, (0.0, 0.0))[0] - v.last_seen) > 5.0:
+            return False
+        if v.stall < min(1.5 * median, median + 0.5) and not self._spins_waiting(job, v.node, v.last_seen):
             return False
         began = min(v.stall, v.last_seen - job.busy_since[v.node])   # both on the rank's node's clock
         return began <= quiet + max(2.0, 2.0 * median) + 1.0
+
+    @staticmethod
+    def _spins_waiting(job: JobView, node: str, ts: float) -> bool:
+        """The node's GPUs, heard within 2 s of ``ts``, draw ``_WAIT_POWER`` or less of the power they drew at its
+        rank's last step moves (3 of them at least): busy, but on a spin-wait kernel, not on compute."""
+        drew = job.step_power.get(node)
+        now = job.gpu_power.get(node)
+        if drew is None or len(drew) < 3 or now is None or abs(now[0] - ts) > 2.0:
+            return False
+        return now[1] <= _WAIT_POWER * statistics.median(drew)
 
     def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,

@@ -14,8 +14,10 @@ NODES = ("node0", "node1", "node2")
 
 
 def _batch(node: str, ts: float, step: int, *, util: float | tuple = 95.0, hb: float = 0.3, phase: str = "",
-           stack: str = "", stopped: bool = False, rank: int | None = None, step_time: float = 0.5) -> c.MetricBatch:
-    """``util``: every GPU's utilisation (two GPUs), or a tuple of each GPU's."""
+           stack: str = "", stopped: bool = False, rank: int | None = None, step_time: float = 0.5,
+           power: float | None = None) -> c.MetricBatch:
+    """``util``: every GPU's utilisation (two GPUs), or a tuple of each GPU's; ``power``: every GPU's power
+    draw (None: not reported)."""
     fields = {"step": step, "loss": 2.0, "step_time": step_time, "alive": 1, "heartbeat_age_s": hb}
     if stopped:
         fields["stopped"] = 1
@@ -25,7 +27,8 @@ def _batch(node: str, ts: float, step: int, *, util: float | tuple = 95.0, hb: f
     if stack:
         tags["stack"] = stack
     utils = util if isinstance(util, tuple) else (util, util)
-    gpus = tuple(c.Sample(c.Source.GPU, {c.DCGM.GPU_UTIL: u, c.DCGM.SM_CLOCK: 1980.0}, index=i)
+    watts = {} if power is None else {c.DCGM.POWER_USAGE: power}
+    gpus = tuple(c.Sample(c.Source.GPU, {c.DCGM.GPU_UTIL: u, c.DCGM.SM_CLOCK: 1980.0, **watts}, index=i)
                  for i, u in enumerate(utils))
     rank = int(node.removeprefix("node")) if rank is None else rank
     return c.MetricBatch(node=node, ts=ts, seq=int(ts - T0), job="j",
@@ -433,6 +436,35 @@ def test_a_node_silent_while_its_job_of_1_4_s_steps_steps_on_is_lost_only_at_the
     assert f.detected_ts - (T0 + 29) > engine.config.heartbeat_timeout
 
 
+def _long_steps(node2_until: float, wait_from: float | None):
+    """A job of 3 s steps, its GPUs at 560 W stepping: node2 sends nothing from ``node2_until``; from
+    ``wait_from`` (None: never) the others stand still in step 10, spinning at 150 W (a spin-wait kernel)."""
+    def feed(node, t):
+        if node == "node2" and t >= node2_until:
+            return None
+        if wait_from is not None and t >= wait_from:
+            return {"step": 10, "step_time": 3.0, "util": 100.0, "power": 150.0}
+        return {"step": int(t / 3), "step_time": 3.0, "util": 100.0, "power": 560.0}
+    return feed
+
+
+def test_in_a_job_of_3_s_steps_a_node_lost_mid_step_is_found_within_2_s_by_its_peers_power(engine):
+    # node2 dies at t=31.5, in step 10 (begun at 30): its peers block in the step's collectives and spin at a
+    # fraction of their stepping power. Their step stood still for 3 s at t=33, which a healthy rank of 3 s
+    # steps also shows: the stall alone (the median step plus half a second) decides at t=34, 2.5 s late
+    [f] = _live(engine, range(90), _long_steps(31.5, 31.5))
+    assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.NODE_LOST, "node2", "its job stopped as it fell silent")
+    assert f.detected_ts - (T0 + 31.5) <= 2.0
+
+
+def test_a_node_silent_while_its_job_of_3_s_steps_steps_on_at_full_power_is_lost_only_at_the_heartbeat_timeout(
+        engine):
+    # the job steps on: its ranks stand still up to 3 s between step moves at full power (computing)
+    [f] = _live(engine, range(60), _long_steps(31.5, None))
+    assert (f.kind, f.node) == (c.FaultKind.NODE_LOST, "node2") and "cause" not in f.evidence
+    assert f.detected_ts - (T0 + 31) > engine.config.heartbeat_timeout
+
+
 def test_a_node_lost_as_a_checkpoint_ends_is_found_within_2_s_as_its_peers_take_to_spinning(engine):
     # a checkpoint from t=30 (every rank still, GPUs idle); node2 dies at t=45, as it ends: instead of
     # stepping again, the others block in the next collective (their steps stood still for 15 s already)
@@ -556,3 +588,21 @@ def test_split_wall_clock_a_node_is_lost_within_2_s_only_where_its_partition_was
         assert f.detected_ts - (T0 + 30) <= 2.0 and f.evidence["read_past_s"] >= config.node_lost_fast_s
     else:
         assert found == []
+
+
+def test_split_in_a_job_of_3_s_steps_the_peers_power_reaches_the_job_s_worker_and_finds_the_lost_node_within_2_s():
+    """Split, event clock: the GPUs' power draw travels in the job feed's rank reports, so the job's worker
+    tells the waiting peers of a job of 3 s steps by it, as one engine does."""
+    config = TEEConfig(soft_detectors=(), clock="event")
+    node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
+    feed, found = _long_steps(31.5, 31.5), []
+    for t in range(90):
+        for node in NODES:
+            if (kw := feed(node, t)) is not None:
+                found += node_side.process(_batch(node, T0 + t, **kw), now=T0 + t)
+        node_side.read_up_to({n: T0 + t for n in NODES})
+        for f in node_side.feeds():
+            found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(f)))
+    fast = [f for f in found if f.evidence.get("cause") == "its job stopped as it fell silent"]
+    assert [(f.kind, f.node) for f in fast] == [(c.FaultKind.NODE_LOST, "node2")]
+    assert fast[0].detected_ts - (T0 + 31.5) <= 2.0

@@ -29,9 +29,12 @@ def test_a_job_feed_round_trips_and_refuses_a_bad_window_or_rank():
                      nic_err=0.25, nic_bw={"mlx5_0": 4e10}, hard_ts=65.0)
     rank = c.Sample(c.Source.TRAIN, {"step": 3.0, "alive": 1.0, "heartbeat_age_s": 0.2}, index=1,
                     tags={"generation": "0", "stack": "train.py:80 step"})
-    feed = c.JobFeed(job="j", windows=(w,), ranks=(c.RankReport("n1", 81.0, 93.5, (rank,), (8, 1, 7)),
+    feed = c.JobFeed(job="j", windows=(w,), ranks=(c.RankReport("n1", 81.0, 93.5, (rank,), (8, 1, 7), 512.5),
                                                    c.RankReport("n2", 81.0)))
     assert c.decode(c.PEER_WINDOWS, c.encode(feed)) == feed
+    assert c.decode(c.PEER_WINDOWS, c.encode(feed)).ranks[0].gpu_power == 512.5
+    with pytest.raises(c.ContractError, match=r"job feed rank report 0: field 'gpu_power' must be a finite number"):
+        c.decode(c.PEER_WINDOWS, c.encode(feed).replace(b'"gpu_power":512.5', b'"gpu_power":-1'))
     with pytest.raises(c.ContractError, match=r"job feed rank report 0: field 'gpus' must be \[count, idle, spinning\]"):
         c.decode(c.PEER_WINDOWS, c.encode(feed).replace(b'"gpus":[8,1,7]', b'"gpus":[8,5,7]'))
     out = c.JobFeed(job="j", windows=(dataclasses.replace(w, outside=True),))       # a node whose ranks are gone

@@ -771,13 +771,16 @@ class RankReport:
     GPUs reported utilisation, how many of those idle and how many spin (the hang thresholds of the node's
     worker), so the job's worker can tell one idle GPU among spinning ones; None: not counted. Neither
     samples nor utilisation: a read mark, the node's worker saying it read the node's partition up to
-    ``ts`` (on the node's own clock) without a newer batch of it."""
+    ``ts`` (on the node's own clock) without a newer batch of it. ``gpu_power``: the mean power draw of
+    its GPUs in watts (None: no power sample): ranks that wait in a collective spin their GPUs at a
+    fraction of the power they draw stepping."""
 
     node: str
     ts: float
     gpu_util: float | None = None
     samples: tuple[Sample, ...] = ()
     gpus: tuple[int, int, int] | None = None
+    gpu_power: float | None = None
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "rank report") -> "RankReport":
@@ -799,8 +802,12 @@ class RankReport:
                 raise ContractError(f"{what}: field 'gpus' must be [count, idle, spinning] (counts, idle + "
                                     f"spinning at most count), got {gpus!r}")
             gpus = tuple(gpus)
+        power = d.get("gpu_power")
+        if power is not None and (type(power) not in _NUM or type(power) is bool or not 0 <= power < math.inf):
+            raise ContractError(f"{what}: field 'gpu_power' must be a finite number of watts >= 0, got {power!r}")
         obj = object.__new__(cls)       # validated: no frozen __init__ (thousands a second)
         obj.__dict__.update(node=node, ts=float(ts), gpu_util=None if util is None else float(util), gpus=gpus,
+                            gpu_power=None if power is None else float(power),
                             samples=tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=True)
                                           for i, s in enumerate(samples)))
         return obj
@@ -833,6 +840,7 @@ class JobFeed:
         """The JSON object of this feed, built directly (the generic walk costs more than the rules)."""
         return {"job": self.job, "windows": [_window_plain(w) for w in self.windows],
                 "ranks": [{"node": r.node, "ts": r.ts, "gpu_util": r.gpu_util, "gpus": r.gpus,
+                           "gpu_power": r.gpu_power,
                            "samples": [{"source": s.source.value, "index": s.index, "ts": s.ts,
                                         "fields": s.fields if type(s.fields) is dict else dict(s.fields),
                                         "tags": s.tags if type(s.tags) is dict else dict(s.tags)}
