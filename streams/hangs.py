@@ -34,7 +34,9 @@ stall > pause ceiling (nothing stands out)        the rank that stopped first (`
                                                   pause ceiling``), its node only
 ===============================================  ==========================================
 
-The step limit is ``max(hang_timeout, hang_step_factor x median step time)``; a rank the kernel
+The step limit is ``max(hang_timeout, hang_step_factor x median step time)``, or ``hang_timeout``
+where every node of the job whose GPUs spin draws a wait's power (60 % or less of what they drew
+stepping: a job of long steps that stands in a collective computes nothing); a rank the kernel
 reports stopped, while its peers are not all stuck, is judged after ``max(hang_stopped_s, its median
 step time)`` instead (a stopped process has no pause of its own). A hang is reported
 for a rank with the batch of its own node (one event per stall, id from job, generation, node,
@@ -357,6 +359,10 @@ class HangDetector:
         job = self.jobs[job_id]
         node, generation, rank = key
         limit = self.step_limit(r)
+        wait = self.config.hang_timeout
+        if limit > wait and r.stall > wait and self._waits_at_low_power(job, r):
+            limit = wait        # a job of long steps whose spinning GPUs draw a wait's power: no rank of it is
+                                # in a long compute step, it waits (module doc)
         idle = job.gpu_util.get(node, (0.0, 100.0))[1] <= self.config.hang_idle_util \
             or (job.gpus.get(node) or (0, 0, 0))[1] > 0
         if r.stall > 0 and (idle or key in job.apart_since):
@@ -387,7 +393,7 @@ class HangDetector:
                                       # read further ahead in time, or one back from an outage catching up to
                                       # the same step, proves nothing)
         elif not (phase := r.phase or next((v.phase for _, v in peers if v.phase), "")) \
-                and self._not_in_collective(job, key, r, peers):
+                and self._not_in_collective(job, key, r, peers, limit):
             # (in a declared phase, one node idle while the others spin is the phase's work: rank 0 saving or
             # scoring while the others wait at a barrier; the phase's ceiling below bounds it)
             if any(k[0] == node and k[2] < rank and v.stall > limit for k, v in peers):
@@ -508,11 +514,12 @@ class HangDetector:
             return False
         return now[1] <= _WAIT_POWER * statistics.median(drew)
 
-    def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers) -> bool:
+    def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers, limit: float) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,
         the one idle node, while every other node's spin; or its idle GPUs are the job's only ones, every
-        other GPU spinning: :meth:`_gpus_apart`), and have done so for the step limit."""
-        if any(v.stall < self.step_limit(v) / 2 for _, v in peers):
+        other GPU spinning: :meth:`_gpus_apart`), and have done so for the step limit (``limit``: the rank's,
+        or ``hang_timeout`` where the spinning GPUs draw a wait's power)."""
+        if any(v.stall < min(self.step_limit(v), limit) / 2 for _, v in peers):
             return False
         if not peers:       # one rank reports (a one-node job): its own GPUs are the evidence, one idle among spinning
             if not self._gpus_apart(job, key[0], self._fresh(job, r)):
@@ -520,7 +527,14 @@ class HangDetector:
         stall, since = job.apart_since.get(key, (None, 0.0))    # kept by _decide for this very batch
         # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a
         # one-node data-loader hiccup of a few seconds has a long stall but only a moment of idling alone
-        return stall == r.since and r.last_seen - since >= self.step_limit(r)
+        return stall == r.since and r.last_seen - since >= limit
+
+    def _waits_at_low_power(self, job: JobView, r: RankView) -> bool:
+        """The job's nodes heard within 5 s of ``r``'s last sample whose GPUs spin (one at least) all draw a
+        wait's power (:meth:`_spins_waiting`): the job stands in a collective, not in a long compute step."""
+        fresh = self._fresh(job, r)
+        spinning = [n for n in fresh if self._spins(job, n)]
+        return bool(spinning) and all(self._spins_waiting(job, n, job.gpu_util[n][0]) for n in spinning)
 
     def _apart(self, job: JobView, key: tuple[str, str, int], r: RankView) -> float | None:
         """Since when, in this stall of rank ``key``, its node has idled alone (its GPUs idle while at least twice

@@ -606,3 +606,35 @@ def test_split_in_a_job_of_3_s_steps_the_peers_power_reaches_the_job_s_worker_an
     fast = [f for f in found if f.evidence.get("cause") == "its job stopped as it fell silent"]
     assert [(f.kind, f.node) for f in fast] == [(c.FaultKind.NODE_LOST, "node2")]
     assert fast[0].detected_ts - (T0 + 31.5) <= 2.0
+
+
+def _long_hang(hung_from: float | None, slow: bool = False):
+    """A job of 15 s steps, its GPUs at 560 W stepping. From ``hung_from`` node2's rank is stuck in step 10 (no
+    heartbeat evidence: this agent sends heartbeat ages of 0), its GPUs idle, while the others stand still in
+    it too, spinning in the collective at 150 W. ``slow``: instead, every step node2 computes 8 s longer than
+    its peers, which wait for it at the all-reduce at 150 W (a straggler, not a hang)."""
+    def feed(node, t):
+        if hung_from is not None and t >= hung_from:
+            if node == "node2":
+                return {"step": 10, "step_time": 15.0, "util": 0.0, "power": 60.0, "hb": 0.0}
+            return {"step": 10, "step_time": 15.0, "util": 100.0, "power": 150.0, "hb": 0.0}
+        if slow:
+            step, into = divmod(t, 23)
+            waits = node != "node2" and into >= 15
+            return {"step": step, "step_time": 23.0, "util": 100.0, "power": 150.0 if waits else 560.0, "hb": 0.0}
+        return {"step": int(t / 15), "step_time": 15.0, "util": 100.0, "power": 560.0, "hb": 0.0}
+    return feed
+
+
+def test_in_a_job_of_15_s_steps_a_rank_not_in_the_collective_is_hung_at_the_hang_timeout_by_its_peers_power(engine):
+    # node2's rank stops at t=155 in step 10 (begun at 150): its GPUs idle, the others spin at a wait's power.
+    # Three median steps (45 s) is how long a rank of 15 s steps may stand still computing; its peers' power
+    # says they compute nothing, so the hang timeout (10 s) is the limit
+    [f] = _run(engine, range(400), _long_hang(155))
+    assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.HANG, "node2", "not in the collective")
+    assert f.detected_ts - (T0 + 155) <= 30.0 and f.evidence["limit_s"] == engine.config.hang_timeout
+
+
+def test_in_a_job_of_15_s_steps_a_straggler_its_peers_wait_for_at_low_power_is_no_hang(engine):
+    # node2 computes at full power 8 s past its peers every step; they spin at a wait's power meanwhile
+    assert [f for f in _run(engine, range(600), _long_hang(None, slow=True)) if f.kind == c.FaultKind.HANG] == []
