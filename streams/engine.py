@@ -26,7 +26,8 @@ peers detector is, on the job side.)
 Merging: a fault of the same class (``evidence["class"]``) on the same node and device (GPU, port)
 whose trigger lies within ``cooldown_s`` (sample time) of the last one is merged into it (counted in
 ``counts["merged"]``, not emitted), so an XID 48 and the DBE counter that moves with it, or a
-link that flaps for minutes, make one fault. A soft fault whose anomaly began while a hard fault of
+link that flaps for minutes, make one fault; once the last one is resolved (a soft fault's
+``resolved`` event), the next is a fault of its own. A soft fault whose anomaly began while a hard fault of
 its node went on, or within ``soft_consecutive`` windows after, is explained by it and dropped
 (``counts["explained"]``); one that began later is a fault of its own. Resolution events
 (``resolved=True``) pass through with the id of the fault they resolve.
@@ -341,14 +342,13 @@ class TEEEngine:
         taken = 0
         for f in sorted(faults, key=lambda f: f.detected_ts):
             taken += 1
+            cls, key = _merge_key(f)
             if f.resolved:
                 self._emitted[f.fault_id + ":resolved"] = None
+                self._last.pop(key, None)
                 continue
             self._emitted[f.fault_id] = None
             ev = f.evidence
-            cls = ev.get("class", f.kind.value)
-            device = ev.get("gpu", ev.get("device", ev.get("port")))
-            key = (f.node, cls, device, f.rank if f.kind.value in ("hang", "nan_loss") else None)
             self._last[key] = max(self._last.get(key, f.observed_ts), f.observed_ts)
             if cls in {c.value for c in HARD}:
                 self._hard_at[f.node] = max(self._hard_at.get(f.node, f.observed_ts), f.observed_ts)
@@ -377,17 +377,15 @@ class TEEEngine:
             if f.fault_id in self._emitted and not f.resolved:
                 self.counts["repeats"] += 1
                 continue
+            cls, key = _merge_key(f)
             if f.resolved:
                 rid = f.fault_id + ":resolved"
                 if rid in self._emitted or f.fault_id not in self._emitted:
                     continue
                 self._emitted[rid] = None
+                self._last.pop(key, None)       # it ended: the next one is a fault of its own (every occurrence)
                 out.append(f)
                 continue
-            ev = f.evidence
-            cls = ev.get("class", f.kind.value)
-            device = ev.get("gpu", ev.get("device", ev.get("port")))
-            key = (f.node, cls, device, f.rank if f.kind.value in ("hang", "nan_loss") else None)
             last = self._last.get(key)
             self._last[key] = f.observed_ts if last is None or f.observed_ts - last > cooldown else last
             if last is not None and 0 <= f.observed_ts - last <= cooldown and cls not in _ONCE:
@@ -406,6 +404,14 @@ class TEEEngine:
             out.append(f)
         self.counts["faults"] += len(out)
         return out
+
+
+def _merge_key(f: FaultEvent) -> tuple[str, tuple]:
+    """A fault's class, and what a later fault must share with it to be merged into it (while it goes on)."""
+    ev = f.evidence
+    cls = ev.get("class", f.kind.value)
+    device = ev.get("gpu", ev.get("device", ev.get("port")))
+    return cls, (f.node, cls, device, f.rank if f.kind.value in ("hang", "nan_loss") else None)
 
 
 def _seed_state(state: NodeState, f: FaultEvent) -> None:
