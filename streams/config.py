@@ -48,6 +48,11 @@ class TEEConfig:
     #: waiting in a collective), and at or below which they idle.
     hang_busy_util: float = 85.0
     hang_idle_util: float = 30.0
+    #: A node's GPUs that spin while drawing this share or less of the power they drew at its rank's last
+    #: step moves wait in a collective (a spin-wait kernel draws a fraction of a compute kernel's power):
+    #: a job of long steps shows its stop in power before its stall outlasts a step (a lost node found in
+    #: 2 s, a hang limit of ``hang_timeout``). 0 turns the power evidence off (the stall alone decides).
+    hang_wait_power: float = 0.6
     #: A node from which nothing has arrived for this long (the TEE's own clock, so skewed node
     #: clocks do not matter) is lost.
     heartbeat_timeout: float = 6.0
@@ -174,6 +179,10 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a number >= 0")
+        if isinstance(self.hang_wait_power, bool) or not isinstance(self.hang_wait_power, (int, float)) \
+                or not 0 <= self.hang_wait_power < 1:
+            raise ConfigError(f"TEE setting hang_wait_power={self.hang_wait_power!r}: expected a share of the "
+                              "stepping power from 0 (off) to below 1")
         if self.clock not in ("wall", "event"):
             raise ConfigError(f"TEE setting clock={self.clock!r}: expected 'wall' or 'event'")
         if self.soft_detector not in ("ecod", "copod", "iforest", "hbos", "lof", "combo"):

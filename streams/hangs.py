@@ -80,9 +80,6 @@ __all__ = ["HangDetector", "RankView", "JobView"]
 
 _UTIL = DCGM.GPU_UTIL
 _POWER = DCGM.POWER_USAGE
-#: a node's GPUs that spin at this share or less of the power they drew at its rank's last step moves
-#: wait in a collective (a spin-wait kernel keeps them busy at a fraction of a compute kernel's power)
-_WAIT_POWER = 0.6
 _FORGET_AFTER = 3600.0    # drop ranks not seen for this long (sample time)
 #: a rank not heard from for this many heartbeat timeouts (30 s by default; the TEE has found its node
 #: lost by then) is no peer of the ranks still reporting
@@ -504,15 +501,14 @@ class HangDetector:
         began = min(v.stall, v.last_seen - job.busy_since[v.node])   # both on the rank's node's clock
         return began <= quiet + max(2.0, 2.0 * median) + 1.0
 
-    @staticmethod
-    def _spins_waiting(job: JobView, node: str, ts: float) -> bool:
-        """The node's GPUs, heard within 2 s of ``ts``, draw ``_WAIT_POWER`` or less of the power they drew at its
-        rank's last step moves (3 of them at least): busy, but on a spin-wait kernel, not on compute."""
+    def _spins_waiting(self, job: JobView, node: str, ts: float) -> bool:
+        """The node's GPUs, heard within 2 s of ``ts``, draw ``hang_wait_power`` or less of the power they drew
+        at its rank's last step moves (3 of them at least): busy, but on a spin-wait kernel, not on compute."""
         drew = job.step_power.get(node)
         now = job.gpu_power.get(node)
-        if drew is None or len(drew) < 3 or now is None or abs(now[0] - ts) > 2.0:
+        if self.config.hang_wait_power <= 0 or drew is None or len(drew) < 3 or now is None or abs(now[0] - ts) > 2.0:
             return False
-        return now[1] <= _WAIT_POWER * statistics.median(drew)
+        return now[1] <= self.config.hang_wait_power * statistics.median(drew)
 
     def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers, limit: float) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,

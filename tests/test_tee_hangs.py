@@ -457,6 +457,14 @@ def test_in_a_job_of_3_s_steps_a_node_lost_mid_step_is_found_within_2_s_by_its_p
     assert f.detected_ts - (T0 + 31.5) <= 2.0
 
 
+def test_the_power_evidence_is_a_setting_that_names_its_key_and_can_be_turned_off():
+    with pytest.raises(ConfigError, match=r"hang_wait_power=1\.5: expected a share of the stepping power"):
+        TEEConfig(hang_wait_power=1.5)
+    # off: the stall alone decides, the median step plus half a second (t=34, 2.5 s after the node died)
+    [f] = _live(TEEEngine(TEEConfig(soft_detectors=(), hang_wait_power=0)), range(90), _long_steps(31.5, 31.5))
+    assert f.evidence["cause"] == "its job stopped as it fell silent" and 2.0 < f.detected_ts - (T0 + 31.5) <= 3.0
+
+
 def test_a_node_silent_while_its_job_of_3_s_steps_steps_on_at_full_power_is_lost_only_at_the_heartbeat_timeout(
         engine):
     # the job steps on: its ranks stand still up to 3 s between step moves at full power (computing)
