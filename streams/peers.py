@@ -122,7 +122,8 @@ def _median(values) -> float:
 
 
 def _stood(win: "_Window") -> bool:
-    """Whether the node's training step stood still through ``win`` (no training reports: it did not)."""
+    """Whether the node's training step stood still through ``win``, from the step it stood at as the window
+    opened (no training reports: it did not)."""
     return bool(win.steps) and min(win.steps) == max(win.steps)
 
 
@@ -311,8 +312,13 @@ class PeerDetector:
             # a batch without a job after the node trained in one: its ranks are gone (a relaunch's gap, a node
             # replaced and cordoned); the window still closes in that job, so the job's windows do not wait
             # for it as for a node gone silent, but it is neither judged nor learned from (``_close``)
+            prev = ns.window
             ns.window = _Window(index=index, first_ts=batch.ts, job=batch.job or state.job or batch.node,
                                 outside=not batch.job and bool(state.job))
+            if prev.steps and prev.job == ns.window.job:
+                # the step the node stood at as the window opened: a step that ends at the boundary (a job of
+                # steps as long as the window moves once in each) is a move of this window, not a standstill
+                ns.window.steps.append(prev.steps[-1])
         win = ns.window
         win.last_ts = batch.ts
         gpus, reasons = win.gpu, win.reasons

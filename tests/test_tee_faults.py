@@ -876,3 +876,29 @@ def test_a_link_degraded_while_the_job_stands_still_is_found_and_a_quiet_pause_r
     assert found[0].evidence["class"] == "link_degraded"
     assert found[0].evidence["devices"]["nic_errors"]["value"] == pytest.approx((15 + 5) / 2)   # mean of 2 ports
     assert T0 + 330 < found[0].detected_ts <= T0 + 360          # two windows of errors, the job still waiting
+
+
+def test_in_a_job_of_steps_as_long_as_the_window_a_straggler_is_found_within_a_minute(engine):
+    """Steps of 10 s that end at each window's boundary: every window sees one step, moved since the window
+    before (the step the node stood at as the window opened counts), so the job steps in every window.
+    node2's GPU 0 slows to 70 % at t=300: a straggler within a minute (bench/tee_quality probe 9410, steps of
+    5-15 s, found one after two minutes: its windows were taken for a standstill and not judged)."""
+    rng = np.random.default_rng(13)
+    found = []
+    for t in range(500):
+        for n in range(4):
+            node = f"node{n}"
+            gpus = []
+            for i in range(2):
+                f = {c.DCGM.SM_CLOCK: 1980.0 - abs(rng.normal(0, 20)), c.DCGM.POWER_USAGE: 560 + rng.normal(0, 12),
+                     c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7)}
+                if node == "node2" and i == 0 and t >= 300:
+                    f[c.DCGM.SM_CLOCK] *= 0.7
+                    f[c.DCGM.POWER_USAGE] = 90 + (f[c.DCGM.POWER_USAGE] - 90) * 0.7
+                gpus.append(gpu(i, **f))
+            run = c.Sample(c.Source.TRAIN, {"step": t // 10, "alive": 1, "loss": 2.0, "step_time": 10.0}, index=n,
+                           tags={"job": "job1", "generation": "0"})
+            found += engine.process(batch(T0 + t, *gpus, run, node=node), now=T0 + t + 0.05)
+    opened = [f for f in found if not f.resolved]
+    assert [(f.node, f.kind) for f in opened] == [("node2", c.FaultKind.STRAGGLER)]
+    assert opened[0].detected_ts <= T0 + 300 + 60

@@ -713,8 +713,8 @@ class PeerWindow:
     ``nic_bw``: port device -> median receive rate; ``closed_ts``: the node worker's clock when the
     window closed; ``hard_ts``: trigger time of the node's last hard fault, if any (it explains soft
     symptoms that begin while it goes on); ``steps``: the lowest and highest training step the window
-    saw (empty: no training reports; equal: the job did not move, the window is judged on
-    ``nic_err`` alone);
+    saw, counting the step the node stood at as it opened (empty: no training reports; equal: the job
+    did not move, the window is judged on ``nic_err`` alone);
     ``outside``: the node's batches carried no job, after it trained in ``job`` (its ranks are gone: a
     relaunch's gap, a node replaced and cordoned): the window counts as closed for the job's windows
     and is neither judged nor learned from."""
