@@ -25,7 +25,10 @@ checkpoints every 5 minutes) were looked at while the detectors were changed, an
 2-6 and 0.3-3 s; jobs of 4, of 6 x 4 GPUs, of 8 and of 16) once after the changes (none followed).
 ``--hang-gpus`` says what a hang idles (the hung node's GPUs, only the stuck rank's, or either: mix, the
 default); 9201 (one) and tuning seed 1 (mix) were looked at while the per-GPU hang rule was built, and
-9221-9225 (one; jobs of 8, of 2, and one-node jobs of 2 GPUs) once after it.
+9221-9225 (one; jobs of 8, of 2, and one-node jobs of 2 GPUs) once after it. Probes 9401-9420 (6-7
+December; their shapes in docs/tee.md) were each run before any change they led to; those whose miss
+or late figure was fixed (9403, 9405, 9406, 9407, 9409, 9410, 9411) then checked the fix, and are
+tuning seeds now.
 
 The peer: the skeleton's engine (rules XID, GPU lost, NaN, hang, heartbeat + per-sample ECOD),
 run on the same corpus; the JSON line carries both and the ratio of mean F1.
