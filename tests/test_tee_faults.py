@@ -121,11 +121,13 @@ def test_a_down_between_two_samples_that_read_up_is_a_flap_by_the_ports_own_coun
     assert [f for t, x in enumerate(samples) for f in engine.process(batch(T0 + t, x), now=T0 + t)] == []
 
 
-def _job_minutes(engine, seconds, slow=None, at=60, clock=0.7, gone=None, unused=None, gap=None, **slow_fields):
+def _job_minutes(engine, seconds, slow=None, at=60, clock=0.7, gone=None, unused=None, gap=None, step_s=None,
+                 **slow_fields):
     """4 nodes of one job, 2 GPUs each, 1 Hz with a little noise; from ``at`` on node ``slow``'s GPU 0
     runs at ``clock`` of its SM clock and power (plus ``slow_fields``), but for ``gap`` = (start, end), when
     it runs well; ``gone`` = (node, t): that node stops reporting at t; node ``unused``'s GPU 1 is one the
-    job does not use (idle clocks, no load). Returns every fault event."""
+    job does not use (idle clocks, no load); ``step_s``: each node's rank reports a step ending every
+    ``step_s`` seconds (None: no training reports). Returns every fault event."""
     rng = np.random.default_rng(5)
     out = []
     for t in range(seconds):
@@ -145,6 +147,10 @@ def _job_minutes(engine, seconds, slow=None, at=60, clock=0.7, gone=None, unused
                     f.update({c.DCGM.SM_CLOCK: 345.0, c.DCGM.POWER_USAGE: 81.0, c.DCGM.GPU_TEMP: 38.0,
                               c.DCGM.GPU_UTIL: 0.0})
                 gpus.append(gpu(i, **f))
+            if step_s is not None:
+                gpus.append(c.Sample(c.Source.TRAIN, {"step": t // step_s, "alive": 1, "loss": 2.0,
+                                                      "step_time": float(step_s)},
+                                     index=n, tags={"job": "job1", "generation": "0"}))
             out += engine.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
     return out
 
@@ -883,22 +889,7 @@ def test_in_a_job_of_steps_as_long_as_the_window_a_straggler_is_found_within_a_m
     before (the step the node stood at as the window opened counts), so the job steps in every window.
     node2's GPU 0 slows to 70 % at t=300: a straggler within a minute (bench/tee_quality probe 9410, steps of
     5-15 s, found one after two minutes: its windows were taken for a standstill and not judged)."""
-    rng = np.random.default_rng(13)
-    found = []
-    for t in range(500):
-        for n in range(4):
-            node = f"node{n}"
-            gpus = []
-            for i in range(2):
-                f = {c.DCGM.SM_CLOCK: 1980.0 - abs(rng.normal(0, 20)), c.DCGM.POWER_USAGE: 560 + rng.normal(0, 12),
-                     c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7)}
-                if node == "node2" and i == 0 and t >= 300:
-                    f[c.DCGM.SM_CLOCK] *= 0.7
-                    f[c.DCGM.POWER_USAGE] = 90 + (f[c.DCGM.POWER_USAGE] - 90) * 0.7
-                gpus.append(gpu(i, **f))
-            run = c.Sample(c.Source.TRAIN, {"step": t // 10, "alive": 1, "loss": 2.0, "step_time": 10.0}, index=n,
-                           tags={"job": "job1", "generation": "0"})
-            found += engine.process(batch(T0 + t, *gpus, run, node=node), now=T0 + t + 0.05)
+    found = _job_minutes(engine, 500, slow="node2", at=300, step_s=10)
     opened = [f for f in found if not f.resolved]
     assert [(f.node, f.kind) for f in opened] == [("node2", c.FaultKind.STRAGGLER)]
     assert opened[0].detected_ts <= T0 + 300 + 60

@@ -803,7 +803,7 @@ class RankReport:
                                     f"spinning at most count), got {gpus!r}")
             gpus = tuple(gpus)
         power = d.get("gpu_power")
-        if power is not None and (type(power) not in _NUM or type(power) is bool or not 0 <= power < math.inf):
+        if power is not None and (type(power) not in _NUM or not 0 <= power < math.inf):
             raise ContractError(f"{what}: field 'gpu_power' must be a finite number of watts >= 0, got {power!r}")
         obj = object.__new__(cls)       # validated: no frozen __init__ (thousands a second)
         obj.__dict__.update(node=node, ts=float(ts), gpu_util=None if util is None else float(util), gpus=gpus,
