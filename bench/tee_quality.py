@@ -80,13 +80,13 @@ def replay(corpus: Corpus, config: TEEConfig, lag: float = LAG_S, progress: bool
     last_sec = None
     n = 0
     t = time.time()
-    for b in corpus.batches():
-        sec = int(b.ts)
+    for arrival, b in corpus.deliveries(lag):
+        sec = int(arrival - lag)
         if sec != last_sec:
             if last_sec is not None:
                 events += engine.check_heartbeats(now=last_sec + 1 + lag)
             last_sec = sec
-        events += engine.process(b, now=b.ts + lag)
+        events += engine.process(b, now=arrival)
         n += 1
         if progress and n % 50_000 == 0:
             print(f"  {n} batches, {len(events)} events, {n / (time.time() - t):.0f} batches/s",
@@ -188,6 +188,9 @@ def score(corpus: Corpus, events, lag: float = 0.0) -> dict:
     # one fault id is one fault, acted on once (the controller's handled_faults), at its first decision: the
     # same fault found by two workers (a node lost by its job's worker in 2 s and by its own at the heartbeat
     # timeout) is one detection
+    # a trigger sample may carry a time this far before the fault's start (a node lost: its last batch, one
+    # second before; a batch or two before that where its last ones were never delivered)
+    early = 1.0 + corpus.spec.jitter_s + (2.0 if corpus.spec.lost_batches else 0.0)
     for f in sorted(events, key=lambda e: e.detected_ts):
         if f.resolved:
             continue
@@ -199,8 +202,9 @@ def score(corpus: Corpus, events, lag: float = 0.0) -> dict:
         cls = FaultClass(raw) if raw in FaultClass._value2member_map_ else None
         match = None
         running = False
+        observed = corpus.true_time(f.node, f.observed_ts)      # the node's clock on the labels' clock
         for inj in inj_by_node.get(f.node, ()):
-            if inj.start - 1 <= f.observed_ts <= inj.end + GRACE_S:
+            if inj.start - early <= observed <= inj.end + GRACE_S:
                 running = True
                 if cls is None and inj.cls in SOFT:
                     cls = inj.cls   # an unclassified anomaly (the skeleton's ECOD): credited to the soft fault
@@ -208,16 +212,16 @@ def score(corpus: Corpus, events, lag: float = 0.0) -> dict:
                     match = inj
                     break
         if match is not None:
-            hit[id(match)] = (max(f.observed_ts, f.detected_ts - lag) - match.start, f.observed_ts - match.start)
+            hit[id(match)] = (max(observed, f.detected_ts - lag) - match.start, observed - match.start)
             per[cls]["tp"] += 1
         else:
             per.setdefault(cls or "unclassified", {"tp": 0, "fp": 0})["fp"] += 1
-            false_events.append(f"{f.node} {raw} {f.detector} {f.action.value} at +{f.observed_ts - corpus.t0:.0f}s"
+            false_events.append(f"{f.node} {raw} {f.detector} {f.action.value} at +{observed - corpus.t0:.0f}s"
                                 f"{'' if running else ' (no fault running on the node)'}: {f.summary}")
             if not running:
                 false_alarms += 1
                 if f.action.value in ("restart", "evict"):
-                    disruptive.append(f"{f.node} {raw} {f.action.value} at {f.observed_ts:.0f}: {f.summary}")
+                    disruptive.append(f"{f.node} {raw} {f.action.value} at {observed:.0f}: {f.summary}")
     out = {}
     for c in FaultClass:
         injs = [i for i in corpus.injections if i.cls is c]
@@ -271,6 +275,15 @@ def main(argv=None) -> int:
     p.add_argument("--hang-gpus", default="mix", choices=("mix", "node", "one"),
                    help="what a hang idles: the hung node's GPUs (node), only the stuck rank's GPU, its node's "
                         "other GPUs spinning with the waiting ranks (one), or either per hang (mix, the default)")
+    p.add_argument("--clock-skew-s", type=float, default=0.0,
+                   help="spread of the nodes' clock offsets, seconds (a normal draw per node; default 0)")
+    p.add_argument("--jitter-s", type=float, default=0.0,
+                   help="each batch's sample time off its node's tick by up to this, seconds (default 0)")
+    p.add_argument("--late-s", type=float, default=0.0,
+                   help="mean delivery delay of a batch, seconds (exponential; a node's batches keep their order; "
+                        "offline replays only; default 0)")
+    p.add_argument("--lost-batches", type=float, default=0.0,
+                   help="share of batches never delivered (an agent that missed a beat; default 0)")
     p.add_argument("--no-peer", action="store_true", help="skip the skeleton engine (the peer)")
     p.add_argument("--peer-hours", type=float, default=0.5, help="hours of the peer's corpus (first seed)")
     p.add_argument("--pipeline-nodes", type=int, default=24,
@@ -286,7 +299,13 @@ def main(argv=None) -> int:
         lo = hi = -1.0
     if not 0 < lo <= hi:
         p.error(f"--step-s {a.step_s!r}: expected two step times in seconds, LO,HI with 0 < LO <= HI")
-    shape = {"job_size": a.job_size, "gpus": a.gpus, "step_s": (lo, hi), "hang_gpus": a.hang_gpus}
+    for key in ("clock_skew_s", "jitter_s", "late_s"):
+        if not 0 <= getattr(a, key) < 60:
+            p.error(f"--{key.replace('_', '-')} {getattr(a, key)}: expected seconds, 0 <= value < 60")
+    if not 0 <= a.lost_batches < 1:
+        p.error(f"--lost-batches {a.lost_batches}: expected a share, 0 <= value < 1")
+    shape = {"job_size": a.job_size, "gpus": a.gpus, "step_s": (lo, hi), "hang_gpus": a.hang_gpus,
+             "clock_skew_s": a.clock_skew_s, "jitter_s": a.jitter_s, "late_s": a.late_s, "lost_batches": a.lost_batches}
     if a.seeds == "tuning":
         a.seeds = TUNING_SEEDS
     t0 = time.time()
@@ -298,7 +317,10 @@ def main(argv=None) -> int:
         corpus = Corpus(CorpusSpec(nodes=a.nodes, hours=a.hours, seed=seed, faults_per_node_hour=a.rate, **shape))
         print(f"seed {seed}: {len(corpus.injections)} injections on {a.nodes} nodes x {a.hours} h "
               f"(jobs of {a.job_size} nodes, {a.gpus} GPUs each, steps of {lo:g}-{hi:g} s, "
-              f"hangs idle: {a.hang_gpus})", file=sys.stderr, flush=True)
+              f"hangs idle: {a.hang_gpus}"
+              + (f"; clocks {a.clock_skew_s:g} s apart, jitter {a.jitter_s:g} s, {a.late_s:g} s late, "
+                 f"{a.lost_batches:.1%} lost" if a.clock_skew_s or a.jitter_s or a.late_s or a.lost_batches else "")
+              + ")", file=sys.stderr, flush=True)
         events, n, counts = replay(corpus, config)
         r = score(corpus, events, LAG_S)
         ours.append(r)

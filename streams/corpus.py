@@ -29,6 +29,13 @@ nothing and its job stops with it (the other ranks spin, waiting for it, until i
 a straggler, power cap or hot node slows the whole job (its peers' utilisation falls as they wait).
 Half of the jobs come from agents that report ``heartbeat_age_s``, half from ones that do not.
 
+Telemetry as a real cluster delivers it (all off by default; ``bench/tee_quality.py --clock-skew-s
+--jitter-s --late-s --lost-batches``): each node's clock off the corpus's by ``clock_skew_s`` (a normal
+draw per node), each batch's time off its node's tick by up to ``jitter_s``, a share ``lost_batches`` of
+the batches never delivered (an agent that missed a beat), and each batch delivered after an exponential
+delay of mean ``late_s`` (a node's batches keep their order: :meth:`Corpus.deliveries`).
+:meth:`Corpus.true_time` takes a node's sample time back to the corpus clock, where the labels are.
+
 The fault mix follows the real GPU-cluster trace in ``shared/data/infinitehbd_faults``
 (:func:`trace_mix`; the mix derived from it ships as ``fault_mix.json``, so no copy of the trace is
 needed at run time): each trace description maps onto a :class:`FaultClass`; every class gets at
@@ -48,6 +55,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import gzip
+import heapq
 import json
 import os
 import sys
@@ -182,6 +190,10 @@ class CorpusSpec:
     step_s: tuple[float, float] = (0.6, 1.4)   # each job's step time is drawn uniformly from this range
     hang_gpus: str = "mix"             # a hang idles the hung node's GPUs ("node"), only the stuck rank's GPU ("one",
                                        # its node's other GPUs spin with the waiting ranks), or either ("mix")
+    clock_skew_s: float = 0.0          # each node's clock is off by a normal draw of this spread (seconds)
+    jitter_s: float = 0.0              # each batch's sample time is off its node's tick by up to this (uniform)
+    late_s: float = 0.0                # mean delivery delay of a batch (exponential; a node's batches keep order)
+    lost_batches: float = 0.0          # share of batches never delivered
 
 
 @dataclass(frozen=True)
@@ -232,6 +244,11 @@ class Corpus:
     def __init__(self, spec: CorpusSpec) -> None:
         if spec.hang_gpus not in ("mix", "node", "one"):
             raise ValueError(f"CorpusSpec.hang_gpus={spec.hang_gpus!r}: expected 'mix', 'node' or 'one'")
+        for key in ("clock_skew_s", "jitter_s", "late_s"):
+            if not 0 <= getattr(spec, key) < 60:
+                raise ValueError(f"CorpusSpec.{key}={getattr(spec, key)!r}: expected seconds, 0 <= value < 60")
+        if not 0 <= spec.lost_batches < 1:
+            raise ValueError(f"CorpusSpec.lost_batches={spec.lost_batches!r}: expected a share, 0 <= value < 1")
         self.spec = spec
         self.t0 = T0 + spec.seed * 1_000_000
         self.duration = int(spec.hours * 3600)
@@ -243,6 +260,13 @@ class Corpus:
         self.shares, self.durations, self.trace_summary = trace_mix(spec.trace)
         self.ordinary = self._ordinary() if spec.ordinary else []
         self.injections = self._schedule()
+        skew = np.random.default_rng([spec.seed, 5]).normal(0.0, spec.clock_skew_s, spec.nodes) \
+            if spec.clock_skew_s else np.zeros(spec.nodes)
+        self.skew = dict(zip(self.node_ids, skew.tolist()))     # node -> its clock minus the corpus's
+
+    def true_time(self, node: str, ts: float) -> float:
+        """A sample time of ``node`` (its clock) on the corpus's clock, where the labels are."""
+        return ts - self.skew.get(node, 0.0)
 
     # ------------------------------------------------------------------ schedule
     def _schedule(self) -> list[Injection]:
@@ -329,8 +353,40 @@ class Corpus:
         for _slice, wire in groupby(self._wire(start_s, stop_s), key=lambda d: int(d["ts"] - self.t0) // seconds):
             yield [(d["node"], orjson.dumps(d)) for d in wire]
 
+    def deliveries(self, lag: float = 0.0) -> Iterator[tuple[float, MetricBatch]]:
+        """``(arrival, batch)`` in the order a consumer gets them: each batch ``lag`` after its node's tick
+        (the corpus clock) plus an exponential delay of mean ``late_s``, a node's batches in their order."""
+        s = self.spec
+        if not s.late_s:
+            for tick, d in self._wire_ticks(0, None):
+                yield tick + lag, MetricBatch.from_dict(d, owned=True)
+            return
+        heap: list = []
+        after: dict[str, float] = {}
+        index = {nid: i for i, nid in enumerate(self.node_ids)}
+        last, k, delays = None, 0, None
+        for tick, d in self._wire_ticks(0, None):
+            if tick != last:
+                while heap and heap[0][0] <= tick + lag:
+                    arrival, _, b = heapq.heappop(heap)
+                    yield arrival, MetricBatch.from_dict(b, owned=True)
+                last = tick
+                delays = np.random.default_rng([s.seed, 7, int(tick - self.t0)]).exponential(s.late_s, s.nodes)
+            node = d["node"]
+            arrival = after[node] = max(tick + lag + float(delays[index[node]]), after.get(node, 0.0))
+            k += 1
+            heapq.heappush(heap, (arrival, k, d))
+        while heap:
+            arrival, _, b = heapq.heappop(heap)
+            yield arrival, MetricBatch.from_dict(b, owned=True)
+
     def _wire(self, start_s: int, stop_s: int | None) -> Iterator[dict]:
         """The batches as the plain dicts ``contracts.encode`` writes."""
+        for _tick, d in self._wire_ticks(start_s, stop_s):
+            yield d
+
+    def _wire_ticks(self, start_s: int, stop_s: int | None) -> Iterator[tuple[float, dict]]:
+        """``(tick, batch dict)``: the corpus second each batch was made in, and the batch."""
         s = self.spec
         stop_s = self.duration if stop_s is None else min(stop_s, self.duration)
         n, g = s.nodes, s.gpus
@@ -348,6 +404,7 @@ class Corpus:
         k = 0
         index = {nid: i for i, nid in enumerate(self.node_ids)}
         tl = self._timeline(phase, index)
+        timed = bool(s.clock_skew_s or s.jitter_s or s.lost_batches)
         beats = {j: k % 2 == 0 for k, j in enumerate(sorted(self.nodes_of))}   # agents that report heartbeats
         for t in range(start_s, stop_s):
             ts = self.t0 + t
@@ -395,10 +452,20 @@ class Corpus:
                 raise ValueError(f"corpus seed {s.seed}: a non-finite metric at second {t} (JSON has none)")
             U, P, S, T, R, B = (np.round(util).tolist(), np.round(power, 1).tolist(), sm.astype(int).tolist(),
                                 np.round(temp).tolist(), reasons.tolist(), np.round(bw).tolist())
+            if timed:
+                trng = np.random.default_rng([s.seed, 6, t])
+                off = [self.skew[nid] for nid in self.node_ids]
+                if s.jitter_s:
+                    off = (np.asarray(off) + trng.uniform(-s.jitter_s, s.jitter_s, n)).tolist()
+                gone = (trng.random(n) < s.lost_batches).tolist() if s.lost_batches else None
             for i, node in enumerate(self.node_ids):
                 e = fx.get(node, {})
                 if e.get("silent"):
                     continue
+                if timed and gone is not None and gone[i]:
+                    seqs[node] += 1             # sent, never delivered
+                    continue
+                its = ts + off[i] if timed else ts      # the node's clock
                 job = self.job_of[node]
                 samples = []
                 sbe = tl[job]["sbe"].get(i)
@@ -414,7 +481,7 @@ class Corpus:
                             DCGM.ECC_SBE_VOL_TOTAL: sbe if gi == 0 else 0.0,
                             ROW_REMAP_FAILURE: e.get("remap", {}).get(gi, 0.0)}, gi))
                 for gi, code in e.get("xid", {}).items():
-                    samples.append(_sample("gpu", {DCGM.XID_ERRORS: code}, gi, ts=ts - 0.3))
+                    samples.append(_sample("gpu", {DCGM.XID_ERRORS: code}, gi, ts=its - 0.3))
                 errors = e.get("errors", 0.0)
                 for p in range(2):
                     up = 0.0 if p in e.get("down", ()) else 1.0
@@ -437,7 +504,8 @@ class Corpus:
                     tags["phase"] = "eval"
                 samples.append(_sample("train", fields, 0, tags=tags))
                 samples.append(_sample("host", {"cpu_percent": 30.0}))
-                yield {"node": node, "ts": ts, "seq": seqs[node], "samples": samples, "job": job, "v": SCHEMA_VERSION}
+                yield ts, {"node": node, "ts": its, "seq": seqs[node], "samples": samples, "job": job,
+                           "v": SCHEMA_VERSION}
                 seqs[node] += 1
 
     def _timeline(self, phase: Mapping[str, float], index: Mapping[str, int]) -> dict[str, dict]:

@@ -372,6 +372,29 @@ def test_clean_corpus_yields_no_fault():
     assert _replay(corpus, TEEConfig()) == []
 
 
+def test_a_rough_corpus_keeps_its_values_and_labels_and_each_node_s_order():
+    spec = dict(nodes=6, hours=0.05, seed=9, min_per_class=1)
+    plain = Corpus(CorpusSpec(**spec))
+    rough = Corpus(CorpusSpec(**spec, clock_skew_s=0.5, jitter_s=0.2, late_s=0.5, lost_batches=0.1))
+    assert rough.injections == plain.injections and rough.ordinary == plain.ordinary
+    by_seq = {(b.node, b.seq): b for b in plain.batches()}
+    got = list(rough.deliveries(lag=0.05))
+    assert [a for a, _ in got] == sorted(a for a, _ in got)              # in the order they arrive
+    assert 0.8 * len(by_seq) < len(got) < 0.97 * len(by_seq)            # about a tenth never arrives
+    last: dict[str, int] = {}
+    for arrival, b in got:
+        assert b.seq > last.get(b.node, -1)                             # each node's batches keep their order
+        last[b.node] = b.seq
+        same = by_seq[(b.node, b.seq)]
+        assert abs(rough.true_time(b.node, b.ts) - same.ts) <= 0.2 + 1e-9     # its clock, back on the labels'
+        assert arrival >= same.ts + 0.05
+        assert [s.fields for s in b.samples] == [s.fields for s in same.samples]
+    with pytest.raises(ValueError, match="lost_batches"):
+        Corpus(CorpusSpec(**spec, lost_batches=1.0))
+    with pytest.raises(ValueError, match="late_s"):
+        Corpus(CorpusSpec(**spec, late_s=-1.0))
+
+
 def test_corpus_slices_hold_every_encoded_batch_in_order_within_their_seconds_of_sample_time():
     """A replay that delivers a slice before it sends the next (bench/tee_quality.py's pipeline) keeps
     every partition within a slice of the others: the slices hold exactly the encoded batches, in
