@@ -51,7 +51,12 @@ come). The silence must also be proven where a worker's lag cannot fake it: the 
 partition was read that far past its newest batch, in the sample time of the other nodes' batches
 on it (read marks: :meth:`TEEEngine.read_past` on the wall clock, the partition's clock,
 :meth:`TEEEngine.read_up_to`, on the event clock; one engine reading every node knows it itself); a
-node alone on its partition is left to the heartbeat timeout on the wall clock. A job that stands
+node alone on its partition is left to the heartbeat timeout on the wall clock. A silence while the job
+stands for something else is left to the heartbeat timeout too (a batch late or lost then says
+nothing): another node found lost before the job stopped, a node that idled a GPU while the others
+spun since it stopped (a stuck rank, a data-loader hiccup; unless the waiting GPUs draw a wait's power
+once it is busy again), the first step after a pause (GPUs drawing a step's power), or a job whose
+ranks have not stepped yet. A job that stands
 still because a node of it was lost as the stall began is no pause-ceiling hang, also once the node
 is back and before the job steps again.
 
@@ -84,6 +89,8 @@ _FORGET_AFTER = 3600.0    # drop ranks not seen for this long (sample time)
 #: a rank not heard from for this many heartbeat timeouts (30 s by default; the TEE has found its node
 #: lost by then) is no peer of the ranks still reporting
 _SILENT_PEER_TIMEOUTS = 5.0
+#: a rank is behind its peers once its own reports showed a peer past it for this long (its clock)
+_BEHIND_HOLD_S = 2.0
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 
 
@@ -99,6 +106,7 @@ class RankView:
     step_times: deque = field(default_factory=lambda: deque(maxlen=20))
     heartbeat_age: float | None = None
     stopped: bool = False
+    moved: bool = False                # its step moved since it was first heard (not starting up)
     phase: str = ""
     stack: str = ""
     state: str = ""
@@ -125,11 +133,14 @@ class JobView:
     longest_pause: float = 0.0         # the longest stall this job survived (sample time)
     reported: set = field(default_factory=set)     # (node, generation, rank, since) reported hung
     apart_since: dict[tuple, tuple] = field(default_factory=dict)   # rank -> (its stall, since when its node idles alone)
+    behind_since: dict[tuple, tuple] = field(default_factory=dict)  # rank -> (its stall, since when a peer is past it)
     #: node -> the last sample time of its ranks before their latest silence of the heartbeat timeout or more
     #: (its node lost): the job may stand still from then on, waiting for it
     gone: dict[str, float] = field(default_factory=dict)
     lost: dict[str, float] = field(default_factory=dict)   # node -> the report ts it was found lost after
     busy_since: dict[str, float] = field(default_factory=dict)   # node -> ts since which its GPUs spin
+    #: node -> the last ts a GPU of the job idled there (every GPU in a pause; a stuck rank's, a hiccup's)
+    idle_to: dict[str, float] = field(default_factory=dict)
     gpu_power: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean power draw)
     #: node -> its GPUs' mean power draw at its rank's last step moves (what they draw stepping)
     step_power: dict[str, deque] = field(default_factory=dict)
@@ -289,7 +300,7 @@ class HangDetector:
                 median = r.median_step() or 0.0
                 if (node, key[1], key[2], r.since) not in job.reported and stalled > max(_PAUSE_MIN * median, 1.0):
                     job.longest_pause = max(job.longest_pause, stalled)
-                r.step, r.since, r.last_seen = step, ts, seen
+                r.step, r.since, r.last_seen, r.moved = step, ts, seen, True
                 if report.gpus is not None:
                     if (idle := job.idle_stepping.get(node)) is None:
                         idle = job.idle_stepping[node] = deque(maxlen=8)
@@ -331,11 +342,13 @@ class HangDetector:
             for key in [k for k, v in job.ranks.items() if v.last_seen < cutoff]:
                 del job.ranks[key]
                 job.apart_since.pop(key, None)
+                job.behind_since.pop(key, None)
             for n in [n for n, t in job.gone.items() if t < cutoff]:
                 del job.gone[n]
             for n in [n for n, (t, _) in job.gpu_util.items() if t < cutoff]:
                 job.heard.pop(n, None)
                 job.busy_since.pop(n, None)
+                job.idle_to.pop(n, None)
                 job.read.pop(n, None)
                 job.lost.pop(n, None)
             if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
@@ -385,10 +398,8 @@ class HangDetector:
         elif r.stall <= limit:
             return None               # stopped, and so is every peer (the job suspended): the step limit and
                                       # the rules below decide
-        elif any(r.since + limit < v.since <= r.last_seen and v.step > r.step for _, v in peers):
-            cause = "behind"          # a peer stepped past it while this rank was seen standing still (a peer
-                                      # read further ahead in time, or one back from an outage catching up to
-                                      # the same step, proves nothing)
+        elif self._behind(job, key, r, peers, limit):
+            cause = "behind"
         elif not (phase := r.phase or next((v.phase for _, v in peers if v.phase), "")) \
                 and self._not_in_collective(job, key, r, peers, limit):
             # (in a declared phase, one node idle while the others spin is the phase's work: rank 0 saving or
@@ -412,6 +423,22 @@ class HangDetector:
         self._hung[node] = [*self._hung.get(node, [])[-7:], (job_id, key, r.since)]
         return self._event(now, job_id, key, r, job, peers, cause, limit)
 
+    @staticmethod
+    def _behind(job: JobView, key: tuple[str, str, int], r: RankView, peers, limit: float) -> bool:
+        """A peer stepped past this rank while it was seen standing still (a peer read further ahead in time,
+        or one back from an outage catching up to the same step, proves nothing), and its own reports have
+        said so for ``_BEHIND_HOLD_S`` of its clock: sample times of two nodes compare only as far as their
+        clocks agree, and as a job-wide pause ends, a peer's first step may carry a time before this rank's
+        last report of the pause when the peer's clock runs behind this rank's (the rank's next report shows the
+        step)."""
+        if not any(r.since + limit < v.since <= r.last_seen and v.step > r.step for _, v in peers):
+            job.behind_since.pop(key, None)
+            return False
+        stall, since = job.behind_since.get(key, (None, r.last_seen))
+        if stall != r.since:
+            job.behind_since[key] = (r.since, since := r.last_seen)
+        return r.last_seen - since >= _BEHIND_HOLD_S
+
     def _gone_since(self, job: JobView, now: float) -> list[float]:
         """When the job's nodes that are, or were lately, lost (their ranks silent for the heartbeat timeout,
         on this detector's clock) last showed their ranks before it."""
@@ -430,6 +457,10 @@ class HangDetector:
             job.busy_since.pop(node, None)
         elif node not in job.busy_since:
             job.busy_since[node] = report.ts
+        g = report.gpus
+        if report.gpu_util <= self.config.hang_idle_util \
+                or g is not None and g[1] > min(job.idle_stepping.get(node) or (0,)):
+            job.idle_to[node] = report.ts
 
     def _spins(self, job: JobView, node: str) -> bool:
         """The node's GPUs are busy (their mean at ``hang_busy_util`` or more, or every GPU the job uses)."""
@@ -467,6 +498,11 @@ class HangDetector:
                        and now - v.heard < fast]
             if not waiting or not all(self._waits_for(job, v, quiet) for _, v in waiting):
                 continue
+            start = min(v.since for _, v in waiting)
+            if any(m != n and max(v.since for _, v in waiting) <= at + 2 * fast for m, at in job.lost.items()):
+                continue        # the job has stood since another node was found lost: it waits for that one
+            if self._stands_for_idle(job, n, start, waiting):
+                continue
             job.lost[n] = ts
             shown = [{"node": k[0], "rank": k[2], "stall_s": round(v.stall, 1),
                       **({"gpu_util": round(job.gpu_util[k[0]][1], 1)} if k[0] in job.gpu_util else {})}
@@ -485,6 +521,22 @@ class HangDetector:
             ))
         return out
 
+    def _stands_for_idle(self, job: JobView, silent: str, start: float, waiting) -> bool:
+        """Since the job's ranks stopped (``start``), a GPU of the job idled on a node while the waiting ranks'
+        GPUs spun: a stuck rank, or a data-loader hiccup, that the job stands for; the ``silent`` node may only
+        be late. Once that node's GPUs are busy again (or it is the silent one), every waiting node's GPUs
+        drawing a wait's power (:meth:`_spins_waiting`) says the job still waits, and for the silent node
+        (without power samples the heartbeat timeout decides)."""
+        for m, at in job.idle_to.items():
+            if at < start or not all(job.busy_since.get(v.node, at) < at for _, v in waiting if v.node != m):
+                continue
+            if m == silent and (g := job.gpus.get(m)) is not None and g[2] > 0:
+                return True     # its last report: a stuck rank's GPU idle among its node's spinning ones (a hang)
+            if m != silent and job.gpu_util[m][0] <= at \
+                    or not all(self._spins_waiting(job, v.node, v.last_seen) for _, v in waiting):
+                return True
+        return False
+
     def _waits_for(self, job: JobView, v: RankView, quiet: float) -> bool:
         """Rank ``v``, in no declared phase, stands still with its node's GPUs spinning, and began to wait about
         when a node fell silent ``quiet`` seconds ago: its step stopped then, or (the job paused with idle GPUs
@@ -493,21 +545,24 @@ class HangDetector:
         time plus half a second (1.5 step times where that is less), or, its GPUs drawing a fraction of their
         stepping power (:meth:`_spins_waiting`), for a second: a job of long steps shows its stop in power first."""
         median = v.median_step() or 1.0
-        if v.phase or v.stall < 1.0 or v.node not in job.busy_since \
+        if v.phase or not v.moved or v.stall < 1.0 or v.node not in job.busy_since \
                 or abs(job.gpu_util.get(v.node, (0.0, 0.0))[0] - v.last_seen) > 5.0:
             return False
         if v.stall < min(1.5 * median, median + 0.5) and not self._spins_waiting(job, v.node, v.last_seen):
             return False
-        began = min(v.stall, v.last_seen - job.busy_since[v.node])   # both on the rank's node's clock
-        return began <= quiet + max(2.0, 2.0 * median) + 1.0
+        busy = v.last_seen - job.busy_since[v.node]       # both on the rank's node's clock
+        if busy < v.stall and self._spins_waiting(job, v.node, v.last_seen) is False:
+            return False        # a pause ended and its GPUs compute its first step (they draw what they drew stepping)
+        return min(v.stall, busy) <= quiet + max(2.0, 2.0 * median) + 1.0
 
-    def _spins_waiting(self, job: JobView, node: str, ts: float) -> bool:
+    def _spins_waiting(self, job: JobView, node: str, ts: float) -> bool | None:
         """The node's GPUs, heard within 2 s of ``ts``, draw ``hang_wait_power`` or less of the power they drew
-        at its rank's last step moves (3 of them at least): busy, but on a spin-wait kernel, not on compute."""
+        at its rank's last step moves (3 of them at least): busy, but on a spin-wait kernel, not on compute.
+        None where that cannot be told (no power samples, too few step moves, the evidence turned off)."""
         drew = job.step_power.get(node)
         now = job.gpu_power.get(node)
         if self.config.hang_wait_power <= 0 or drew is None or len(drew) < 3 or now is None or abs(now[0] - ts) > 2.0:
-            return False
+            return None
         return now[1] <= self.config.hang_wait_power * statistics.median(drew)
 
     def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers, limit: float) -> bool:

@@ -283,6 +283,28 @@ def test_a_nodes_silent_gap_is_not_learned_as_a_pause_the_job_survived(engine):
     assert engine._hang.pause_limit(job, "") == 300.0
 
 
+def test_a_rank_whose_clock_runs_ahead_is_not_behind_its_peers_as_a_pause_ends(engine):
+    # a job-wide pause at t=30-44; node0's clock runs 1.5 s ahead, and its batch of t=44 (the pause's last,
+    # sample time 45.5) comes after its peers' of t=45, their first step after the pause (sample time 45):
+    # for a moment a peer's step seems to come before node0's last report of the pause. Its next report
+    # shows the step: no hang (before, node0 was named hung, "behind", at once: a restart)
+    def batch(node, t):
+        step = t if t < 30 else 29 if t < 45 else t - 15
+        return _batch(node, T0 + t + (1.5 if node == "node0" else 0.0), step=step, hb=0.0,
+                      util=3.0 if 30 <= t < 45 else 95.0)
+
+    out = []
+    for t in range(80):
+        for node in NODES:
+            if node == "node0" and t in (44, 45):
+                continue
+            out += engine.process(batch(node, t), now=T0 + t + 0.1)
+        if t == 45:
+            out += engine.process(batch("node0", 44), now=T0 + t + 0.2)
+            out += engine.process(batch("node0", 45), now=T0 + t + 0.3)
+    assert out == []
+
+
 def test_peers_are_told_by_when_the_tee_heard_them_not_by_their_skewed_clocks(engine):
     # node0's clock runs 15 s behind, node2's 15 s ahead; node2's rank stops at t=30 while the others step
     # on: it is behind its peers, although their sample times lie 15-30 s before its own
@@ -387,11 +409,11 @@ def test_a_replay_finds_no_node_lost_in_2_s_without_its_partition_read_past_it()
     assert [(f.node, f.kind.value) for f in found if f.kind == c.FaultKind.NODE_LOST] == []
 
 
-def _live(engine: TEEEngine, seconds: range, per_node) -> list[c.FaultEvent]:
+def _live(engine: TEEEngine, seconds: range, per_node, nodes=NODES) -> list[c.FaultEvent]:
     """:func:`_run` with the heartbeat check a live worker runs every second."""
     out = []
     for t in seconds:
-        out += _run(engine, range(t, t + 1), per_node)
+        out += _run(engine, range(t, t + 1), per_node, nodes)
         out += engine.check_heartbeats(now=T0 + t + 0.6)
     return out
 
@@ -484,6 +506,91 @@ def test_a_node_lost_as_a_checkpoint_ends_is_found_within_2_s_as_its_peers_take_
     [f] = _live(engine, range(120), feed)
     assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.NODE_LOST, "node2", "its job stopped as it fell silent")
     assert f.detected_ts - (T0 + 45) <= 2.0
+
+
+FOUR = ("node0", "node1", "node2", "node3")
+
+
+def test_a_peer_whose_batches_are_late_while_its_job_waits_for_a_lost_node_is_not_lost_too(engine):
+    # node3 dies after its batch of t=29 and the job waits for it, GPUs spinning; node1's batches of t=31 and
+    # 32 come late (its agent stalled): 2 s of silence while its job stands, but the job stood for node3
+    def feed(node, t):
+        if node == "node3" and t >= 30 or node == "node1" and t in (31, 32):
+            return None
+        return {"step": min(t, 29), "util": 95.0 if t < 30 else 100.0}
+
+    found = _live(engine, range(60), feed, FOUR)
+    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.NODE_LOST, "node3")]
+    assert found[0].detected_ts - (T0 + 30) <= 2.0
+
+
+def test_a_peer_whose_batches_are_late_while_a_rank_of_its_job_is_stuck_is_not_lost(engine):
+    # from t=30 node0's rank is stuck (its GPU idles, its node's 7 others spin with the waiting ranks);
+    # node1's batches of t=31 and 32 come late: the job stands for node0, whose hang is what is found
+    def feed(node, t):
+        if node == "node1" and t in (31, 32):
+            return None
+        if t < 30:
+            return {"step": t}
+        return {"step": 29, "util": (0.0,) + (100.0,) * 7 if node == "node0" else 100.0}
+
+    found = _live(engine, range(60), feed, FOUR)
+    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.HANG, "node0")]
+
+
+def test_a_peer_whose_batch_is_lost_during_another_node_s_data_loader_hiccup_is_not_lost(engine):
+    # node0's data loader stalls for 2 s (its GPUs idle, the job stands with it, the others' GPUs busy), and the
+    # job's next step takes 3 s more; node1's batches of t=32 and 33 never come: ordinary life twice over
+    def feed(node, t):
+        if node == "node1" and t in (32, 33):
+            return None
+        return {"step": 29 if 30 <= t < 35 else (t if t < 30 else t - 5),
+                "util": 5.0 if 30 <= t < 32 and node == "node0" else 95.0}
+
+    assert _live(engine, range(60), feed, FOUR) == []
+
+
+def test_a_batch_lost_as_a_job_starts_up_is_no_lost_node(engine):
+    # a job stands at step 0 for 35 s (loading, compiling), then computes its first steps, GPUs busy; node1's
+    # batches of t=36 and 37 never come: its ranks never stepped yet, so a stand says nothing of a wait
+    def feed(node, t):
+        if node == "node1" and t in (36, 37):
+            return None
+        return {"step": 0 if t < 39 else t - 38, "util": 3.0 if t < 35 else 95.0}
+
+    assert _live(engine, range(60), feed, FOUR) == []
+
+
+def test_a_node_lost_during_another_node_s_hiccup_is_found_within_2_s_by_its_peers_power(engine):
+    # node0's data loader stalls at t=28-29 (its GPUs idle, the job stands with it); node3 dies after its
+    # batch of t=29. From t=30 every GPU left spins in the collective at a wait's power (150 W against the
+    # 500 W of a step): the job no longer stands for node0, so node3's silence is its loss
+    def feed(node, t):
+        if node == "node3" and t >= 30:
+            return None
+        if t < 28:
+            return {"step": t, "power": 500.0}
+        if t < 30:
+            return {"step": 27, "util": 5.0 if node == "node0" else 95.0, "power": 90.0 if node == "node0" else 500.0}
+        return {"step": 27, "util": 100.0, "power": 150.0}
+
+    found = _live(engine, range(60), feed, FOUR)
+    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.NODE_LOST, "node3")]
+    assert found[0].detected_ts - (T0 + 30) <= 2.0
+
+
+def test_a_batch_late_as_a_checkpoint_ends_is_no_lost_node_where_the_peers_draw_a_step_s_power(engine):
+    # a checkpoint at t=30-44 (GPUs idle); from t=45 the ranks compute their first step again, GPUs busy at
+    # the 500 W of a step, and step at t=48; node1's batches of t=45 and 46 come late. Without power samples
+    # this is the node lost as a checkpoint ends (above); with them the peers compute, they do not wait
+    def feed(node, t):
+        if node == "node1" and t in (45, 46):
+            return None
+        if 30 <= t < 45:
+            return {"step": 29, "util": 3.0, "power": 90.0}
+        return {"step": t if t < 30 else 29 if t < 48 else t - 18, "util": 95.0, "power": 500.0}
+
+    assert _live(engine, range(70), feed, FOUR) == []
 
 
 def test_a_node_silent_long_into_a_job_wide_wait_is_lost_only_at_the_heartbeat_timeout(engine):
