@@ -13,6 +13,11 @@ nic_errors_per_s       symbol + receive errors per second over the node's IB por
 nic_bw_drop            relative drop of the slowest port's receive rate              nic
 =====================  ==========================================================  ===========
 
+A window's value of a GPU field is its median over the window's latest regime (``_gpu_medians``): where
+the window holds the edge of a job-wide pause or wait (a step in power of half its highest or more; idle
+samples among working ones), the samples after it. Nodes sample at their own phases and their clocks
+differ, so such a window holds more or fewer samples of either side from node to node.
+
 Baselines are per GPU (per port): the median of that device's last ``soft_baseline`` clean windows,
 so each GPU is compared with itself (temporal). When at least 3 nodes of the same job close the
 same window, every node's features are taken relative to the job's median (peers): a change the
@@ -121,6 +126,35 @@ def _median(values) -> float:
     return float(v[n // 2]) if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2.0
 
 
+#: a GPU at or below this utilisation idles (TEEConfig.hang_idle_util's default)
+_IDLE_UTIL = 30.0
+
+
+def _gpu_medians(fields: dict) -> dict:
+    """One GPU's window medians, field by field, over the samples of its latest regime: after the window's
+    largest step in power where that step is half the window's highest power or more (a pause, or a wait in
+    a collective, that began or ended in the window), and of those the samples the GPU worked in where it
+    also idled (a data-loader hiccup). A window that holds the edge of a job-wide pause or wait holds more or
+    fewer samples of either side from node to node (their clocks, and the phases at which their agents
+    sample, differ by fractions of a second), and a median taken over both sides with them: that is no node
+    standing out of its job. A slowdown (a straggler, a power cap) changes power by less than half."""
+    n = len(next(iter(fields.values()), ()))
+    if n < 2 or any(len(v) != n for v in fields.values()):
+        return {k: _median(v) for k, v in fields.items()}
+    keep = range(n)
+    power = fields.get(DCGM.POWER_USAGE)
+    if power and (top := max(power)) > 0:
+        k = max(range(1, n), key=lambda i: abs(power[i] - power[i - 1]))
+        if abs(power[k] - power[k - 1]) >= 0.5 * top:
+            keep = range(k, n)
+    util = fields.get(DCGM.GPU_UTIL)
+    if util and any(util[i] <= _IDLE_UTIL for i in keep) and any(util[i] > _IDLE_UTIL for i in keep):
+        keep = [i for i in keep if util[i] > _IDLE_UTIL]
+    if len(keep) == n:
+        return {k: _median(v) for k, v in fields.items()}
+    return {k: _median([v[i] for i in keep]) for k, v in fields.items()}
+
+
 def _stood(win: "_Window") -> bool:
     """Whether the node's training step stood still through ``win``, from the step it stood at as the window
     opened (no training reports: it did not)."""
@@ -182,8 +216,7 @@ class _Window:
     def summary(self, node: str, now: float) -> PeerWindow:
         """What the features of this window are made of (medians, reasons, mean error rate)."""
         return PeerWindow(node=node, job=self.job, index=self.index, first_ts=self.first_ts, last_ts=self.last_ts,
-                          closed_ts=now, gpu={str(gi): {k: _median(v) for k, v in f.items()}
-                                              for gi, f in self.gpu.items()},
+                          closed_ts=now, gpu={str(gi): _gpu_medians(f) for gi, f in self.gpu.items()},
                           reasons={str(gi): r for gi, r in self.reasons.items()},
                           nic_err=sum(self.nic_err) / len(self.nic_err) if self.nic_err else None,
                           nic_bw={dev: _median(v) for dev, v in self.nic_bw.items()},
@@ -349,8 +382,8 @@ class PeerDetector:
         rise, cdrop, pdrop, worst = -np.inf, -np.inf, -np.inf, {}
         medians = {}
         for gi, fields in win.gpu.items():
-            for name, vals in fields.items():
-                medians[(gi, name)] = _median(vals)
+            for name, m in _gpu_medians(fields).items():
+                medians[(gi, name)] = m
         devs = {}
         for (gi, name), m in medians.items():
             hist = ns.base[(gi, name)]

@@ -396,6 +396,17 @@ def test_a_clean_corpus_delivered_late_lossy_and_on_skewed_clocks_yields_no_faul
     assert [(e.node, e.kind.value, e.summary) for e in _replay_delivered(rough, TEEConfig())] == []
 
 
+def test_windows_that_hold_a_job_wide_edge_raise_nothing_on_nodes_whose_clocks_differ():
+    """Node clocks 0.5 s apart, each batch up to 0.2 s off its tick (as agents that sample at their own
+    phases): the windows that hold the edge of a job-wide stop (the end of a job's start-up here) hold more
+    or fewer samples of either side from node to node, and a median over both sides flips between them.
+    Before, two nodes of a job were stragglers there ("power_drop" of 0.5 against their peers); the medians
+    of such a window are its latest regime's now (``peers._gpu_medians``)."""
+    corpus = Corpus(CorpusSpec(nodes=16, hours=0.1, seed=9611, min_per_class=0, faults_per_node_hour=0.0,
+                               clock_skew_s=0.5, jitter_s=0.2))
+    assert [(e.node, e.kind.value, e.summary) for e in _replay_delivered(corpus, TEEConfig())] == []
+
+
 def test_a_rough_corpus_keeps_its_values_and_labels_and_each_node_s_order():
     spec = dict(nodes=6, hours=0.05, seed=9, min_per_class=1)
     plain = Corpus(CorpusSpec(**spec))
