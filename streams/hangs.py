@@ -55,8 +55,8 @@ node alone on its partition is left to the heartbeat timeout on the wall clock. 
 stands for something else is left to the heartbeat timeout too (a batch late or lost then says
 nothing): another node found lost before the job stopped, a node that idled a GPU while the others
 spun since it stopped (a stuck rank, a data-loader hiccup; unless the waiting GPUs draw a wait's power
-once it is busy again), waiting GPUs that draw a step's power (they compute: the first step after a
-pause, a step held up by a hiccup), or a job whose ranks have not stepped yet. A job that stands
+once it is busy again), GPUs that took to a step's power as a pause ended (its first step computes),
+or a job whose ranks have not stepped yet. A job that stands
 still because a node of it was lost as the stall began is no pause-ceiling hang, also once the node
 is back and before the job steps again.
 
@@ -89,8 +89,8 @@ _FORGET_AFTER = 3600.0    # drop ranks not seen for this long (sample time)
 #: a rank not heard from for this many heartbeat timeouts (30 s by default; the TEE has found its node
 #: lost by then) is no peer of the ranks still reporting
 _SILENT_PEER_TIMEOUTS = 5.0
-#: GPUs that draw this share of their stepping power or more compute: a rank standing still with them waits
-#: for no lost node (a spin-wait kernel draws a fraction of a step's power; ``hang_wait_power`` says how little)
+#: GPUs that draw this share of their stepping power or more as a pause ends compute its first step: their
+#: rank waits for no lost node (a spin-wait kernel draws a fraction of a step's power: ``hang_wait_power``)
 _COMPUTE_POWER = 0.9
 #: a rank is behind its peers once its own reports showed a peer past it for this long (its clock)
 _BEHIND_HOLD_S = 2.0
@@ -553,10 +553,9 @@ class HangDetector:
             return False
         if v.stall < min(1.5 * median, median + 0.5) and not self._spins_waiting(job, v.node, v.last_seen):
             return False
-        if self._computes(job, v.node, v.last_seen):
-            return False        # its GPUs draw what they drew stepping: they compute (a pause's first step, or a
-                                # step held up by a data-loader hiccup), they do not spin in a collective
         busy = v.last_seen - job.busy_since[v.node]       # both on the rank's node's clock
+        if busy < v.stall and self._computes(job, v.node, v.last_seen):
+            return False        # a pause ended and its GPUs draw what they drew stepping: its first step computes
         return min(v.stall, busy) <= quiet + max(2.0, 2.0 * median) + 1.0
 
     def _computes(self, job: JobView, node: str, ts: float) -> bool:
