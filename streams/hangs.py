@@ -558,23 +558,26 @@ class HangDetector:
             return False        # a pause ended and its GPUs draw what they drew stepping: its first step computes
         return min(v.stall, busy) <= quiet + max(2.0, 2.0 * median) + 1.0
 
-    def _computes(self, job: JobView, node: str, ts: float) -> bool:
-        """The node's GPUs, heard within 2 s of ``ts``, draw ``_COMPUTE_POWER`` or more of the power they drew
-        at its rank's last step moves (3 of them at least; ``hang_wait_power`` 0 turns power evidence off)."""
-        drew = job.step_power.get(node)
-        now = job.gpu_power.get(node)
-        return self.config.hang_wait_power > 0 and drew is not None and len(drew) >= 3 and now is not None \
-            and abs(now[0] - ts) <= 2.0 and now[1] >= _COMPUTE_POWER * statistics.median(drew)
-
-    def _spins_waiting(self, job: JobView, node: str, ts: float) -> bool | None:
-        """The node's GPUs, heard within 2 s of ``ts``, draw ``hang_wait_power`` or less of the power they drew
-        at its rank's last step moves (3 of them at least): busy, but on a spin-wait kernel, not on compute.
-        None where that cannot be told (no power samples, too few step moves, the evidence turned off)."""
+    def _power_share(self, job: JobView, node: str, ts: float) -> float | None:
+        """What the node's GPUs, heard within 2 s of ``ts``, draw as a share of what they drew at its rank's last
+        step moves (3 of them at least); None where that cannot be told (no power samples, too few step moves,
+        ``hang_wait_power`` 0: the power evidence turned off)."""
         drew = job.step_power.get(node)
         now = job.gpu_power.get(node)
         if self.config.hang_wait_power <= 0 or drew is None or len(drew) < 3 or now is None or abs(now[0] - ts) > 2.0:
             return None
-        return now[1] <= self.config.hang_wait_power * statistics.median(drew)
+        return now[1] / max(statistics.median(drew), 1e-9)
+
+    def _computes(self, job: JobView, node: str, ts: float) -> bool:
+        """The node's GPUs draw ``_COMPUTE_POWER`` or more of their stepping power (:meth:`_power_share`)."""
+        share = self._power_share(job, node, ts)
+        return share is not None and share >= _COMPUTE_POWER
+
+    def _spins_waiting(self, job: JobView, node: str, ts: float) -> bool:
+        """The node's GPUs draw ``hang_wait_power`` or less of their stepping power (:meth:`_power_share`): busy,
+        but on a spin-wait kernel, not on compute."""
+        share = self._power_share(job, node, ts)
+        return share is not None and share <= self.config.hang_wait_power
 
     def _not_in_collective(self, job: JobView, key: tuple[str, str, int], r: RankView, peers, limit: float) -> bool:
         """Every rank stands still; this node's GPUs idle while at least twice as many nodes' GPUs spin (or,
