@@ -97,6 +97,15 @@ _BEHIND_HOLD_S = 2.0
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 
 
+def _held_since(marks: dict, key: tuple, r: "RankView") -> float:
+    """Since when (``r``'s clock) a condition marked in ``marks`` holds for rank ``key`` in its current stall:
+    from its last sample where the stall is a new one."""
+    stall, since = marks.get(key, (None, r.last_seen))
+    if stall != r.since:                # a new stall: it holds from now
+        marks[key] = (r.since, since := r.last_seen)
+    return since
+
+
 @dataclass
 class RankView:
     """Where one rank stands (sample time)."""
@@ -437,10 +446,7 @@ class HangDetector:
         if not any(r.since + limit < v.since <= r.last_seen and v.step > r.step for _, v in peers):
             job.behind_since.pop(key, None)
             return False
-        stall, since = job.behind_since.get(key, (None, r.last_seen))
-        if stall != r.since:
-            job.behind_since[key] = (r.since, since := r.last_seen)
-        return r.last_seen - since >= _BEHIND_HOLD_S
+        return r.last_seen - _held_since(job.behind_since, key, r) >= _BEHIND_HOLD_S
 
     def _gone_since(self, job: JobView, now: float) -> list[float]:
         """When the job's nodes that are, or were lately, lost (their ranks silent for the heartbeat timeout,
@@ -617,10 +623,7 @@ class HangDetector:
                 and not self._gpus_apart(job, key[0], fresh):
             job.apart_since.pop(key, None)
             return None
-        stall, since = job.apart_since.get(key, (None, r.last_seen))
-        if stall != r.since:                # a new stall: idle alone from now
-            job.apart_since[key] = (r.since, since := r.last_seen)
-        return since
+        return _held_since(job.apart_since, key, r)
 
     @staticmethod
     def _fresh(job: JobView, r: RankView) -> dict[str, float]:
