@@ -47,13 +47,16 @@ rank 0 when the agents do not know the global rank).
 The detector also finds a node lost before the heartbeat timeout (:meth:`HangDetector._lost`): its
 ranks silent for ``node_lost_fast_s`` (2 s) while every rank of its generation still heard from began
 to wait as it fell silent, its GPUs spinning (ranks waiting in a collective for ranks that never
-come). The silence must also be proven where a worker's lag cannot fake it: the node's metrics
+come). Waiting means standing still past a step (the job's median step or its latest ones, whichever
+is longer: the first steps after a restore are slow), or spinning at a wait's power, a wait that began
+in power as the node fell silent (not a hang's wait the node's silence came into). The silence must also be proven where a worker's lag cannot fake it: the node's metrics
 partition was read that far past its newest batch, in the sample time of the other nodes' batches
 on it (read marks: :meth:`TEEEngine.read_past` on the wall clock, the partition's clock,
 :meth:`TEEEngine.read_up_to`, on the event clock; one engine reading every node knows it itself); a
 node alone on its partition is left to the heartbeat timeout on the wall clock. A silence while the job
 stands for something else is left to the heartbeat timeout too (a batch late or lost then says
-nothing): another node found lost before the job stopped, a node that idled a GPU while the others
+nothing): another node found lost before the job stopped, or silent before this one (left to the
+heartbeat timeout: long steps without power samples), a node that idled a GPU while the others
 spun since it stopped (a stuck rank, a data-loader hiccup; unless the waiting GPUs draw a wait's power
 once it is busy again), GPUs that took to a step's power as a pause ended (its first step computes),
 or a job whose ranks have not stepped yet. A job that stands
@@ -94,6 +97,9 @@ _SILENT_PEER_TIMEOUTS = 5.0
 _COMPUTE_POWER = 0.9
 #: a rank is behind its peers once its own reports showed a peer past it for this long (its clock)
 _BEHIND_HOLD_S = 2.0
+#: a wait shown in power began at most this long before the silence of the node it waits for (a batch late or
+#: lost, the nodes' clocks apart, a data-loader hiccup of that node before it was lost)
+_WAIT_BEGAN_S = 5.0
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 
 
@@ -154,6 +160,8 @@ class JobView:
     #: node -> the last ts a GPU of the job idled there (every GPU in a pause; a stuck rank's, a hiccup's)
     idle_to: dict[str, float] = field(default_factory=dict)
     gpu_power: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean power draw)
+    #: node -> ts since which its GPUs, spinning, draw a wait's power (``hang_wait_power`` of their stepping power)
+    wait_power_since: dict[str, float] = field(default_factory=dict)
     #: node -> its GPUs' mean power draw at its rank's last step moves (what they draw stepping)
     step_power: dict[str, deque] = field(default_factory=dict)
     #: node -> how far its metrics partition was read (the node's own sample time: its newest batch plus the
@@ -464,8 +472,14 @@ class HangDetector:
             job.gpu_power[node] = (report.ts, report.gpu_power)
         if not self._spins(job, node):
             job.busy_since.pop(node, None)
-        elif node not in job.busy_since:
-            job.busy_since[node] = report.ts
+            job.wait_power_since.pop(node, None)
+        else:
+            if node not in job.busy_since:
+                job.busy_since[node] = report.ts
+            if not self._spins_waiting(job, node, report.ts):
+                job.wait_power_since.pop(node, None)
+            elif node not in job.wait_power_since:
+                job.wait_power_since[node] = report.ts
         g = report.gpus
         if report.gpu_util <= self.config.hang_idle_util \
                 or g is not None and g[1] > min(job.idle_stepping.get(node) or (0,)):
@@ -508,8 +522,8 @@ class HangDetector:
             if not waiting or not all(self._waits_for(job, v, quiet) for _, v in waiting):
                 continue
             start = min(v.since for _, v in waiting)
-            if any(m != n and max(v.since for _, v in waiting) <= at + 2 * fast for m, at in job.lost.items()):
-                continue        # the job has stood since another node was found lost: it waits for that one
+            if self._stands_for_other(job, n, quiet, now, max(v.since for _, v in waiting)):
+                continue
             if self._stands_for_idle(job, n, start, waiting):
                 continue
             job.lost[n] = ts
@@ -530,6 +544,23 @@ class HangDetector:
             ))
         return out
 
+    def _stands_for_other(self, job: JobView, silent: str, quiet: float, now: float, stood: float) -> bool:
+        """The job has stood (since ``stood``, the latest of its waiting ranks' stops) since another node was
+        found lost, or fell silent before ``silent`` did (``quiet`` seconds ago), whether it was found lost by the
+        fast rule or is left to the heartbeat timeout: the job waits for that node, and ``silent`` may only be
+        late."""
+        fast = self.config.node_lost_fast_s
+        if any(m != silent and stood <= at + 2 * fast for m, at in job.lost.items()):
+            return True
+        for m, heard in job.heard.items():      # the longest silent first
+            if now - heard <= quiet:
+                break
+            if m != silent:
+                seen = max((v.last_seen for k, v in job.ranks.items() if k[0] == m), default=None)
+                if seen is not None and stood <= seen + 2 * fast:
+                    return True
+        return False
+
     def _stands_for_idle(self, job: JobView, silent: str, start: float, waiting) -> bool:
         """Since the job's ranks stopped (``start``), a GPU of the job idled on a node while the waiting ranks'
         GPUs spun: a stuck rank, or a data-loader hiccup, that the job stands for; the ``silent`` node may only
@@ -549,19 +580,25 @@ class HangDetector:
     def _waits_for(self, job: JobView, v: RankView, quiet: float) -> bool:
         """Rank ``v``, in no declared phase, stands still with its node's GPUs spinning, and began to wait about
         when a node fell silent ``quiet`` seconds ago: its step stopped then, or (the job paused with idle GPUs
-        until then) its GPUs took to spinning then; not a wait that began long before (a barrier while rank 0
-        saves), where a node's metrics late for a moment say nothing. Standing still means for the median step
-        time plus half a second (1.5 step times where that is less), or, its GPUs drawing a fraction of their
-        stepping power (:meth:`_spins_waiting`), for a second: a job of long steps shows its stop in power first."""
+        until then) its GPUs took to spinning then, or (at a wait's power) its GPUs took to that power then; not
+        a wait that began long before (a barrier while rank 0 saves, a hang), where a node's metrics late for a
+        moment say nothing. Standing still means for a step plus half a second (1.5 steps where that is less),
+        a step being the median or the latest three (the slow steps after a restore or in an evaluation), or,
+        its GPUs drawing a fraction of their stepping power (:meth:`_spins_waiting`), for a second: a job of
+        long steps shows its stop in power first."""
         median = v.median_step() or 1.0
         if v.phase or not v.moved or v.stall < 1.0 or v.node not in job.busy_since \
                 or abs(job.gpu_util.get(v.node, (0.0, 0.0))[0] - v.last_seen) > 5.0:
             return False
-        if v.stall < min(1.5 * median, median + 0.5) and not self._spins_waiting(job, v.node, v.last_seen):
+        low = self._spins_waiting(job, v.node, v.last_seen)
+        step = max(median, *list(v.step_times)[-3:]) if v.step_times else median   # its latest steps may be slow
+        if v.stall < min(1.5 * step, step + 0.5) and not low:
             return False
         busy = v.last_seen - job.busy_since[v.node]       # both on the rank's node's clock
         if busy < v.stall and self._computes(job, v.node, v.last_seen):
             return False        # a pause ended and its GPUs draw what they drew stepping: its first step computes
+        if low and (since := job.wait_power_since.get(v.node)) is not None:
+            return v.last_seen - since <= quiet + _WAIT_BEGAN_S     # its wait in power began as the node fell silent
         return min(v.stall, busy) <= quiet + max(2.0, 2.0 * median) + 1.0
 
     def _power_share(self, job: JobView, node: str, ts: float) -> float | None:

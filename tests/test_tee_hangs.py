@@ -593,6 +593,52 @@ def test_a_batch_late_as_a_checkpoint_ends_is_no_lost_node_where_the_peers_draw_
     assert _live(engine, range(70), feed, FOUR) == []
 
 
+def test_in_a_job_of_10_s_steps_a_peer_late_after_its_job_s_lost_node_was_left_to_the_heartbeat_timeout_is_not_lost(
+        engine):
+    # steps of 10 s, no power samples; node3 dies after its batch of t=101 and the others block in the
+    # collective, spinning: a wait their stall tells only past a step (t=111), so the heartbeat timeout finds
+    # node3 (t=107). node1's batches of t=112 and 113 come late: the job stood for node3, not for node1
+    def feed(node, t):
+        if node == "node3" and t >= 102 or node == "node1" and t in (112, 113):
+            return None
+        return {"step": min(int(t / 10), 10), "step_time": 10.0, "util": 95.0 if t < 102 else 100.0}
+
+    found = _live(engine, range(160), feed, FOUR)
+    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.NODE_LOST, "node3")]
+    assert found[0].detected_ts - (T0 + 101) > engine.config.heartbeat_timeout
+
+
+def test_in_a_job_of_10_s_steps_a_hung_node_whose_batches_are_lost_is_hung_not_lost(engine):
+    # node2's rank hangs at t=104 in step 10 (its GPUs idle); the others block in the collective, spinning at a
+    # wait's power (150 W against the 560 W of a step) from t=110. node2's batches of t=119 and 120 never come:
+    # its silence began 9 s into its peers' wait, which a wait for a node lost as it fell silent never shows
+    def feed(node, t):
+        if node == "node2" and t in (119, 120):
+            return None
+        if t < 104 or node != "node2" and t < 110:
+            return {"step": int(t / 10), "step_time": 10.0, "util": 95.0, "power": 560.0}
+        if node == "node2":
+            return {"step": 10, "step_time": 10.0, "util": 0.0, "power": 60.0}
+        return {"step": 10, "step_time": 10.0, "util": 100.0, "power": 150.0}
+
+    found = _live(engine, range(300), feed, FOUR)
+    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.HANG, "node2")]
+
+
+def test_in_a_job_of_10_s_steps_slow_steps_after_a_restore_are_no_wait_when_a_peer_s_batch_is_lost(engine):
+    # steps of 10 s, then from t=200 (a restore's first steps) of 15 s, each rank computing at a step's power
+    # and reporting the step time it took; node1's batches of t=227 and 228 never come, 12 s into step 15
+    # (begun at t=215). Twelve seconds is more than a step of the job's median, not more than its latest ones
+    def feed(node, t):
+        if node == "node1" and t in (227, 228):
+            return None
+        if t < 200:
+            return {"step": int(t / 10), "step_time": 10.0, "util": 95.0, "power": 560.0}
+        return {"step": 20 + int((t - 200) / 15), "step_time": 15.0, "util": 95.0, "power": 560.0}
+
+    assert _live(engine, range(260), feed, FOUR) == []
+
+
 def test_a_node_silent_long_into_a_job_wide_wait_is_lost_only_at_the_heartbeat_timeout(engine):
     # every rank has stood still since t=30, GPUs spinning (a collective waiting on something outside the
     # job); node2's metrics stop at t=100: a wait that began a minute before it fell silent says nothing
