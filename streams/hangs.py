@@ -570,7 +570,7 @@ class HangDetector:
         for m, at in job.idle_to.items():
             if at < start or not all(job.busy_since.get(v.node, at) < at for _, v in waiting if v.node != m):
                 continue
-            if m == silent and (g := job.gpus.get(m)) is not None and g[2] > 0:
+            if m == silent and (g := job.gpus.get(m)) is not None and g[1] > 0 and g[2] > 0:
                 return True     # its last report: a stuck rank's GPU idle among its node's spinning ones (a hang)
             if m != silent and job.gpu_util[m][0] <= at \
                     or not all(self._spins_waiting(job, v.node, v.last_seen) for _, v in waiting):

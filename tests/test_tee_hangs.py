@@ -579,6 +579,24 @@ def test_a_node_lost_during_another_node_s_hiccup_is_found_within_2_s_by_its_pee
     assert found[0].detected_ts - (T0 + 30) <= 2.0
 
 
+def test_in_a_job_of_10_s_steps_a_node_lost_just_after_its_own_hiccup_is_found_within_2_s_by_its_peers_power(engine):
+    # node3's data loader stalls at t=103-104 in step 10 (its GPUs idle); its GPUs are busy again at t=105 and
+    # it dies after its batch of t=106, the others then spinning in the collective at a wait's power. Its last
+    # reports show no GPU of it idle (no stuck rank of it): the peers' wait power says the job waits for it
+    def feed(node, t):
+        if node == "node3" and t >= 107:
+            return None
+        if t < 107:
+            return {"step": min(int(t / 10), 10), "step_time": 10.0, "power": 560.0,
+                    "util": 5.0 if node == "node3" and t in (103, 104) else 95.0}
+        return {"step": 10, "step_time": 10.0, "util": 100.0, "power": 150.0}
+
+    found = _live(engine, range(160), feed, FOUR)
+    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.NODE_LOST, "node3")]
+    assert found[0].evidence["cause"] == "its job stopped as it fell silent"
+    assert found[0].detected_ts - (T0 + 107) <= 2.5
+
+
 def test_a_batch_late_as_a_checkpoint_ends_is_no_lost_node_where_the_peers_draw_a_step_s_power(engine):
     # a checkpoint at t=30-44 (GPUs idle); from t=45 the ranks compute their first step again, GPUs busy at
     # the 500 W of a step, and step at t=48; node1's batches of t=45 and 46 come late. Without power samples
