@@ -284,6 +284,9 @@ def main(argv=None) -> int:
                         "offline replays only; default 0)")
     p.add_argument("--lost-batches", type=float, default=0.0,
                    help="share of batches never delivered (an agent that missed a beat; default 0)")
+    p.add_argument("--util-noise", type=float, default=0.0,
+                   help="spread of more noise on each busy GPU's utilisation sample, a spin's 100 %% too "
+                        "(percentage points, normal; default 0)")
     p.add_argument("--no-peer", action="store_true", help="skip the skeleton engine (the peer)")
     p.add_argument("--peer-hours", type=float, default=0.5, help="hours of the peer's corpus (first seed)")
     p.add_argument("--pipeline-nodes", type=int, default=24,
@@ -304,8 +307,11 @@ def main(argv=None) -> int:
             p.error(f"--{key.replace('_', '-')} {getattr(a, key)}: expected seconds, 0 <= value < 60")
     if not 0 <= a.lost_batches < 1:
         p.error(f"--lost-batches {a.lost_batches}: expected a share, 0 <= value < 1")
+    if not 0 <= a.util_noise <= 50:
+        p.error(f"--util-noise {a.util_noise}: expected percentage points, 0 <= value <= 50")
     shape = {"job_size": a.job_size, "gpus": a.gpus, "step_s": (lo, hi), "hang_gpus": a.hang_gpus,
-             "clock_skew_s": a.clock_skew_s, "jitter_s": a.jitter_s, "late_s": a.late_s, "lost_batches": a.lost_batches}
+             "clock_skew_s": a.clock_skew_s, "jitter_s": a.jitter_s, "late_s": a.late_s, "lost_batches": a.lost_batches,
+             "util_noise": a.util_noise}
     if a.seeds == "tuning":
         a.seeds = TUNING_SEEDS
     t0 = time.time()
@@ -320,6 +326,7 @@ def main(argv=None) -> int:
               f"hangs idle: {a.hang_gpus}"
               + (f"; clocks {a.clock_skew_s:g} s apart, jitter {a.jitter_s:g} s, {a.late_s:g} s late, "
                  f"{a.lost_batches:.1%} lost" if a.clock_skew_s or a.jitter_s or a.late_s or a.lost_batches else "")
+              + (f"; utilisation noise {a.util_noise:g} points" if a.util_noise else "")
               + ")", file=sys.stderr, flush=True)
         events, n, counts = replay(corpus, config)
         r = score(corpus, events, LAG_S)

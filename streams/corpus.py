@@ -35,6 +35,8 @@ draw per node), each batch's time off its node's tick by up to ``jitter_s``, a s
 the batches never delivered (an agent that missed a beat), and each batch delivered after an exponential
 delay of mean ``late_s`` (a node's batches keep their order: :meth:`Corpus.deliveries`).
 :meth:`Corpus.true_time` takes a node's sample time back to the corpus clock, where the labels are.
+``util_noise`` (``--util-noise``; 0 by default) scatters every busy GPU's utilisation sample, the waiting
+ranks' spin at 100 % too, by a normal draw of that spread (points, clipped to 0-100 %).
 
 The fault mix follows the real GPU-cluster trace in ``shared/data/infinitehbd_faults``
 (:func:`trace_mix`; the mix derived from it ships as ``fault_mix.json``, so no copy of the trace is
@@ -194,6 +196,7 @@ class CorpusSpec:
     jitter_s: float = 0.0              # each batch's sample time is off its node's tick by up to this (uniform)
     late_s: float = 0.0                # mean delivery delay of a batch (exponential; a node's batches keep order)
     lost_batches: float = 0.0          # share of batches never delivered
+    util_noise: float = 0.0            # more noise on each busy GPU's utilisation sample, spins too (points, normal)
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,8 @@ class Corpus:
                 raise ValueError(f"CorpusSpec.{key}={getattr(spec, key)!r}: expected seconds, 0 <= value < 60")
         if not 0 <= spec.lost_batches < 1:
             raise ValueError(f"CorpusSpec.lost_batches={spec.lost_batches!r}: expected a share, 0 <= value < 1")
+        if not 0 <= spec.util_noise <= 50:
+            raise ValueError(f"CorpusSpec.util_noise={spec.util_noise!r}: expected percentage points, 0 <= value <= 50")
         self.spec = spec
         self.t0 = T0 + spec.seed * 1_000_000
         self.duration = int(spec.hours * 3600)
@@ -447,6 +452,9 @@ class Corpus:
                 i = index[inj.node]
                 e = fx.setdefault(inj.node, {})
                 self._apply(inj, i, ts, util, power, sm, temp_add, reasons, bw, e)
+            if s.util_noise:        # a busy GPU's samples, a spin's 100 % too, scattered (clipped); idle ones stay idle
+                noise = np.random.default_rng([s.seed, 7, t]).normal(0.0, s.util_noise, (n, g))
+                util = np.where(util > 5.0, np.clip(util + noise, 0.0, 100.0), util)
             temp = 33.0 + 0.05 * power + temp_add
             if not all(np.isfinite(a).all() for a in (util, power, sm, temp, reasons, bw)):
                 raise ValueError(f"corpus seed {s.seed}: a non-finite metric at second {t} (JSON has none)")

@@ -669,9 +669,9 @@ class HangDetector:
 
     @staticmethod
     def _gpus_apart(job: JobView, node: str, fresh: dict[str, float]) -> bool:
-        """One rank per GPU: the idle GPUs of the job are all on ``node`` and every other GPU of the job spins
-        (at least twice as many, or one against one), among the nodes of the job heard from within 5 s (``fresh``; a lost node's
-        last report is not). The stuck rank's GPU idles; the waiting ranks, on its node too, spin in the
+        """One rank per GPU: the idle GPUs of the job are all on ``node`` and every other GPU of the job spins (at
+        least twice as many, or one against one; a tenth of them at most neither idle nor spinning), among the
+        nodes of the job heard from within 5 s (``fresh``; a lost node's last report is not). The stuck rank's GPU idles; the waiting ranks, on its node too, spin in the
         collective (the node's mean says little). GPUs that idled while the node's rank stepped (a GPU the
         job does not use) are left out."""
         count = idle = busy = mine = 0
@@ -685,7 +685,10 @@ class HangDetector:
             if n == node:
                 mine = extra
         # (one idle GPU against one spinning: the whole rest of a two-rank job waits for it, as two nodes do)
-        return mine > 0 and idle == mine and idle + busy == count and (busy >= 2 * idle or idle == 1 <= busy)
+        # (a tenth of the other GPUs at most in between, neither idle nor spinning: a spin's utilisation sampled
+        # with noise; an evaluation's or a slow step's are all in between)
+        return mine > 0 and idle == mine and idle + busy >= count - (count - idle) // 10 \
+            and (busy >= 2 * idle or idle == 1 <= busy)
 
     def _event(self, now: float, job_id: str, key, r: RankView, job: JobView, peers,
                cause: str, limit: float) -> FaultEvent:

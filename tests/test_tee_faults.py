@@ -951,3 +951,26 @@ def test_in_a_job_of_steps_as_long_as_the_window_a_straggler_is_found_within_a_m
     opened = [f for f in found if not f.resolved]
     assert [(f.node, f.kind) for f in opened] == [("node2", c.FaultKind.STRAGGLER)]
     assert opened[0].detected_ts <= T0 + 300 + 60
+
+
+def test_a_noisy_corpus_scatters_busy_gpus_utilisation_and_keeps_idle_gpus_and_labels():
+    spec = dict(nodes=6, hours=0.05, seed=9, min_per_class=1)
+    plain, noisy = Corpus(CorpusSpec(**spec)), Corpus(CorpusSpec(**spec, util_noise=6.0))
+    assert noisy.injections == plain.injections and noisy.ordinary == plain.ordinary
+    moved = []
+    for a, b in zip(plain.batches(), noisy.batches(), strict=True):
+        assert (a.node, a.ts, a.seq) == (b.node, b.ts, b.seq)
+        for x, y in zip(a.samples, b.samples, strict=True):
+            if x.source is not c.Source.GPU:
+                assert x.fields == y.fields
+                continue
+            u, v = x.fields[c.DCGM.GPU_UTIL], y.fields[c.DCGM.GPU_UTIL]
+            assert 0.0 <= v <= 100.0 and {k: f for k, f in x.fields.items() if k != c.DCGM.GPU_UTIL} == \
+                {k: f for k, f in y.fields.items() if k != c.DCGM.GPU_UTIL}
+            if u <= 5.0:
+                assert v == u                                     # an idle GPU stays idle
+            elif u < 80.0:
+                moved.append(v - u)
+    assert len(moved) > 1000 and 5.0 < float(np.std(moved)) < 7.0 and abs(float(np.mean(moved))) < 0.5
+    with pytest.raises(ValueError, match="util_noise"):
+        Corpus(CorpusSpec(**spec, util_noise=-1.0))

@@ -149,6 +149,26 @@ def test_one_idle_gpu_among_spinning_ones_names_its_node_though_its_other_gpus_s
     assert found[0].observed_ts - T0 <= 30 + 10 + 1
 
 
+def test_one_idle_gpu_among_spinning_ones_sampled_with_noise_names_its_node(engine):
+    # one rank per GPU, 8 GPUs a node: from t=30 node1's rank on GPU 0 is stuck (its GPU idles) and every other
+    # rank spins in the collective; their utilisation is sampled with noise, one or two of the 23 at 80 % in
+    # each second's reports (a spin is 100 % only on average): the stuck GPU still stands apart
+    def feed(node, t):
+        if t < 30:
+            return {"step": t, "util": (95.0,) * 8, "hb": 0.0}
+        util = [100.0] * 8
+        if node == "node1":
+            util[0] = 0.0
+        if NODES.index(node) == t % 3 or node == "node2" and t % 2:
+            util[1 + t % 7] = 80.0
+        return {"step": 30, "util": tuple(util), "hb": 0.0}
+
+    found = _run(engine, range(80), feed)
+    assert [(f.node, f.evidence["cause"], f.evidence["gpus_idle"]) for f in found] == \
+        [("node1", "not in the collective", "1 of 8")]
+    assert found[0].observed_ts - T0 <= 30 + 10 + 1
+
+
 def test_a_gpu_idle_all_along_is_not_the_job_s_and_names_no_node(engine):
     # node0 has a GPU the job does not use (idle while its rank steps); the job then stops with every GPU
     # it uses spinning (a deadlock inside mismatched collectives): nothing shows which rank, so no node is
