@@ -32,7 +32,8 @@ Half of the jobs come from agents that report ``heartbeat_age_s``, half from one
 Telemetry as a real cluster delivers it (all off by default; ``bench/tee_quality.py --clock-skew-s
 --jitter-s --late-s --lost-batches``): each node's clock off the corpus's by ``clock_skew_s`` (a normal
 draw per node), each batch's time off its node's tick by up to ``jitter_s``, a share ``lost_batches`` of
-the batches never delivered (an agent that missed a beat), and each batch delivered after an exponential
+the batches never delivered (an agent that missed a beat; not one that carries an XID, which the agent
+sends at once in a batch of its own that its spool never drops), and each batch delivered after an exponential
 delay of mean ``late_s`` (a node's batches keep their order: :meth:`Corpus.deliveries`).
 :meth:`Corpus.true_time` takes a node's sample time back to the corpus clock, where the labels are.
 ``util_noise`` (``--util-noise``; 0 by default) scatters every busy GPU's utilisation sample, the waiting
@@ -470,8 +471,9 @@ class Corpus:
                 e = fx.get(node, {})
                 if e.get("silent"):
                     continue
-                if timed and gone is not None and gone[i]:
-                    seqs[node] += 1             # sent, never delivered
+                if timed and gone is not None and gone[i] and "xid" not in e:
+                    # sent, never delivered (not an XID: the agent sends one at once, in a batch its spool never drops)
+                    seqs[node] += 1
                     continue
                 its = ts + off[i] if timed else ts      # the node's clock
                 job = self.job_of[node]

@@ -974,3 +974,12 @@ def test_a_noisy_corpus_scatters_busy_gpus_utilisation_and_keeps_idle_gpus_and_l
     assert len(moved) > 1000 and 5.0 < float(np.std(moved)) < 7.0 and abs(float(np.mean(moved))) < 0.5
     with pytest.raises(ValueError, match="util_noise"):
         Corpus(CorpusSpec(**spec, util_noise=-1.0))
+
+
+def test_a_rough_corpus_delivers_every_batch_that_carries_an_xid():
+    # the agent sends an XID at once in a batch of its own, which its spool never drops (agents/agent.py)
+    spec = dict(nodes=6, hours=0.3, seed=9, min_per_class=1)
+    xids = {(b.node, b.seq) for b in Corpus(CorpusSpec(**spec)).batches()
+            if any(c.DCGM.XID_ERRORS in s.fields for s in b.samples)}
+    got = {(b.node, b.seq) for _, b in Corpus(CorpusSpec(**spec, lost_batches=0.9)).deliveries(lag=0.05)}
+    assert len(xids) >= 3 and xids <= got and len(got) < 0.2 * 6 * 0.3 * 3600
