@@ -44,24 +44,23 @@ rank, the time its step last moved), with the stuck rank's process state and sta
 evidence, where the waiting ranks are. Ranks are keyed by node too (two nodes may both call a
 rank 0 when the agents do not know the global rank).
 
-The detector also finds a node lost before the heartbeat timeout (:meth:`HangDetector._lost`): its
-ranks silent for ``node_lost_fast_s`` (2 s) while every rank of its generation still heard from began
-to wait as it fell silent, its GPUs spinning (ranks waiting in a collective for ranks that never
-come). Waiting means standing still past a step (the job's median step or its latest ones, whichever
-is longer: the first steps after a restore are slow), or spinning at a wait's power, a wait that began
-in power as the node fell silent (not a hang's wait the node's silence came into). The silence must also be proven where a worker's lag cannot fake it: the node's metrics
-partition was read that far past its newest batch, in the sample time of the other nodes' batches
-on it (read marks: :meth:`TEEEngine.read_past` on the wall clock, the partition's clock,
-:meth:`TEEEngine.read_up_to`, on the event clock; one engine reading every node knows it itself); a
-node alone on its partition is left to the heartbeat timeout on the wall clock. A silence while the job
-stands for something else is left to the heartbeat timeout too (a batch late or lost then says
-nothing): another node found lost before the job stopped, or silent before this one (left to the
-heartbeat timeout: long steps without power samples), a node that idled a GPU while the others
+The detector also finds a node lost before the heartbeat timeout (:meth:`HangDetector._lost`): its ranks
+silent for ``node_lost_fast_s`` (2 s) while every rank of its generation still heard from began to wait
+as it fell silent, its GPUs spinning (ranks waiting in a collective for ranks that never come). Waiting
+means standing still past a step (the job's median step or its latest ones, whichever is longer: the
+first steps after a restore are slow), or spinning at a wait's power, a wait that began in power as the
+node fell silent (not a hang's wait the node's silence came into). The silence must also be proven where
+a worker's lag cannot fake it: the node's metrics partition was read that far past its newest batch, in
+the sample time of the other nodes' batches on it (read marks: :meth:`TEEEngine.read_past` on the wall
+clock, the partition's clock, :meth:`TEEEngine.read_up_to`, on the event clock; one engine reading every
+node knows it itself); a node alone on its partition is left to the heartbeat timeout on the wall clock.
+A silence while the job stands for something else is left to the heartbeat timeout too (a batch late or
+lost then says nothing): another node found lost before the job stopped, or silent before this one (left
+to the heartbeat timeout: long steps without power samples), a node that idled a GPU while the others
 spun since it stopped (a stuck rank, a data-loader hiccup; unless the waiting GPUs draw a wait's power
-once it is busy again), GPUs that took to a step's power as a pause ended (its first step computes),
-or a job whose ranks have not stepped yet. A job that stands
-still because a node of it was lost as the stall began is no pause-ceiling hang, also once the node
-is back and before the job steps again.
+once it is busy again), GPUs that took to a step's power as a pause ended (its first step computes), or
+a job whose ranks have not stepped yet. A job that stands still because a node of it was lost as the
+stall began is no pause-ceiling hang, also once the node is back and before the job steps again.
 
 Where it runs: the rules compare a job's ranks across its nodes, so the detector must see every node
 of the job. In one process (offline, tests) it is the engine's rule, ``observe(state, batch, now)``.
@@ -671,9 +670,9 @@ class HangDetector:
     def _gpus_apart(job: JobView, node: str, fresh: dict[str, float]) -> bool:
         """One rank per GPU: the idle GPUs of the job are all on ``node`` and every other GPU of the job spins (at
         least twice as many, or one against one; a tenth of them at most neither idle nor spinning), among the
-        nodes of the job heard from within 5 s (``fresh``; a lost node's last report is not). The stuck rank's GPU idles; the waiting ranks, on its node too, spin in the
-        collective (the node's mean says little). GPUs that idled while the node's rank stepped (a GPU the
-        job does not use) are left out."""
+        nodes of the job heard from within 5 s (``fresh``; a lost node's last report is not). The stuck rank's
+        GPU idles; the waiting ranks, on its node too, spin in the collective (the node's mean says little).
+        GPUs that idled while the node's rank stepped (a GPU the job does not use) are left out."""
         count = idle = busy = mine = 0
         for n in fresh:
             g = job.gpus.get(n)
