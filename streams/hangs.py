@@ -99,6 +99,9 @@ _BEHIND_HOLD_S = 2.0
 #: a wait shown in power began at most this long before the silence of the node it waits for (a batch late or
 #: lost, the nodes' clocks apart, a data-loader hiccup of that node before it was lost)
 _WAIT_BEGAN_S = 5.0
+#: a node stays apart (idle alone) through reports that say otherwise for less than this since its last one
+#: that found it apart (its clock; not across a silence of its node)
+_APART_GRACE_S = 2.0
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 
 
@@ -150,6 +153,7 @@ class JobView:
     longest_pause: float = 0.0         # the longest stall this job survived (sample time)
     reported: set = field(default_factory=set)     # (node, generation, rank, since) reported hung
     apart_since: dict[tuple, tuple] = field(default_factory=dict)   # rank -> (its stall, since when its node idles alone)
+    apart_last: dict[tuple, float] = field(default_factory=dict)    # rank -> its last sample that found it apart
     behind_since: dict[tuple, tuple] = field(default_factory=dict)  # rank -> (its stall, since when a peer is past it)
     #: node -> the last sample time of its ranks before their latest silence of the heartbeat timeout or more
     #: (its node lost): the job may stand still from then on, waiting for it
@@ -361,6 +365,7 @@ class HangDetector:
             for key in [k for k, v in job.ranks.items() if v.last_seen < cutoff]:
                 del job.ranks[key]
                 job.apart_since.pop(key, None)
+                job.apart_last.pop(key, None)
                 job.behind_since.pop(key, None)
             for n in [n for n, t in job.gone.items() if t < cutoff]:
                 del job.gone[n]
@@ -634,7 +639,7 @@ class HangDetector:
         stall, since = job.apart_since.get(key, (None, 0.0))    # kept by _decide for this very batch
         # the node must stay apart for the step limit itself: a job-wide pause (a checkpoint) followed by a
         # one-node data-loader hiccup of a few seconds has a long stall but only a moment of idling alone
-        return stall == r.since and r.last_seen - since >= limit
+        return stall == r.since and r.last_seen - since >= limit and job.apart_last.get(key) == r.last_seen
 
     def _waits_at_low_power(self, job: JobView, r: RankView) -> bool:
         """The job's nodes heard within 5 s of ``r``'s last sample whose GPUs spin (one at least) all draw a
@@ -657,8 +662,14 @@ class HangDetector:
         alone = idle == 1 and busy == len(fresh) - 1 and len(fresh) == len(job.gpu_util)
         if mine is None or (mine > self.config.hang_idle_util or (busy < 2 * idle and not alone)) \
                 and not self._gpus_apart(job, key[0], fresh):
+            held = job.apart_since.get(key)
+            if held is not None and held[0] == r.since \
+                    and r.last_seen - job.apart_last.get(key, held[1]) < _APART_GRACE_S:
+                return None         # a report in between (a spin sampled with noise) does not end it, nor decide
             job.apart_since.pop(key, None)
+            job.apart_last.pop(key, None)
             return None
+        job.apart_last[key] = r.last_seen
         return _held_since(job.apart_since, key, r)
 
     @staticmethod

@@ -169,6 +169,24 @@ def test_one_idle_gpu_among_spinning_ones_sampled_with_noise_names_its_node(engi
     assert found[0].observed_ts - T0 <= 30 + 10 + 1
 
 
+def test_one_idle_gpu_among_spinning_ones_stays_apart_through_a_report_of_more_noise(engine):
+    # as above, but every third second node0's report shows four of its GPUs at 80 %: more than a tenth of the
+    # 23 in between, in that report only. The stuck GPU stood apart all along: one report does not end it
+    def feed(node, t):
+        if t < 30:
+            return {"step": t, "util": (95.0,) * 8, "hb": 0.0}
+        util = [100.0] * 8
+        if node == "node1":
+            util[0] = 0.0
+        if node == "node0" and t % 3 == 0:
+            util[1:5] = [80.0] * 4
+        return {"step": 30, "util": tuple(util), "hb": 0.0}
+
+    found = _run(engine, range(80), feed)
+    assert [(f.node, f.evidence["cause"]) for f in found] == [("node1", "not in the collective")]
+    assert found[0].observed_ts - T0 <= 30 + 10 + 1
+
+
 def test_a_gpu_idle_all_along_is_not_the_job_s_and_names_no_node(engine):
     # node0 has a GPU the job does not use (idle while its rank steps); the job then stops with every GPU
     # it uses spinning (a deadlock inside mismatched collectives): nothing shows which rank, so no node is
@@ -615,6 +633,25 @@ def test_in_a_job_of_10_s_steps_a_node_lost_just_after_its_own_hiccup_is_found_w
     assert [(f.kind, f.node) for f in found] == [(c.FaultKind.NODE_LOST, "node3")]
     assert found[0].evidence["cause"] == "its job stopped as it fell silent"
     assert found[0].detected_ts - (T0 + 107) <= 2.5
+
+
+def test_a_node_lost_during_its_own_hiccup_is_no_hang_when_it_comes_back(engine):
+    # node3's data loader stalls at t=28-29 (it idles alone: a mark of it apart), then it is lost until t=100,
+    # the others spinning at a wait's power; back, it computes and the job steps on from t=102. Its hiccup's
+    # mark does not carry across its silence: its node is lost, not hung
+    def feed(node, t):
+        if node == "node3" and 30 <= t < 100:
+            return None
+        if t < 28:
+            return {"step": t, "power": 500.0}
+        if t < 30:
+            return {"step": 27, "util": 5.0 if node == "node3" else 95.0, "power": 90.0 if node == "node3" else 500.0}
+        if t < 100:
+            return {"step": 27, "util": 100.0, "power": 150.0}
+        return {"step": 27 if t < 102 else t - 74, "util": 95.0, "power": 500.0}
+
+    found = _live(engine, range(160), feed, FOUR)
+    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.NODE_LOST, "node3")]
 
 
 def test_a_batch_late_as_a_checkpoint_ends_is_no_lost_node_where_the_peers_draw_a_step_s_power(engine):
