@@ -149,40 +149,40 @@ def test_one_idle_gpu_among_spinning_ones_names_its_node_though_its_other_gpus_s
     assert found[0].observed_ts - T0 <= 30 + 10 + 1
 
 
-def test_one_idle_gpu_among_spinning_ones_sampled_with_noise_names_its_node(engine):
-    # one rank per GPU, 8 GPUs a node: from t=30 node1's rank on GPU 0 is stuck (its GPU idles) and every other
-    # rank spins in the collective; their utilisation is sampled with noise, one or two of the 23 at 80 % in
-    # each second's reports (a spin is 100 % only on average): the stuck GPU still stands apart
+def _stuck_gpu_among_noisy_spins(noisy):
+    """One rank per GPU, 8 GPUs a node: from t=30 node1's rank on GPU 0 is stuck (its GPU idles) and every other
+    rank spins in the collective; ``noisy(node, t)`` gives the GPUs of that report sampled at 80 %."""
     def feed(node, t):
         if t < 30:
             return {"step": t, "util": (95.0,) * 8, "hb": 0.0}
         util = [100.0] * 8
         if node == "node1":
             util[0] = 0.0
-        if NODES.index(node) == t % 3 or node == "node2" and t % 2:
-            util[1 + t % 7] = 80.0
+        for i in noisy(node, t):
+            util[i] = 80.0
         return {"step": 30, "util": tuple(util), "hb": 0.0}
+    return feed
 
-    found = _run(engine, range(80), feed)
+
+def test_one_idle_gpu_among_spinning_ones_sampled_with_noise_names_its_node(engine):
+    # the spinning GPUs' utilisation is sampled with noise, one or two of the 23 at 80 % in each second's
+    # reports (a spin is 100 % only on average): the stuck GPU still stands apart
+    def noisy(node, t):
+        return [1 + t % 7] if NODES.index(node) == t % 3 or node == "node2" and t % 2 else []
+
+    found = _run(engine, range(80), _stuck_gpu_among_noisy_spins(noisy))
     assert [(f.node, f.evidence["cause"], f.evidence["gpus_idle"]) for f in found] == \
         [("node1", "not in the collective", "1 of 8")]
     assert found[0].observed_ts - T0 <= 30 + 10 + 1
 
 
 def test_one_idle_gpu_among_spinning_ones_stays_apart_through_a_report_of_more_noise(engine):
-    # as above, but every third second node0's report shows four of its GPUs at 80 %: more than a tenth of the
-    # 23 in between, in that report only. The stuck GPU stood apart all along: one report does not end it
-    def feed(node, t):
-        if t < 30:
-            return {"step": t, "util": (95.0,) * 8, "hb": 0.0}
-        util = [100.0] * 8
-        if node == "node1":
-            util[0] = 0.0
-        if node == "node0" and t % 3 == 0:
-            util[1:5] = [80.0] * 4
-        return {"step": 30, "util": tuple(util), "hb": 0.0}
+    # every third second node0's report shows four of its GPUs at 80 %: more than a tenth of the 23 in between,
+    # in that report only. The stuck GPU stood apart all along: one report does not end it
+    def noisy(node, t):
+        return [1, 2, 3, 4] if node == "node0" and t % 3 == 0 else []
 
-    found = _run(engine, range(80), feed)
+    found = _run(engine, range(80), _stuck_gpu_among_noisy_spins(noisy))
     assert [(f.node, f.evidence["cause"]) for f in found] == [("node1", "not in the collective")]
     assert found[0].observed_ts - T0 <= 30 + 10 + 1
 
