@@ -41,11 +41,14 @@ windows can learn to accept them.
 A window in which the node's training step did not move (a checkpoint, a pause, a hang, a job waiting
 for a lost node) is not added to the baselines and is judged on its NIC error rate alone: soft faults
 of the GPUs are slowdowns of a running job, and a long pause would otherwise teach the baselines idle
-temperatures and power; a failing link shows its errors without traffic (``_judge_stood``). In a job
-of fewer than 3 nodes such a window without NIC errors also ends a run of anomalous windows (a hang's
-first and last windows, each half spent waiting, are no slowdown). Nor is a window a node closed
-outside its job (``PeerWindow.outside``: its batches carried no job after it trained in one, its ranks
-gone); it still counts as closed for the job's windows, so they do not wait for it.
+temperatures and power; a failing link shows its errors without traffic (``_judge_stood``). A window
+within a step several windows long is no standstill: in a job whose step moves ``g`` >= 2 windows apart,
+a window less than 1.5 g after the last move, its GPUs at half their baseline power or more, is judged
+as one that moved (``_in_step``). In a job of fewer than 3 nodes such a window without NIC errors also
+ends a run of anomalous windows (a hang's first and last windows, each half spent waiting, are no
+slowdown). Nor is a window a node closed outside its job (``PeerWindow.outside``: its batches carried no
+job after it trained in one, its ranks gone); it still counts as closed for the job's windows, so they
+do not wait for it.
 
 Waiting is not a cause: in a synchronous job one slow node makes every other node idle at the
 all-reduce, so their utilisation (and power) fall while their clocks hold. A hit on a node whose
@@ -115,6 +118,8 @@ _WAIT_PEERS = 0.15                   # peers whose utilisation fell this much wa
 _WAIT_LEARN = 90                     # windows of waiting (15 min at 10 s) before they become the baseline
 _WORKING_UTIL = 0.9                  # a GPU at this share of its job's median utilisation works (_below_job)
 _EXPECT_WINDOWS = 2                  # a window waits for the job's nodes that closed one of the last 2
+_STEP_GAPS = 5                       # moves of a node's step whose spacing (in windows) gives its usual step
+_STEP_POWER = 0.5                    # a GPU at this share of its baseline power or more works (a long step)
 #: Seconds of sample time a decided window's peers are kept: a node's window that comes up to this much
 #: later than its job's (read far behind its peers) is judged against them; later, it is judged alone.
 _LATE_KEEP_S = 3600.0
@@ -157,8 +162,9 @@ def _gpu_medians(fields: dict) -> dict:
 
 def _stood(win: "_Window") -> bool:
     """Whether the node's training step stood still through ``win``, from the step it stood at as the window
-    opened (no training reports: it did not)."""
-    return bool(win.steps) and min(win.steps) == max(win.steps)
+    opened (no training reports: it did not), and not only for part of a step as long as several windows
+    (``_Window.in_step``)."""
+    return bool(win.steps) and min(win.steps) == max(win.steps) and not win.in_step
 
 
 def make_model(name: str) -> Any:
@@ -212,6 +218,8 @@ class _Window:
     last_ts: float = 0.0
     job: str = ""                                  # the job of the batch that opened it
     outside: bool = False                          # that batch had no job, the node's last one is ``job``
+    in_step: bool = False                          # its step did not move, but it works through a long step
+                                                   # (job side: PeerDetector._in_step)
 
     def summary(self, node: str, now: float) -> PeerWindow:
         """What the features of this window are made of (medians, reasons, mean error rate)."""
@@ -253,6 +261,8 @@ class _NodeSoft:
     run_index: int = -1              # the newest window of the run of anomalous windows (``run``)
     stalled: int = -1                # the newest window in which the node's step stood still (and its NIC was clean)
     base_job: str | None = None      # the job ``base`` was learned in
+    moved: int = -1                  # job side: the newest window in which the node's step moved
+    gaps: deque = field(default_factory=lambda: deque(maxlen=_STEP_GAPS))   # windows between its last moves
 
 
 @dataclass
@@ -441,7 +451,10 @@ class PeerDetector:
         if judged and ns.base_job != job:   # a node's normal is what it runs in its job: a spare that idled
             ns.base.clear()                 # outside any job (low clocks, no load) starts its baselines afresh
             ns.base_job, ns.waited = job, 0
+            ns.moved = -1                   # and learns its new job's step anew
+            ns.gaps.clear()
         if judged:      # (a window in which the job stood still is judged on its NIC errors alone: _stood)
+            ns.window.in_step = self._in_step(ns)
             x, worst, medians = self._raw_features(ns)
             self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state, ns.window)
         # peers: decide a window once every node of the job that closed one of its last windows has closed
@@ -646,6 +659,37 @@ class PeerDetector:
             hit = ("nic", float(z[_ERR]), float(z[_ERR]), float(cfg.soft_cold_z), "stood")
             out += self._advance(state, ns, win, row, z, worst, hit, n, now)
         return out
+
+    @staticmethod
+    def _in_step(ns: _NodeSoft) -> bool:
+        """Whether the node's window, in which its step did not move, is part of a step as long as several
+        windows (a large model's step of 20-40 s) rather than a standstill: its step moved ``g`` windows apart
+        or more (the median of its last moves, ``g`` >= 2), the window is less than 1.5 g after its last move,
+        and its GPUs work at half their baseline power or more (a pause idles them, and a hang idles them or
+        spins at a wait's power, so those windows still stand). Such a window is judged as one that moved:
+        otherwise only the window of each step's end would be, and a slowdown of a job of long steps would
+        be found minutes late. Keeps, in ``ns``, where the node's step moved (job side: the windows come in
+        order)."""
+        win = ns.window
+        if not win.steps:
+            return False
+        if min(win.steps) != max(win.steps):
+            if ns.moved >= 0 and win.index > ns.moved:
+                ns.gaps.append(win.index - ns.moved)
+            ns.moved = win.index
+            return False
+        if ns.moved < 0 or len(ns.gaps) < 3 or not win.index > ns.moved:
+            return False
+        g = _median(ns.gaps)
+        if g < 2 or win.index - ns.moved >= 1.5 * g:
+            return False
+        now, base = [], []
+        for gi, fields in win.gpu.items():
+            hist = ns.base.get((gi, DCGM.POWER_USAGE))
+            if hist and fields.get(DCGM.POWER_USAGE):
+                now.append(_gpu_medians(fields)[DCGM.POWER_USAGE])
+                base.append(_median(hist))
+        return bool(now) and _median(now) >= _STEP_POWER * _median(base)
 
     @staticmethod
     def _waiting(x, worst: dict, fam: str) -> bool:

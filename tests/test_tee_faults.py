@@ -953,6 +953,61 @@ def test_in_a_job_of_steps_as_long_as_the_window_a_straggler_is_found_within_a_m
     assert opened[0].detected_ts <= T0 + 300 + 60
 
 
+def _long_steps(engine, seconds, step_s=30, slow=None, at=0, clock=0.85, hang_at=None, split=False):
+    """4 nodes of one job, 2 GPUs each, whose rank steps every ``step_s`` seconds (a large model's step: its
+    GPUs work through it); from ``at`` node ``slow``'s GPU 0 runs at ``clock`` of its SM clock and power; from
+    ``hang_at`` the step stands: node0's GPUs idle (its rank is stuck) and the other nodes' spin in the
+    collective (full utilisation at a wait's power). ``split``: the engine's node side feeds its job side
+    through the contract. Returns the fault events that are not resolutions."""
+    rng = np.random.default_rng(13)
+    out = []
+    for t in range(seconds):
+        hung = hang_at is not None and t >= hang_at
+        step = (hang_at if hung else t) // step_s
+        for n in range(4):
+            node = f"node{n}"
+            gpus = []
+            for i in range(2):
+                f = {c.DCGM.SM_CLOCK: 1980.0 - abs(rng.normal(0, 20)), c.DCGM.POWER_USAGE: 560 + rng.normal(0, 12),
+                     c.DCGM.GPU_TEMP: 62 + rng.normal(0, 0.7), c.DCGM.GPU_UTIL: 95.0}
+                if hung and n == 0:
+                    f.update({c.DCGM.SM_CLOCK: 1400.0, c.DCGM.POWER_USAGE: 90.0, c.DCGM.GPU_TEMP: 45.0,
+                              c.DCGM.GPU_UTIL: 0.0})
+                elif hung:
+                    f.update({c.DCGM.POWER_USAGE: 150.0 + rng.normal(0, 5), c.DCGM.GPU_TEMP: 50.0,
+                              c.DCGM.GPU_UTIL: 100.0})
+                elif node == slow and i == 0 and t >= at:
+                    f[c.DCGM.SM_CLOCK] *= clock
+                    f[c.DCGM.POWER_USAGE] = 90 + (f[c.DCGM.POWER_USAGE] - 90) * clock
+                gpus.append(gpu(i, **f))
+            gpus.append(c.Sample(c.Source.TRAIN, {"step": step, "alive": 1, "loss": 2.0, "step_time": float(step_s)},
+                                 index=n, tags={"job": "job1", "generation": "0"}))
+            out += engine.process(batch(T0 + t, *gpus, node=node), now=T0 + t + 0.05)
+        for feed in engine.feeds() if split else ():
+            out += engine.job_feed(c.decode(c.PEER_WINDOWS, c.encode(feed)), now=T0 + t + 0.1)
+    return [f for f in out if not f.resolved]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-engine", "split"])
+def test_in_a_job_of_steps_several_windows_long_a_straggler_is_found_within_its_first_step(split):
+    """Steps of 30 s: the step moves in one window of three, and the other two are part of the step (the GPUs
+    work through it at their power), not a standstill. node2's GPU 0 slows to 85 % 5 s into a step: a
+    straggler before that step ends (bench/tee_quality probe 9550, steps of 20-40 s, found its stragglers
+    57-70 s late: only the window of each step's end was judged)."""
+    engine = TEEEngine(TEEConfig(soft_detectors=("peers",)), split_peers=split)
+    found = _long_steps(engine, 1000, slow="node2", at=905, split=split)
+    assert [(f.node, f.kind) for f in found] == [("node2", c.FaultKind.STRAGGLER)]
+    assert found[0].detected_ts <= T0 + 905 + 25
+
+
+def test_in_a_job_of_long_steps_a_hang_is_no_slowdown_of_the_node_that_idles(engine):
+    """The same job hangs 5 s into a step: node0 idles, its peers spin at a wait's power. Its windows are
+    less than a step and a half after the step last moved, but no GPU works at its step's power: they stand
+    still and raise no soft fault (node0 idling beside peers at full clocks would be a straggler)."""
+    found = _long_steps(engine, 1100, hang_at=905)
+    assert [f for f in found if f.detector.startswith("peers")] == []
+
+
 def test_a_noisy_corpus_scatters_busy_gpus_utilisation_and_keeps_idle_gpus_and_labels():
     spec = dict(nodes=6, hours=0.05, seed=9, min_per_class=1)
     plain, noisy = Corpus(CorpusSpec(**spec)), Corpus(CorpusSpec(**spec, util_noise=6.0))
