@@ -51,7 +51,8 @@ class TEEConfig:
     #: A node's GPUs that spin while drawing this share or less of the power they drew at its rank's last
     #: step moves wait in a collective (a spin-wait kernel draws a fraction of a compute kernel's power):
     #: a job of long steps shows its stop in power before its stall outlasts a step (a lost node found in
-    #: 2 s, a hang limit of ``hang_timeout``). 0 turns the power evidence off (the stall alone decides).
+    #: 2 s, a hang limit of ``hang_timeout``). 0 turns the power evidence off (the stall alone decides; in a
+    #: job of steps longer than 5 s a lost node is then left to ``heartbeat_timeout``).
     hang_wait_power: float = 0.6
     #: A node from which nothing has arrived for this long (the TEE's own clock, so skewed node
     #: clocks do not matter) is lost.

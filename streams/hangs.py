@@ -94,6 +94,9 @@ _SILENT_PEER_TIMEOUTS = 5.0
 #: GPUs that draw this share of their stepping power or more as a pause ends compute its first step: their
 #: rank waits for no lost node (a spin-wait kernel draws a fraction of a step's power: ``hang_wait_power``)
 _COMPUTE_POWER = 0.9
+#: a rank whose step is longer than this is judged to wait for a silent node only by its GPUs' power: its stall
+#: says only within a step when its wait began
+_BLIND_STEP_S = 5.0
 #: a rank is behind its peers once its own reports showed a peer past it for this long (its clock)
 _BEHIND_HOLD_S = 2.0
 #: a wait shown in power began at most this long before the silence of the node it waits for (a batch late or
@@ -501,9 +504,11 @@ class HangDetector:
         rank of their generation still heard from began to wait as they fell silent, its node's GPUs spinning
         (waiting in a collective for the ranks that never come): those nodes are lost, found before the
         heartbeat timeout, with the heartbeat rule's fault id. Late metrics leave the job stepping, and a
-        job-wide pause idles its GPUs: the heartbeat timeout decides those. The silence must also show in
-        the node's read marks (its partition read ``node_lost_fast_s`` past its newest batch; on either
-        clock), so that a worker reading the partition late finds no node lost."""
+        job-wide pause idles its GPUs: the heartbeat timeout decides those. Of two nodes silent at once, the
+        one that fell silent last is decided first (the other may be late as the job stopped for it; once it is
+        found lost, the job stands for it). The silence must also show in the node's read marks (its partition
+        read ``node_lost_fast_s`` past its newest batch; on either clock), so that a worker reading the
+        partition late finds no node lost."""
         fast, timeout = self.config.node_lost_fast_s, self.config.heartbeat_timeout
         silent = []
         for n, heard in job.heard.items():     # the longest silent first: a look costs the silent nodes only
@@ -512,11 +517,14 @@ class HangDetector:
             if now - heard <= timeout and n not in job.lost:
                 silent.append((n, now - heard))
         out = []
-        for n, quiet in silent:
+        for i, (n, quiet) in enumerate(silent):
             seen, generation = max(((v.last_seen, k[1]) for k, v in job.ranks.items() if k[0] == n),
                                    default=(None, None))
             if seen is None:
                 continue            # its ranks left the job
+            if any(m != n and any(k[0] == m for k in job.ranks) for m, _ in silent[i + 1:]):
+                continue            # another node fell silent after it and is silent too: that one may be what
+                                    # the job stands for, and this one only late (decided once either is back)
             ts = max(seen, job.gpu_util.get(n, (seen,))[0])     # its newest report: the heartbeat rule's id
             past = self.read_past_of(n) if self.read_past_of is not None else job.read.get(n, ts) - ts
             if past < fast:
@@ -551,11 +559,14 @@ class HangDetector:
     def _stands_for_other(self, job: JobView, silent: str, quiet: float, now: float, stood: float) -> bool:
         """The job has stood (since ``stood``, the latest of its waiting ranks' stops) since another node was
         found lost, or fell silent before ``silent`` did (``quiet`` seconds ago), whether it was found lost by the
-        fast rule or is left to the heartbeat timeout: the job waits for that node, and ``silent`` may only be
-        late."""
+        fast rule or is left to the heartbeat timeout, or was lost and is back (``JobView.gone``, ``silent``
+        itself too: the job stands for it, or computes the step it stood at, until its step moves): the job
+        waits for that node, and ``silent`` may only be late."""
         fast = self.config.node_lost_fast_s
         if any(m != silent and stood <= at + 2 * fast for m, at in job.lost.items()):
             return True
+        if any(stood <= at + 2 * fast for at in job.gone.values()):
+            return True         # (the silent node too: the job stood for its last silence, not for this one)
         for m, heard in job.heard.items():      # the longest silent first
             if now - heard <= quiet:
                 break
@@ -589,17 +600,20 @@ class HangDetector:
         moment say nothing. Standing still means for a step plus half a second (1.5 steps where that is less),
         a step being the median or the latest three (the slow steps after a restore or in an evaluation), or,
         its GPUs drawing a fraction of their stepping power (:meth:`_spins_waiting`), for a second: a job of
-        long steps shows its stop in power first."""
+        long steps shows its stop in power first. A rank of steps longer than ``_BLIND_STEP_S`` without that
+        power evidence (before its third step move) waits for no one the fast rule can tell: its stall says only
+        within a step when a wait began, so the heartbeat timeout decides."""
         median = v.median_step() or 1.0
         if v.phase or not v.moved or v.stall < 1.0 or v.node not in job.busy_since \
                 or abs(job.gpu_util.get(v.node, (0.0, 0.0))[0] - v.last_seen) > 5.0:
             return False
-        low = self._spins_waiting(job, v.node, v.last_seen)
+        share = self._power_share(job, v.node, v.last_seen)
+        low = share is not None and share <= self.config.hang_wait_power
         step = max(median, *list(v.step_times)[-3:]) if v.step_times else median   # its latest steps may be slow
-        if v.stall < min(1.5 * step, step + 0.5) and not low:
+        if v.stall < min(1.5 * step, step + 0.5) and not low or share is None and step > _BLIND_STEP_S:
             return False
         busy = v.last_seen - job.busy_since[v.node]       # both on the rank's node's clock
-        if busy < v.stall and self._computes(job, v.node, v.last_seen):
+        if busy < v.stall and share is not None and share >= _COMPUTE_POWER:
             return False        # a pause ended and its GPUs draw what they drew stepping: its first step computes
         if low and (since := job.wait_power_since.get(v.node)) is not None:
             return v.last_seen - since <= quiet + _WAIT_BEGAN_S     # its wait in power began as the node fell silent
@@ -614,11 +628,6 @@ class HangDetector:
         if self.config.hang_wait_power <= 0 or drew is None or len(drew) < 3 or now is None or abs(now[0] - ts) > 2.0:
             return None
         return now[1] / max(statistics.median(drew), 1e-9)
-
-    def _computes(self, job: JobView, node: str, ts: float) -> bool:
-        """The node's GPUs draw ``_COMPUTE_POWER`` or more of their stepping power (:meth:`_power_share`)."""
-        share = self._power_share(job, node, ts)
-        return share is not None and share >= _COMPUTE_POWER
 
     def _spins_waiting(self, job: JobView, node: str, ts: float) -> bool:
         """The node's GPUs draw ``hang_wait_power`` or less of their stepping power (:meth:`_power_share`): busy,

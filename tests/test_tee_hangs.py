@@ -714,6 +714,62 @@ def test_in_a_job_of_10_s_steps_slow_steps_after_a_restore_are_no_wait_when_a_pe
     assert _live(engine, range(260), feed, FOUR) == []
 
 
+def test_in_a_job_of_30_s_steps_batches_lost_as_the_job_computes_again_after_its_lost_node_are_no_lost_node(
+        engine):
+    # steps of 30 s at 560 W; node3 dies after its batch of t=199 (mid-step) and the others spin at 150 W until it
+    # is back at t=230 (found lost by their power); then every rank computes the step it stood at, at 560 W, and
+    # node3's batches of t=234 and 235 never come, nor node1's of t=240 and 241. The ranks have stood since their
+    # last move at t=180, before node3 was lost: the job stands for node3 until its step moves, not for node1,
+    # nor for node3's new silence (probes 9565, 9566, `--step-s 20,40` with late and lost batches: four such
+    # false evicts)
+    def feed(node, t):
+        if node == "node3" and (200 <= t < 230 or t in (234, 235)) or node == "node1" and t in (240, 241):
+            return None
+        step = int(t / 30) if t < 200 else 6 if t < 260 else 7 + int((t - 260) / 30)
+        if 200 <= t < 230:
+            return {"step": 6, "step_time": 30.0, "util": 100.0, "power": 150.0}
+        return {"step": step, "step_time": 30.0, "util": 95.0, "power": 560.0}
+
+    found = _live(engine, range(300), feed, FOUR)
+    assert [(f.kind, f.node) for f in found if not f.resolved] == [(c.FaultKind.NODE_LOST, "node3")]
+    assert found[0].detected_ts - (T0 + 200) <= 2.0
+
+
+def test_in_a_job_of_long_steps_a_batch_lost_before_its_gpus_power_is_known_is_no_lost_node(engine):
+    # a job's first steps: step 1 at t=30, step 2 at t=50 (30 s and 20 s), its GPUs at 70 % and 400 W, then
+    # busier (95 %, 560 W) from t=80. node1's batches of t=84 and 85 never come: the ranks have stood 34 s, more
+    # than their latest step, and their GPUs only just took to 95 %, which a spin-wait would show too. Two step
+    # moves tell no stepping power, and a stall tells only within a 30 s step when a wait began: the heartbeat
+    # timeout decides, and node1 is back before it (probe 9565: two such false evicts in a job's first minutes)
+    def feed(node, t):
+        if node == "node1" and t in (84, 85):
+            return None
+        step = 0 if t < 30 else 1 if t < 50 else 2
+        times = {0: 30.0, 1: 30.0, 2: 20.0}
+        busy = t >= 80
+        return {"step": step, "step_time": times[step], "util": 95.0 if busy else 70.0,
+                "power": 560.0 if busy else 400.0}
+
+    assert _live(engine, range(110), feed, FOUR) == []
+
+
+def test_a_peer_silent_just_before_its_job_stops_for_a_lost_node_is_not_lost_too(engine):
+    # steps of 30 s at 560 W; node2's batches of t=200 to 202 come late (its agent stalled), and node3 dies
+    # after its batch of t=200: from t=201 the others spin at 150 W. At t=203 both are silent for 2 s or more,
+    # and the job stopped about as either fell silent: the one that fell silent last is what it stands for
+    # (probe 9561, `--step-s 20,40` with late and lost batches: three such false evicts)
+    def feed(node, t):
+        if node == "node2" and 200 <= t <= 202 or node == "node3" and t > 200:
+            return None
+        wait = t > 200
+        return {"step": min(int(t / 30), 6), "step_time": 30.0, "util": 100.0 if wait else 95.0,
+                "power": 150.0 if wait else 560.0}
+
+    found = _live(engine, range(240), feed, FOUR)
+    assert [(f.kind, f.node) for f in found] == [(c.FaultKind.NODE_LOST, "node3")]
+    assert found[0].detected_ts - (T0 + 201) <= 2.5
+
+
 def test_a_node_silent_long_into_a_job_wide_wait_is_lost_only_at_the_heartbeat_timeout(engine):
     # every rank has stood still since t=30, GPUs spinning (a collective waiting on something outside the
     # job); node2's metrics stop at t=100: a wait that began a minute before it fell silent says nothing
