@@ -131,8 +131,8 @@ def _median(values) -> float:
     return float(v[n // 2]) if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2.0
 
 
-#: a GPU at or below this utilisation idles (TEEConfig.hang_idle_util's default)
-_IDLE_UTIL = 30.0
+#: a GPU at or below this utilisation idles (the hang rule's default: a window's medians are no setting)
+_IDLE_UTIL = TEEConfig.hang_idle_util
 
 
 def _gpu_medians(fields: dict) -> dict:
