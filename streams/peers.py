@@ -454,8 +454,8 @@ class PeerDetector:
             ns.moved = -1                   # and learns its new job's step anew
             ns.gaps.clear()
         if judged:      # (a window in which the job stood still is judged on its NIC errors alone: _stood)
-            ns.window.in_step = self._in_step(ns)
             x, worst, medians = self._raw_features(ns)
+            ns.window.in_step = self._in_step(ns, medians)
             self.pending[(job, ns.window.index)][state.node] = (x, worst, medians, ns, state, ns.window)
         # peers: decide a window once every node of the job that closed one of its last windows has closed
         # it too; a node that stopped reporting holds it until a later window of the job closes (then it
@@ -661,15 +661,15 @@ class PeerDetector:
         return out
 
     @staticmethod
-    def _in_step(ns: _NodeSoft) -> bool:
+    def _in_step(ns: _NodeSoft, medians: dict) -> bool:
         """Whether the node's window, in which its step did not move, is part of a step as long as several
         windows (a large model's step of 20-40 s) rather than a standstill: its step moved ``g`` windows apart
         or more (the median of its last moves, ``g`` >= 2), the window is less than 1.5 g after its last move,
         and its GPUs work at half their baseline power or more (a pause idles them, and a hang idles them or
         spins at a wait's power, so those windows still stand). Such a window is judged as one that moved:
         otherwise only the window of each step's end would be, and a slowdown of a job of long steps would
-        be found minutes late. Keeps, in ``ns``, where the node's step moved (job side: the windows come in
-        order)."""
+        be found minutes late. ``medians``: the window's per-GPU medians (``_raw_features``). Keeps, in
+        ``ns``, where the node's step moved (job side: the windows come in order)."""
         win = ns.window
         if not win.steps:
             return False
@@ -684,10 +684,10 @@ class PeerDetector:
         if g < 2 or win.index - ns.moved >= 1.5 * g:
             return False
         now, base = [], []
-        for gi, fields in win.gpu.items():
+        for gi in win.gpu:
             hist = ns.base.get((gi, DCGM.POWER_USAGE))
-            if hist and fields.get(DCGM.POWER_USAGE):
-                now.append(_gpu_medians(fields)[DCGM.POWER_USAGE])
+            if hist and (gi, DCGM.POWER_USAGE) in medians:
+                now.append(medians[(gi, DCGM.POWER_USAGE)])
                 base.append(_median(hist))
         return bool(now) and _median(now) >= _STEP_POWER * _median(base)
 
