@@ -38,6 +38,11 @@ delay of mean ``late_s`` (a node's batches keep their order: :meth:`Corpus.deliv
 :meth:`Corpus.true_time` takes a node's sample time back to the corpus clock, where the labels are.
 ``util_noise`` (``--util-noise``; 0 by default) scatters every busy GPU's utilisation sample, the waiting
 ranks' spin at 100 % too, by a normal draw of that spread (points, clipped to 0-100 %).
+``interval_s`` (``--interval-s``; 1 by default): each node's agent reports every that many seconds, at a
+phase of its own, what its node shows at that second (a link down between two reports shows in the port's
+own count of its downs, ``link_downed``, as on a real IB port); an XID goes out at once, in a batch of its
+own; the agents say their interval in their self-metrics (``interval_s``, as the real agent does; agents of
+1 s leave those out).
 
 The fault mix follows the real GPU-cluster trace in ``shared/data/infinitehbd_faults``
 (:func:`trace_mix`; the mix derived from it ships as ``fault_mix.json``, so no copy of the trace is
@@ -198,6 +203,7 @@ class CorpusSpec:
     late_s: float = 0.0                # mean delivery delay of a batch (exponential; a node's batches keep order)
     lost_batches: float = 0.0          # share of batches never delivered
     util_noise: float = 0.0            # more noise on each busy GPU's utilisation sample, spins too (points, normal)
+    interval_s: int = 1                # each node's agent reports every this many seconds (its own phase); an XID at once
 
 
 @dataclass(frozen=True)
@@ -255,6 +261,8 @@ class Corpus:
             raise ValueError(f"CorpusSpec.lost_batches={spec.lost_batches!r}: expected a share, 0 <= value < 1")
         if not 0 <= spec.util_noise <= 50:
             raise ValueError(f"CorpusSpec.util_noise={spec.util_noise!r}: expected percentage points, 0 <= value <= 50")
+        if not (isinstance(spec.interval_s, int) and 1 <= spec.interval_s <= 60):
+            raise ValueError(f"CorpusSpec.interval_s={spec.interval_s!r}: expected whole seconds, 1 <= value <= 60")
         self.spec = spec
         self.t0 = T0 + spec.seed * 1_000_000
         self.duration = int(spec.hours * 3600)
@@ -412,6 +420,10 @@ class Corpus:
         tl = self._timeline(phase, index)
         timed = bool(s.clock_skew_s or s.jitter_s or s.lost_batches)
         beats = {j: k % 2 == 0 for k, j in enumerate(sorted(self.nodes_of))}   # agents that report heartbeats
+        every = s.interval_s
+        tick_of = np.random.default_rng([s.seed, 8]).integers(0, every, n).tolist() if every > 1 else [0] * n
+        downed = [[0.0, 0.0] for _ in range(n)]        # each port's own count of its downs (an IB port's link_downed)
+        was_down: list[set] = [set() for _ in range(n)]
         for t in range(start_s, stop_s):
             ts = self.t0 + t
             rng = np.random.default_rng([s.seed, 3, t])
@@ -471,6 +483,18 @@ class Corpus:
                 e = fx.get(node, {})
                 if e.get("silent"):
                     continue
+                down = e.get("down", set())
+                for p in down - was_down[i]:
+                    downed[i][p] += 1.0
+                was_down[i] = set(down)
+                if every > 1 and (t - tick_of[i]) % every:
+                    if "xid" in e:      # a push sample: the agent publishes it at once, in a batch of its own
+                        its = ts + off[i] if timed else ts
+                        yield ts, {"node": node, "ts": its, "seq": seqs[node], "job": self.job_of[node],
+                                   "v": SCHEMA_VERSION, "samples": [_sample("gpu", {DCGM.XID_ERRORS: code}, gi, ts=its - 0.3)
+                                                                    for gi, code in e["xid"].items()]}
+                        seqs[node] += 1
+                    continue
                 if timed and gone is not None and gone[i] and "xid" not in e:
                     # sent, never delivered (not an XID: the agent sends one at once, in a batch its spool never drops)
                     seqs[node] += 1
@@ -499,7 +523,7 @@ class Corpus:
                         "link_up": up, "state": 4.0 if up else 1.0, "phys_state": 5.0 if up else 2.0,
                         "symbol_error_per_s": errors if p == 0 else 0.0,
                         "port_rcv_errors_per_s": round(errors / 3, 2) if p == 0 else 0.0,
-                        "port_rcv_bytes_per_s": B[i][p] * up, "link_downed": 0.0},
+                        "port_rcv_bytes_per_s": B[i][p] * up, "link_downed": downed[i][p]},
                         1, tags={"device": f"mlx5_{p}", "port": "1", "kind": "ib"}))
                 st = step_time[job]
                 j = tl[job]
@@ -514,6 +538,8 @@ class Corpus:
                     tags["phase"] = "eval"
                 samples.append(_sample("train", fields, 0, tags=tags))
                 samples.append(_sample("host", {"cpu_percent": 30.0}))
+                if every > 1:       # the agent's self-metrics say how often it reports (1 s agents leave them out)
+                    samples.append(_sample("agent", {"interval_s": float(every)}))
                 yield ts, {"node": node, "ts": its, "seq": seqs[node], "samples": samples, "job": job,
                            "v": SCHEMA_VERSION}
                 seqs[node] += 1

@@ -1038,3 +1038,27 @@ def test_a_rough_corpus_delivers_every_batch_that_carries_an_xid():
             if any(c.DCGM.XID_ERRORS in s.fields for s in b.samples)}
     got = {(b.node, b.seq) for _, b in Corpus(CorpusSpec(**spec, lost_batches=0.9)).deliveries(lag=0.05)}
     assert len(xids) >= 3 and xids <= got and len(got) < 0.2 * 6 * 0.3 * 3600
+
+
+def test_a_corpus_of_agents_that_report_every_5_s_sends_each_node_s_batches_5_s_apart():
+    spec = dict(nodes=6, hours=0.3, seed=9, min_per_class=1, interval_s=5)
+    corpus = Corpus(CorpusSpec(**spec))
+    by_node: dict[str, list] = {}
+    for b in corpus.batches():
+        by_node.setdefault(b.node, []).append(b)
+    downs = {inj.node for inj in corpus.injections if inj.cls in (FaultClass.LINK_DOWN, FaultClass.LINK_FLAP)}
+    for node, batches in by_node.items():
+        assert [b.seq for b in batches] == list(range(len(batches)))          # one seq per batch sent
+        xid = [b for b in batches if any(c.DCGM.XID_ERRORS in s.fields for s in b.samples)]
+        ticks = [b for b in batches if b not in xid]
+        gaps = [round(b.ts - a.ts, 6) for a, b in zip(ticks, ticks[1:])]
+        assert all(g % 5 == 0 for g in gaps) and gaps.count(5.0) > 0.9 * len(gaps)    # longer: the node lost
+        assert all(len(b.samples) == 1 for b in xid)                    # an XID at once, in a batch of its own
+        assert all(s.fields["interval_s"] == 5.0 for b in ticks for s in b.samples if s.source is c.Source.AGENT)
+        counts = [s.fields["link_downed"] for b in ticks for s in b.samples if s.source is c.Source.NIC]
+        assert counts == sorted(counts) or node in downs       # a port's own count of its downs only rises
+    flapped = [inj for inj in corpus.injections if inj.cls is FaultClass.LINK_FLAP]
+    assert flapped and all(any(s.fields["link_downed"] > 0 for b in by_node[inj.node] for s in b.samples
+                               if s.source is c.Source.NIC) for inj in flapped)
+    with pytest.raises(ValueError, match="interval_s"):
+        Corpus(CorpusSpec(**{**spec, "interval_s": 0}))
