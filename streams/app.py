@@ -185,8 +185,11 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
                 if last and now - last > timeout + 1:
                     # the clock jumped (a node alone on its partition came back after a long silence): the
                     # nodes silent since are judged when a live worker would have judged them, before the
-                    # silence grew past heartbeat_horizon (where a node counts as replayed history)
-                    found += engine.check_heartbeats(last + timeout + 1, nodes_of[p])
+                    # silence grew past heartbeat_horizon (where a node counts as replayed history); a node
+                    # that reports every N > 1 s at N times the timeout
+                    waits = {timeout * st.beats() for n in nodes_of[p] if (st := engine.nodes.get(n)) is not None}
+                    for wait in sorted(w for w in waits if now - last > w + 1):
+                        found += engine.check_heartbeats(last + wait + 1, nodes_of[p])
                 found += engine.check_heartbeats(now, nodes_of[p])
         return found
 

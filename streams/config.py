@@ -55,10 +55,13 @@ class TEEConfig:
     #: job of steps longer than 5 s a lost node is then left to ``heartbeat_timeout``).
     hang_wait_power: float = 0.6
     #: A node from which nothing has arrived for this long (the TEE's own clock, so skewed node
-    #: clocks do not matter) is lost.
+    #: clocks do not matter) is lost. Set for agents that report every second: a node that reports every N > 1
+    #: seconds (its agent's ``interval_s``, else the gaps between its batches) is lost after N times as long
+    #: (as many missed reports; ``docs/tee.md``, "Agents that report every few seconds").
     heartbeat_timeout: float = 6.0
-    #: ... or for this long, when its job stopped stepping as it fell silent and the job's other ranks spin
-    #: their GPUs (waiting in a collective for the ranks that never come): a node lost, found within 2 s.
+    #: ... or for this long (for a node that reports every N > 1 seconds: this past its next report, plus N - 1),
+    #: when its job stopped stepping as it fell silent and the job's other ranks spin their GPUs (waiting in
+    #: a collective for the ranks that never come): a node lost, found within 2 s.
     #: Late metrics leave the job stepping, and a job-wide pause idles its GPUs; on the wall clock the
     #: node's partition must also have been read this far past its newest batch (a worker reading late
     #: proves nothing). Otherwise the heartbeat timeout decides.

@@ -143,6 +143,7 @@ class TEEEngine:
             state = self._nodes[batch.node] = NodeState(batch.node)
             for f in self._seeds.pop(batch.node, ()):
                 _seed_state(state, f)
+        state.note_cadence(batch)
         state.last_batch_ts = max(state.last_batch_ts, batch.ts)
         state.partition = partition
         state.read_mark = self._read[partition] = max(self._read.get(partition, 0.0), batch.ts)
@@ -196,12 +197,12 @@ class TEEEngine:
 
     def read_past(self) -> None:
         """Split, node side, wall clock: each node whose partition was read a second or more past its newest
-        batch (:meth:`_read_past`; up to the heartbeat timeout and 2 s, after which the heartbeat rule has
+        batch (:meth:`_read_past`; up to the node's heartbeat timeout and 2 s, after which the heartbeat rule has
         decided) gets a read mark at that batch's time plus as much: the job's worker finds a node lost
         before the heartbeat timeout only when it was silent that long where lag cannot fake it."""
-        most = self.config.heartbeat_timeout + 2.0
+        timeout = self.config.heartbeat_timeout
         self.read_up_to({node: st.last_batch_ts + past for node, st in self._nodes.items()
-                         if 1.0 <= (past := self._read_past(node)) <= most})
+                         if 1.0 <= (past := self._read_past(node)) <= timeout * st.beats() + 2.0})
 
     def feeds(self, most: int = 500) -> list[JobFeed]:
         """Split, node side: what the jobs' workers need since the last call, one :class:`JobFeed` per

@@ -81,7 +81,7 @@ from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch,
                                stable_id)
 
 from .config import TEEConfig
-from .rules import NodeState, fault
+from .rules import NodeState, fault, report_interval
 
 __all__ = ["HangDetector", "RankView", "JobView"]
 
@@ -168,6 +168,10 @@ class JobView:
     gpu_power: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean power draw)
     #: node -> ts since which its GPUs, spinning, draw a wait's power (``hang_wait_power`` of their stepping power)
     wait_power_since: dict[str, float] = field(default_factory=dict)
+    #: node -> (sample time of its newest report, the gaps between its last reports)
+    cadence: dict[str, tuple[float, deque]] = field(default_factory=dict)
+    #: node -> its report interval in the 1 s the time limits are set for (:meth:`beats`)
+    beat: dict[str, float] = field(default_factory=dict)
     #: node -> its GPUs' mean power draw at its rank's last step moves (what they draw stepping)
     step_power: dict[str, deque] = field(default_factory=dict)
     #: node -> how far its metrics partition was read (the node's own sample time: its newest batch plus the
@@ -176,6 +180,22 @@ class JobView:
     read: dict[str, float] = field(default_factory=dict)
     #: node -> the detector's clock when its ranks were last heard, the longest silent first
     heard: OrderedDict = field(default_factory=OrderedDict)
+
+    def note_cadence(self, node: str, ts: float) -> None:
+        """A report of ``node``'s batch of sample time ``ts``: learn how often the node reports."""
+        last, gaps = self.cadence.get(node, (None, None))
+        if gaps is None:
+            self.cadence[node] = (ts, deque(maxlen=9))
+        elif ts > last:
+            gaps.append(ts - last)
+            self.cadence[node] = (ts, gaps)
+            self.beat[node] = max(1.0, report_interval(gaps))
+
+    def beats(self, node: str) -> float:
+        """How many seconds apart ``node`` reports (the median of its last gaps to 0.5 s, the longest while fewer
+        than three are known; 1 at most once a second, and until its second report): a silence is judged in as many
+        times the limits set for 1 s reports."""
+        return self.beat.get(node, 1.0)
 
 
 class HangDetector:
@@ -289,6 +309,7 @@ class HangDetector:
         if not report.samples:
             if (job := self.jobs.get(job_id)) is not None:
                 if report.gpu_util is not None:
+                    job.note_cadence(node, report.ts)
                     self._util(job, node, report)
                     if node in job.heard:          # its agent reports: not lost, whatever its ranks do
                         job.heard[node] = now
@@ -301,6 +322,7 @@ class HangDetector:
         job = self.jobs.get(job_id)
         if job is None:
             job = self.jobs[job_id] = JobView()
+        job.note_cadence(node, report.ts)
         if report.gpu_util is not None:
             self._util(job, node, report)
         mine: list[tuple[tuple[str, str, int], RankView]] = []
@@ -317,7 +339,7 @@ class HangDetector:
             r = job.ranks.get(key)
             if r is None:
                 r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen, heard=now)
-            elif now - r.heard >= self.config.heartbeat_timeout or node in job.lost:
+            elif now - r.heard >= self.config.heartbeat_timeout * job.beats(node) or node in job.lost:
                 job.gone[node] = r.last_seen      # back from a silence its job may still stand still for
             if step != r.step:
                 # the time it was seen standing still: a node silent for a while (its agent down, the node
@@ -378,6 +400,8 @@ class HangDetector:
                 job.idle_to.pop(n, None)
                 job.read.pop(n, None)
                 job.lost.pop(n, None)
+                job.cadence.pop(n, None)
+                job.beat.pop(n, None)
             if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
                 del self.jobs[job_id]
 
@@ -415,8 +439,9 @@ class HangDetector:
         # its peers: the ranks of its generation heard from lately, on this detector's clock (node clocks
         # skew: sample times of two nodes are not comparable); one silent longer (its node lost, its agent
         # down) says nothing about this stall, and would hold every rule below for good
-        heard = now - _SILENT_PEER_TIMEOUTS * self.config.heartbeat_timeout
-        peers = [(k, v) for k, v in job.ranks.items() if k != key and k[1] == generation and v.heard >= heard]
+        silent = _SILENT_PEER_TIMEOUTS * self.config.heartbeat_timeout      # (in reports of its node)
+        peers = [(k, v) for k, v in job.ranks.items() if k != key and k[1] == generation
+                 and v.heard >= now - silent * job.beats(k[0])]
         cause = None
         if self.stuck(r) and not (peers and all(self.stuck(v) for _, v in peers)):
             cause = "stuck"           # (every rank stuck at once is the whole job frozen: a pause, below)
@@ -437,10 +462,13 @@ class HangDetector:
         else:
             if any((k[0], k[1], k[2], v.since) in job.reported for k, v in peers):
                 return None           # a rank of this stall is reported hung already: the job waits for it
-            if any(ts >= r.since - 5.0 for ts in self._gone_since(job, now)):
-                return None           # a node of the job was lost as the stall began (5 s of clock skew allowed):
-                                      # the job waits for it (the node_lost event), no rank of it is hung; this
-                                      # rank's own node too, back at the step it was lost at (its stall is the loss)
+            if any(ts >= r.since - 5.0 - (job.beats(n) - 1.0) - (job.beats(node) - 1.0)
+                   for n, ts in self._gone_since(job, now)):
+                return None           # a node of the job was lost as the stall began (5 s of clock skew allowed,
+                                      # and each node's report interval over 1 s: a last report before the loss,
+                                      # a first one at the step the job stood at after it): the job waits for it
+                                      # (the node_lost event), no rank of it is hung; this rank's own node too,
+                                      # back at the step it was lost at (its stall is the loss)
             ceiling = self.pause_limit(job, phase)
             first = min([(r.since, key), *((v.since, k) for k, v in peers)])[1]
             if r.stall <= ceiling or first != key:
@@ -463,12 +491,12 @@ class HangDetector:
             return False
         return r.last_seen - _held_since(job.behind_since, key, r) >= _BEHIND_HOLD_S
 
-    def _gone_since(self, job: JobView, now: float) -> list[float]:
-        """When the job's nodes that are, or were lately, lost (their ranks silent for the heartbeat timeout,
-        on this detector's clock) last showed their ranks before it."""
-        out = list(job.gone.values())
-        out += [v.last_seen for (n, _, _), v in job.ranks.items()
-                if now - v.heard >= self.config.heartbeat_timeout or n in job.lost]
+    def _gone_since(self, job: JobView, now: float) -> list[tuple[str, float]]:
+        """The job's nodes that are, or were lately, lost (their ranks silent for the heartbeat timeout, on this
+        detector's clock), each with when it last showed its ranks before it."""
+        out = list(job.gone.items())
+        out += [(n, v.last_seen) for (n, _, _), v in job.ranks.items()
+                if now - v.heard >= self.config.heartbeat_timeout * job.beats(n) or n in job.lost]
         return out
 
     def _util(self, job: JobView, node: str, report: RankReport) -> None:
@@ -509,12 +537,11 @@ class HangDetector:
         found lost, the job stands for it). The silence must also show in the node's read marks (its partition
         read ``node_lost_fast_s`` past its newest batch; on either clock), so that a worker reading the
         partition late finds no node lost."""
-        fast, timeout = self.config.node_lost_fast_s, self.config.heartbeat_timeout
         silent = []
         for n, heard in job.heard.items():     # the longest silent first: a look costs the silent nodes only
-            if now - heard < fast:
+            if now - heard < self.config.node_lost_fast_s:
                 break
-            if now - heard <= timeout and n not in job.lost:
+            if self._fast(job, n) <= now - heard <= self.config.heartbeat_timeout * job.beats(n) and n not in job.lost:
                 silent.append((n, now - heard))
         out = []
         for i, (n, quiet) in enumerate(silent):
@@ -527,10 +554,11 @@ class HangDetector:
                                     # the job stands for, and this one only late (decided once either is back)
             ts = max(seen, job.gpu_util.get(n, (seen,))[0])     # its newest report: the heartbeat rule's id
             past = self.read_past_of(n) if self.read_past_of is not None else job.read.get(n, ts) - ts
+            fast, timeout = self._fast(job, n), self.config.heartbeat_timeout * job.beats(n)
             if past < fast:
                 continue        # its partition was not read that far past it: the worker may only be late
             waiting = [(k, v) for k, v in job.ranks.items() if k[0] != n and k[1] == generation
-                       and now - v.heard < fast]
+                       and now - v.heard < self._fast(job, k[0])]
             if not waiting or not all(self._waits_for(job, v, quiet) for _, v in waiting):
                 continue
             start = min(v.since for _, v in waiting)
@@ -562,19 +590,23 @@ class HangDetector:
         fast rule or is left to the heartbeat timeout, or was lost and is back (``JobView.gone``, ``silent``
         itself too: the job stands for it, or computes the step it stood at, until its step moves): the job
         waits for that node, and ``silent`` may only be late."""
-        fast = self.config.node_lost_fast_s
-        if any(m != silent and stood <= at + 2 * fast for m, at in job.lost.items()):
+        if any(m != silent and stood <= at + 2 * self._fast(job, m) for m, at in job.lost.items()):
             return True
-        if any(stood <= at + 2 * fast for at in job.gone.values()):
+        if any(stood <= at + 2 * self._fast(job, m) for m, at in job.gone.items()):
             return True         # (the silent node too: the job stood for its last silence, not for this one)
         for m, heard in job.heard.items():      # the longest silent first
             if now - heard <= quiet:
                 break
             if m != silent:
                 seen = max((v.last_seen for k, v in job.ranks.items() if k[0] == m), default=None)
-                if seen is not None and stood <= seen + 2 * fast:
+                if seen is not None and stood <= seen + 2 * self._fast(job, m):
                     return True
         return False
+
+    def _fast(self, job: JobView, node: str) -> float:
+        """How long ``node`` must be silent for the fast rule: ``node_lost_fast_s`` past its next report (one
+        report interval, :meth:`JobView.beats`, after its last)."""
+        return self.config.node_lost_fast_s + job.beats(node) - 1.0
 
     def _stands_for_idle(self, job: JobView, silent: str, start: float, waiting) -> bool:
         """Since the job's ranks stopped (``start``), a GPU of the job idled on a node while the waiting ranks'

@@ -42,7 +42,7 @@ from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch,
 from .classes import FaultClass
 from .config import TEEConfig
 
-__all__ = ["NodeState", "Rule", "fault", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
+__all__ = ["NodeState", "Rule", "fault", "report_interval", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
            "NanLossRule", "HeartbeatRule", "EccRule", "RowRemapRule", "LinkRule"]
 
 
@@ -64,6 +64,40 @@ class NodeState:
     remap_failed: set[int] = field(default_factory=set)
     hung_at: dict[tuple[str, str, int], float] = field(default_factory=dict)   # rank -> step reported hung
     links: dict[tuple[str, str], Any] = field(default_factory=dict)   # (device, port) -> _LinkState
+    #: seconds between the node's batches: its agent's ``interval_s`` where it says it, else the median gap between
+    #: its last batches (per seq: a batch never delivered does not count; the longest while fewer than three are
+    #: known); 1 s until its second batch
+    report_interval: float = 1.0
+    declared_interval: float | None = None
+    gaps: deque = field(default_factory=lambda: deque(maxlen=9))
+    last_seq: int | None = None
+    last_seq_ts: float = 0.0
+
+    def beats(self) -> float:
+        """The node's report interval in the 1 s the time limits are set for (1 at most once a second): the
+        heartbeat timeout waits this many times as long."""
+        return max(1.0, self.report_interval)
+
+    def note_cadence(self, batch: MetricBatch) -> None:
+        """Learn the node's report interval from ``batch`` (its agent's self-metrics, or its gap to the last)."""
+        for s in batch.of(Source.AGENT):      # (grouped once per batch: the rules ask for their sources too)
+            if (v := s.fields.get("interval_s")) is not None and v > 0:
+                self.declared_interval = float(v)
+        if self.last_seq is None or batch.ts > self.last_seq_ts:     # (an older batch delivered again: no gap)
+            if self.last_seq is not None and batch.seq > self.last_seq:  # (a lower seq: its agent started afresh)
+                self.gaps.append((batch.ts - self.last_seq_ts) / (batch.seq - self.last_seq))
+            self.last_seq, self.last_seq_ts = batch.seq, batch.ts
+        if self.declared_interval is not None:
+            self.report_interval = self.declared_interval
+        elif self.gaps:
+            self.report_interval = report_interval(self.gaps)
+
+
+def report_interval(gaps: Iterable[float]) -> float:
+    """How often a node reports, from the gaps between its last batches: their median (the longest of one or
+    two), to 0.5 s (a batch's jitter aside)."""
+    g = sorted(gaps)
+    return round(2.0 * g[len(g) // 2 if len(g) >= 3 else -1]) / 2.0
 
 
 class Rule(Protocol):
@@ -217,7 +251,8 @@ class NanLossRule:
 # --------------------------------------------------------------------------- heartbeat
 
 class HeartbeatRule:
-    """A node from which nothing has arrived for ``heartbeat_timeout`` (this worker's clock) is lost.
+    """A node from which nothing has arrived for ``heartbeat_timeout`` (this worker's clock) is lost; for a node
+    whose agent reports every N > 1 seconds (:meth:`NodeState.beats`), N times as long: as many missed reports.
 
     Silence is measured on the TEE's own clock only (when the node's newest batch arrived here),
     never by comparing the node's sample time with this clock: node clocks may be skewed by
@@ -237,8 +272,8 @@ class HeartbeatRule:
     def check(self, states: Iterable[NodeState], now: float) -> tuple[list[FaultEvent], list[str]]:
         """Return the faults to emit and the nodes to forget (history)."""
         out, forget = [], []
-        timeout = self.config.heartbeat_timeout
         for st in states:
+            timeout = self.config.heartbeat_timeout * st.beats()   # an agent that reports every 5 s: 30 s
             silent, age = now - st.last_received, now - st.last_batch_ts
             if silent <= timeout or st.lost_reported_for == st.last_batch_ts:
                 continue
@@ -251,7 +286,8 @@ class HeartbeatRule:
                 fault_id=stable_id(st.node, "node_lost", st.last_batch_ts), node=st.node, job=st.job,
                 detector="rule.heartbeat", observed_ts=st.last_batch_ts, now=now, score=silent, threshold=timeout,
                 evidence={"last_batch_ts": st.last_batch_ts, "silent_s": round(silent, 3),
-                          "batch_age_s": round(age, 3), "heartbeat_timeout_s": timeout},
+                          "batch_age_s": round(age, 3), "heartbeat_timeout_s": timeout,
+                          "report_interval_s": st.report_interval},
                 summary=f"Node {st.node} has sent no metrics for {silent:.1f}s (timeout {timeout:g}s).",
             ))
         return out, forget

@@ -15,7 +15,7 @@ NODES = ("node0", "node1", "node2")
 
 def _batch(node: str, ts: float, step: int, *, util: float | tuple = 95.0, hb: float = 0.3, phase: str = "",
            stack: str = "", stopped: bool = False, rank: int | None = None, step_time: float = 0.5,
-           power: float | None = None) -> c.MetricBatch:
+           power: float | None = None, seq: int | None = None) -> c.MetricBatch:
     """``util``: every GPU's utilisation (two GPUs), or a tuple of each GPU's; ``power``: every GPU's power
     draw (None: not reported)."""
     fields = {"step": step, "loss": 2.0, "step_time": step_time, "alive": 1, "heartbeat_age_s": hb}
@@ -31,7 +31,7 @@ def _batch(node: str, ts: float, step: int, *, util: float | tuple = 95.0, hb: f
     gpus = tuple(c.Sample(c.Source.GPU, {c.DCGM.GPU_UTIL: u, c.DCGM.SM_CLOCK: 1980.0, **watts}, index=i)
                  for i, u in enumerate(utils))
     rank = int(node.removeprefix("node")) if rank is None else rank
-    return c.MetricBatch(node=node, ts=ts, seq=int(ts - T0), job="j",
+    return c.MetricBatch(node=node, ts=ts, seq=int(ts - T0) if seq is None else seq, job="j",
                          samples=gpus + (c.Sample(c.Source.TRAIN, fields, index=rank, tags=tags),))
 
 
@@ -494,6 +494,51 @@ def test_a_node_silent_while_its_job_of_1_4_s_steps_steps_on_is_lost_only_at_the
     [f] = _live(engine, range(60), feed)
     assert (f.kind, f.node) == (c.FaultKind.NODE_LOST, "node2") and "cause" not in f.evidence
     assert f.detected_ts - (T0 + 29) > engine.config.heartbeat_timeout
+
+
+def _every_5_s(engine: TEEEngine, seconds: int, per_node, late=lambda node, t: 0.1) -> list[c.FaultEvent]:
+    """Agents that report every 5 s, node<k> at the seconds t with t % 5 == k (seq 0, 1, ...), each batch
+    delivered ``late(node, t)`` s after its sample time; ``per_node`` as for :func:`_run`; the heartbeat check
+    a live worker runs every second."""
+    due = []
+    for t in range(seconds):
+        for k, node in enumerate(NODES):
+            if t % 5 == k and (kw := per_node(node, t)) is not None:
+                due.append((T0 + t + late(node, t), node, t, kw))
+    due.sort()
+    out, seq, i = [], dict.fromkeys(NODES, 0), 0
+    for t in range(seconds):
+        while i < len(due) and due[i][0] < T0 + t + 0.6:
+            at, node, ts, kw = due[i]
+            out += engine.process(_batch(node, T0 + ts, seq=seq[node], **kw), now=at)
+            seq[node] += 1
+            i += 1
+        out += engine.check_heartbeats(now=T0 + t + 0.6)
+    return out
+
+
+def test_where_agents_report_every_5_s_a_late_batch_is_no_lost_node_and_a_node_lost_as_its_job_stops_is_found_soon():
+    """1 s steps, agents that report every 5 s (docs/architecture.md's interval for 16,000 nodes). A batch of
+    node1 2.5 s late while the job steps on is no lost node (it was, 7.4 s after the one before: the 6 s
+    timeout of 1 s agents). node2 dies after its batch of t=32 and the job stops with it, its peers spinning:
+    it is lost once it missed its next report by 2 s and its peers' reports show the wait (t=41), not after
+    the 30 s that six missed reports take; and no rank of the job hangs."""
+    def steps_on(node, t):
+        return {"step": t}
+
+    assert _every_5_s(TEEEngine(TEEConfig(soft_detectors=())), 300, steps_on,
+                      late=lambda node, t: 2.5 if (node, t) == ("node1", 36) else 0.1) == []
+
+    def lost(node, t):
+        if node == "node2" and t > 32:
+            return None
+        return {"step": t} if t <= 32 else {"step": 32, "util": 100.0}
+
+    [f] = _every_5_s(engine := TEEEngine(TEEConfig(soft_detectors=())), 400, lost)
+    assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.NODE_LOST, "node2", "its job stopped as it fell silent")
+    assert f.fault_id == c.stable_id("node2", "node_lost", T0 + 32)
+    assert f.detected_ts - (T0 + 32) <= 10.0 and f.evidence["heartbeat_timeout_s"] == 30.0
+    assert engine._hang.jobs["j"].beats("node0") == 5.0
 
 
 def _long_steps(node2_until: float, wait_from: float | None):
