@@ -61,7 +61,7 @@ from transom.log import get
 from transom.security import fault_signer
 
 from .config import TEEConfig
-from .engine import TEEEngine
+from .engine import TEEEngine, encode_feed
 from .resume import emitted_faults
 from .worker import BoundedWorker, faust_app, new_event_loop, settle_gc, take_events
 
@@ -215,7 +215,8 @@ def make_app(bootstrap: str, engine: TEEEngine, *, datadir: str) -> faust.App:
             else:                # nodes silent on a partition read past them (node_lost_fast_s)
                 engine.read_past()
             for feed in engine.feeds():      # drained and sent under the lock: in order per job
-                await peer_windows.send(key=feed.job.encode(), value=contracts.encode(feed))
+                for value in encode_feed(feed):      # (in parts where it is large: a backlog caught up on)
+                    await peer_windows.send(key=feed.job.encode(), value=value)
 
     async def reject(raw: Any, key: bytes | None, reason: str, partition: int, offset: int,
                      topic: str = contracts.METRICS) -> None:

@@ -53,6 +53,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Callable, Iterable, Mapping
 
+from transom import contracts
 from transom.contracts import FaultEvent, JobFeed, MetricBatch, PeerWindow, RankReport
 from transom.log import get
 
@@ -63,7 +64,12 @@ from .jobwindows import is_read_mark
 from .rules import (EccRule, GpuLostRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule, Rule,
                     XidRule)
 
-__all__ = ["TEEEngine"]
+__all__ = ["TEEEngine", "encode_feed", "FEED_MAX_BYTES"]
+
+#: Split, node side: a :class:`JobFeed` encoded to more than this is sent in parts (:func:`encode_feed`): Kafka
+#: refuses a message over 1 MB by default (the producer's ``max.request.size``, the broker's
+#: ``message.max.bytes``), and a refused feed stopped the worker.
+FEED_MAX_BYTES = 512 * 1024
 
 #: Classes whose rules already report once per condition (a new condition is a new fault: a second
 #: NaN after a finite loss, a link that flaps again after a quiet window, goes down again after it came up).
@@ -79,6 +85,24 @@ JOB_REPORTS_WAIT_S = 3600.0
 GONE_QUIET_S = 30.0
 
 log = get("tee")
+
+
+def encode_feed(feed: JobFeed, most_bytes: int = FEED_MAX_BYTES) -> list[bytes]:
+    """``feed`` encoded for ``transom.peer-windows``, in parts of at most ``most_bytes`` each where it is larger
+    (halves of its windows and of its reports, in order, the read marks in the last part; a part of one item
+    is sent whatever its size)."""
+    value = contracts.encode(feed)
+    if len(value) <= most_bytes or len(feed.windows) + len(feed.ranks) <= 1:
+        return [value]
+    marks = tuple(r for r in feed.ranks if is_read_mark(r))
+    ranks = tuple(r for r in feed.ranks if not is_read_mark(r))
+    w, r = len(feed.windows) // 2, len(ranks) // 2
+    if not feed.windows and not ranks:          # only marks: halve them
+        first, second = JobFeed(feed.job, (), marks[:len(marks) // 2]), JobFeed(feed.job, (), marks[len(marks) // 2:])
+    else:
+        first = JobFeed(job=feed.job, windows=feed.windows[:w], ranks=ranks[:r])
+        second = JobFeed(job=feed.job, windows=feed.windows[w:], ranks=ranks[r:] + marks)
+    return encode_feed(first, most_bytes) + encode_feed(second, most_bytes)
 
 
 class TEEEngine:
@@ -204,17 +228,26 @@ class TEEEngine:
         self.read_up_to({node: st.last_batch_ts + past for node, st in self._nodes.items()
                          if 1.0 <= (past := self._read_past(node)) <= timeout * st.beats() + 2.0})
 
-    def feeds(self, most: int = 500) -> list[JobFeed]:
+    def feeds(self, most: int = 500, most_windows: int = 100) -> list[JobFeed]:
         """Split, node side: what the jobs' workers need since the last call, one :class:`JobFeed` per
-        job (more when a job has over ``most`` rank reports): its nodes' closed windows and rank reports."""
+        job (more when a job has over ``most`` rank reports or ``most_windows`` windows: a worker catching up
+        on a backlog gathers minutes of a job in one call, and one message must stay well under Kafka's
+        1 MB; a window of 8 GPUs is about 1.4 kB, a rank report 0.3 kB): its nodes' closed windows and rank
+        reports, in their order, the reports before the windows of each feed (a hang's reports explain its
+        windows' soft symptoms). The read marks go in the job's last feed, after every window they say was
+        sent."""
         by_job: dict[str, list[PeerWindow]] = {}
         for w in self.windows():
             by_job.setdefault(w.job, []).append(w)
         out = []
         for job in sorted(set(by_job) | set(self._ranks_out)):
             windows, ranks = by_job.get(job, []), self._ranks_out.get(job, [])
-            for i in range(0, max(len(ranks), 1), most):
-                out.append(JobFeed(job=job, windows=tuple(windows) if i == 0 else (), ranks=tuple(ranks[i:i + most])))
+            marks = [r for r in ranks if is_read_mark(r)]
+            ranks = [r for r in ranks if not is_read_mark(r)] if marks else ranks
+            n = max(-(-len(windows) // most_windows), -(-len(ranks) // most), 1)
+            for i in range(n):
+                out.append(JobFeed(job=job, windows=tuple(windows[i * most_windows:(i + 1) * most_windows]),
+                                   ranks=tuple(ranks[i * most:(i + 1) * most]) + (tuple(marks) if i == n - 1 else ())))
         self._ranks_out.clear()
         return out
 
@@ -238,8 +271,9 @@ class TEEEngine:
             marks = {r.node: r.ts for r in feed.ranks if is_read_mark(r)}
             if marks:
                 ws = self.config.soft_window_s
-                found += self._take_windows(self.job_windows.read_past(
-                    feed.job, {node: int(ts // ws) - 1 for node, ts in marks.items()}), max(marks.values()))
+                released = self.job_windows.read_past(feed.job, {node: int(ts // ws) - 1 for node, ts in marks.items()})
+                if released:    # decided when the last of them closed: a replay's marks run ahead by minutes
+                    found += self._take_windows(released, max(w.closed_ts for w in released))
         return found
 
     def _take_ranks(self, job: str, ranks, now: float | None) -> list[FaultEvent]:

@@ -1080,3 +1080,56 @@ def test_agents_that_report_every_5_s_with_late_and_lost_batches_lose_no_healthy
     assert r["false_restart_or_evict"] == []
     lost = r["classes"]["node_lost"]
     assert lost["injected"] >= 1 and lost["detected"] == lost["injected"] and lost["false"] == 0
+
+
+def test_a_backlog_of_half_an_hour_goes_to_the_jobs_worker_in_feeds_under_1_mb_and_decides_the_same():
+    """A worker that catches up (restarted after a while, a partition moved to it) reads minutes of a job
+    between two feeds. One feed per job held every window: 12 minutes of 8 nodes of 8 GPUs encoded to 0.9 MB,
+    and beyond 1 MB the producer refused it and the worker stopped (bench/tee_quality.py's pipeline replay,
+    agents of 5 s). Windows and reports now go in feeds of at most 100 windows and 500 reports, read marks in
+    the last: each well under 1 MB, and the job's worker decides what it decided from one feed."""
+    corpus = Corpus(CorpusSpec(nodes=8, hours=0.5, seed=23, min_per_class=1))
+    node_side = TEEEngine(TEEConfig(soft_detectors=("peers",)), split_peers=True)
+    for b in corpus.batches():
+        node_side.process(b, now=b.ts + 0.05)
+    node_side.read_up_to({n: corpus.t0 + 1800 for n in node_side.nodes})
+    wanted = [f for f in node_side.feeds(most=10**9, most_windows=10**9)]
+    assert len(wanted) == 1 and len(c.encode(wanted[0])) > 2_000_000       # one message would be refused
+    again = TEEEngine(TEEConfig(soft_detectors=("peers",)), split_peers=True)
+    for b in corpus.batches():
+        again.process(b, now=b.ts + 0.05)
+    again.read_up_to({n: corpus.t0 + 1800 for n in again.nodes})
+    feeds = again.feeds()
+    assert len(feeds) > 10 and all(len(c.encode(f)) < 400_000 for f in feeds)
+    assert sum(len(f.windows) for f in feeds) == len(wanted[0].windows)
+    assert [r for f in feeds for r in f.ranks if not r.samples and r.gpu_util is None] == \
+        list(feeds[-1].ranks[-len(again.nodes):])                          # the read marks: last
+
+    def decide(sent):
+        job_side = TEEEngine(TEEConfig(soft_detectors=("peers",)), split_peers=True)
+        return [f.fault_id for feed in sent
+                for f in job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(feed)), now=corpus.t0 + 1800)]
+
+    found = decide(wanted)
+    assert found and sorted(decide(feeds)) == sorted(found)
+
+
+def test_a_feed_too_large_for_one_message_is_sent_in_parts_in_order_with_its_read_marks_last():
+    """Reports of nodes with 8 ranks and long stacks (a hang's evidence) are several kB each: 500 of them are
+    over 1 MB, whatever the count limit. What the worker sends is encoded in parts of at most 512 kB."""
+    from transom.streams.engine import encode_feed
+
+    stack = "distributed_c10d.py:2050 all_reduce < " + "x" * 2000
+    reports = tuple(c.RankReport(f"node{i % 8}", T0 + i, 95.0,
+                                 tuple(c.Sample(c.Source.TRAIN, {"step": float(i), "alive": 1.0}, index=r,
+                                                tags={"job": "job1", "generation": "0", "stack": stack})
+                                       for r in range(8)))
+                    for i in range(500))
+    marks = tuple(c.RankReport(f"node{n}", T0 + 600) for n in range(8))
+    feed = c.JobFeed(job="job1", windows=(), ranks=reports + marks)
+    assert len(c.encode(feed)) > 4 * 1024 * 1024
+    parts = [c.decode(c.PEER_WINDOWS, v) for v in encode_feed(feed)]
+    assert len(parts) > 8 and all(len(c.encode(p)) <= 512 * 1024 for p in parts)
+    assert tuple(r for p in parts for r in p.ranks) == reports + marks          # the same reports, in order
+    assert parts[-1].ranks[-8:] == marks
+    assert encode_feed(c.JobFeed(job="job1", ranks=marks)) == [c.encode(c.JobFeed(job="job1", ranks=marks))]
