@@ -76,9 +76,9 @@ which keeps the per-node baselines and runs and decides exactly as here.
 ``soft_consecutive`` anomalous windows make a fault (``straggler_evict_windows``, default one, when the
 window's SM clock is ``straggler_evict_drop`` or more below the job's median, whichever detector hit);
 ``soft_clear`` clean windows after it make a resolution event (``resolved=True``, same fault id). The
-class comes from the evidence: NIC features -> link_degraded; a hot GPU -> thermal; a slow GPU whose
-clock-event reasons show a power cap -> power_cap; a thermal slowdown reason -> thermal; otherwise ->
-straggler. A straggler whose SM
+class comes from the evidence of the run's last window: NIC features -> link_degraded; a hot GPU -> thermal
+(a slow GPU too, once a window of the run found it hot); a slow GPU whose clock-event reasons show a power
+cap -> power_cap; a thermal slowdown reason -> thermal; otherwise -> straggler. A straggler whose SM
 clock is ``straggler_evict_drop`` or more below the job's median is CRITICAL with the suggested
 action evict (kind ``straggler``: the controller replaces the node when it has a spare); other soft
 faults are WARNINGs to observe.
@@ -254,6 +254,7 @@ class _NodeSoft:
     base: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=30)))   # device key -> medians
     run: int = 0
     run_start: float = 0.0
+    run_hot: bool = False            # a window of the run named its slow GPU hot (thermal)
     clean: int = 0
     open_fault: FaultEvent | None = None
     last_features: np.ndarray | None = None
@@ -801,12 +802,17 @@ class PeerDetector:
                                         # hang's first and last, half of each spent waiting) are no slowdown's run
                                         # (in a job of 3+ the job's median takes the waiting out of both)
         if ns.run == 0:
-            ns.run_start = win.first_ts
+            ns.run_start, ns.run_hot = win.first_ts, False
         ns.run += 1
         ns.run_index = win.index
+        ns.run_hot = ns.run_hot or hit[0] == "thermal"
         if ns.run < (cfg.straggler_evict_windows if evident else cfg.soft_consecutive):
             return []
         fam, score, zmax, threshold, mode = hit
+        if fam == "gpu" and mode not in ("rule", "reason") and ns.run_hot:
+            fam = "thermal"     # a window of the run found the slow GPU hot: the heat slows it, though this window
+                                # did not show it (its rise under the gate by noise, or the job paused and the GPU
+                                # cooled with its peers: agents of 5 s, whose window is two samples)
         cls = self._classify(fam, worst)
         severity, action = Severity.WARNING, Action.OBSERVE
         if cls == FaultClass.STRAGGLER and clock_drop >= cfg.straggler_evict_drop:
