@@ -272,8 +272,13 @@ class TEEEngine:
             if marks:
                 ws = self.config.soft_window_s
                 released = self.job_windows.read_past(feed.job, {node: int(ts // ws) - 1 for node, ts in marks.items()})
-                if released:    # decided when the last of them closed: a replay's marks run ahead by minutes
-                    found += self._take_windows(released, max(w.closed_ts for w in released))
+                # each job window is decided when its last node window closed, as a live worker would: a replay's
+                # marks run minutes of sample time ahead of the windows or behind them
+                by_index: dict[int, list[PeerWindow]] = {}
+                for w in released:
+                    by_index.setdefault(w.index, []).append(w)
+                for done in by_index.values():
+                    found += self._take_windows(done, max(w.closed_ts for w in done))
         return found
 
     def _take_ranks(self, job: str, ranks, now: float | None) -> list[FaultEvent]:

@@ -1165,3 +1165,26 @@ def test_a_hot_slow_gpu_is_thermal_though_one_window_of_its_run_did_not_show_the
     assert [(f.node, f.evidence["class"], f.action) for f in found] == [("node1", "thermal", c.Action.OBSERVE)]
     fresh = TEEEngine(TEEConfig(soft_detectors=("peers",)))
     assert [(f.node, f.evidence["class"]) for f in _hot_gpu(fresh, 420, at=330, dip=(0, 0))] == [("node1", "thermal")]
+
+
+def test_a_replay_decides_a_window_its_silent_nodes_read_mark_released_at_the_window_s_time():
+    """Event clock, split: node0 falls silent at t=100, and the node side says how far it read node0's
+    partition only every 100 s of sample time (a replay reads partitions in bursts). The job's windows wait
+    for node0's read mark, then are decided at their own close, not at the mark's time, up to 100 s on
+    (node3's straggler, slow from t=400, was found at the next mark, t=500)."""
+    config = TEEConfig(soft_detectors=("peers",), clock="event")
+    node_side, job_side = TEEEngine(config, split_peers=True), TEEEngine(config, split_peers=True)
+    rng = np.random.default_rng(23)
+    nodes = [f"node{n}" for n in range(4)]
+    found = []
+    for t in range(600):
+        for node in nodes:
+            if node == "node0" and t >= 100:
+                continue
+            found += node_side.process(batch(T0 + t, *_slowed_gpus(rng, node, t, None, 400), node=node), now=T0 + t)
+        node_side.read_up_to({n: T0 + t for n in nodes if n != "node0" or t < 100 or t % 100 == 0})
+        for feed in node_side.feeds():
+            found += job_side.job_feed(c.decode(c.PEER_WINDOWS, c.encode(feed)))
+    [f] = [f for f in found if not f.resolved and f.kind == c.FaultKind.STRAGGLER]
+    assert f.node == "node3" and f.evidence["peers"] == 3
+    assert f.detected_ts - f.observed_ts < 15 and f.detected_ts <= T0 + 400 + 35
