@@ -487,19 +487,19 @@ class Corpus:
                 for p in down - was_down[i]:
                     downed[i][p] += 1.0
                 was_down[i] = set(down)
+                its = ts + off[i] if timed else ts      # the node's clock
+                xids = [_sample("gpu", {DCGM.XID_ERRORS: code}, gi, ts=its - 0.3)
+                        for gi, code in e.get("xid", {}).items()]
                 if every > 1 and (t - tick_of[i]) % every:
-                    if "xid" in e:      # a push sample: the agent publishes it at once, in a batch of its own
-                        its = ts + off[i] if timed else ts
+                    if xids:      # a push sample: the agent publishes it at once, in a batch of its own
                         yield ts, {"node": node, "ts": its, "seq": seqs[node], "job": self.job_of[node],
-                                   "v": SCHEMA_VERSION, "samples": [_sample("gpu", {DCGM.XID_ERRORS: code}, gi, ts=its - 0.3)
-                                                                    for gi, code in e["xid"].items()]}
+                                   "v": SCHEMA_VERSION, "samples": xids}
                         seqs[node] += 1
                     continue
-                if timed and gone is not None and gone[i] and "xid" not in e:
+                if timed and gone is not None and gone[i] and not xids:
                     # sent, never delivered (not an XID: the agent sends one at once, in a batch its spool never drops)
                     seqs[node] += 1
                     continue
-                its = ts + off[i] if timed else ts      # the node's clock
                 job = self.job_of[node]
                 samples = []
                 sbe = tl[job]["sbe"].get(i)
@@ -514,8 +514,7 @@ class Corpus:
                             DCGM.ECC_DBE_VOL_TOTAL: e.get("dbe", {}).get(gi, 0.0),
                             DCGM.ECC_SBE_VOL_TOTAL: sbe if gi == 0 else 0.0,
                             ROW_REMAP_FAILURE: e.get("remap", {}).get(gi, 0.0)}, gi))
-                for gi, code in e.get("xid", {}).items():
-                    samples.append(_sample("gpu", {DCGM.XID_ERRORS: code}, gi, ts=its - 0.3))
+                samples += xids
                 errors = e.get("errors", 0.0)
                 for p in range(2):
                     up = 0.0 if p in e.get("down", ()) else 1.0

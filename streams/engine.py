@@ -60,7 +60,7 @@ from transom.log import get
 from .config import TEEConfig
 from .classes import HARD
 from .hangs import HangDetector
-from .jobwindows import is_read_mark
+from .jobwindows import apart_from_marks, is_read_mark
 from .rules import (EccRule, GpuLostRule, HeartbeatRule, LinkRule, NanLossRule, NodeState, RowRemapRule, Rule,
                     XidRule)
 
@@ -94,8 +94,7 @@ def encode_feed(feed: JobFeed, most_bytes: int = FEED_MAX_BYTES) -> list[bytes]:
     value = contracts.encode(feed)
     if len(value) <= most_bytes or len(feed.windows) + len(feed.ranks) <= 1:
         return [value]
-    marks = tuple(r for r in feed.ranks if is_read_mark(r))
-    ranks = tuple(r for r in feed.ranks if not is_read_mark(r))
+    ranks, marks = apart_from_marks(feed.ranks)
     w, r = len(feed.windows) // 2, len(ranks) // 2
     if not feed.windows and not ranks:          # only marks: halve them
         first, second = JobFeed(feed.job, (), marks[:len(marks) // 2]), JobFeed(feed.job, (), marks[len(marks) // 2:])
@@ -241,13 +240,12 @@ class TEEEngine:
             by_job.setdefault(w.job, []).append(w)
         out = []
         for job in sorted(set(by_job) | set(self._ranks_out)):
-            windows, ranks = by_job.get(job, []), self._ranks_out.get(job, [])
-            marks = [r for r in ranks if is_read_mark(r)]
-            ranks = [r for r in ranks if not is_read_mark(r)] if marks else ranks
+            windows = tuple(by_job.get(job, ()))
+            ranks, marks = apart_from_marks(self._ranks_out.get(job, ()))
             n = max(-(-len(windows) // most_windows), -(-len(ranks) // most), 1)
             for i in range(n):
-                out.append(JobFeed(job=job, windows=tuple(windows[i * most_windows:(i + 1) * most_windows]),
-                                   ranks=tuple(ranks[i * most:(i + 1) * most]) + (tuple(marks) if i == n - 1 else ())))
+                out.append(JobFeed(job=job, windows=windows[i * most_windows:(i + 1) * most_windows],
+                                   ranks=ranks[i * most:(i + 1) * most] + (marks if i == n - 1 else ())))
         self._ranks_out.clear()
         return out
 

@@ -81,7 +81,7 @@ from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch,
                                stable_id)
 
 from .config import TEEConfig
-from .rules import NodeState, fault, report_interval
+from .rules import Cadence, NodeState, fault
 
 __all__ = ["HangDetector", "RankView", "JobView"]
 
@@ -168,10 +168,8 @@ class JobView:
     gpu_power: dict[str, tuple[float, float]] = field(default_factory=dict)   # node -> (ts, mean power draw)
     #: node -> ts since which its GPUs, spinning, draw a wait's power (``hang_wait_power`` of their stepping power)
     wait_power_since: dict[str, float] = field(default_factory=dict)
-    #: node -> (sample time of its newest report, the gaps between its last reports)
-    cadence: dict[str, tuple[float, deque]] = field(default_factory=dict)
-    #: node -> its report interval in the 1 s the time limits are set for (:meth:`beats`)
-    beat: dict[str, float] = field(default_factory=dict)
+    #: node -> how often its reports come (:meth:`beats`)
+    cadence: dict[str, Cadence] = field(default_factory=dict)
     #: node -> its GPUs' mean power draw at its rank's last step moves (what they draw stepping)
     step_power: dict[str, deque] = field(default_factory=dict)
     #: node -> how far its metrics partition was read (the node's own sample time: its newest batch plus the
@@ -183,19 +181,15 @@ class JobView:
 
     def note_cadence(self, node: str, ts: float) -> None:
         """A report of ``node``'s batch of sample time ``ts``: learn how often the node reports."""
-        last, gaps = self.cadence.get(node, (None, None))
-        if gaps is None:
-            self.cadence[node] = (ts, deque(maxlen=9))
-        elif ts > last:
-            gaps.append(ts - last)
-            self.cadence[node] = (ts, gaps)
-            self.beat[node] = max(1.0, report_interval(gaps))
+        if (c := self.cadence.get(node)) is None:
+            c = self.cadence[node] = Cadence()
+        c.note(ts)
 
     def beats(self, node: str) -> float:
-        """How many seconds apart ``node`` reports (the median of its last gaps to 0.5 s, the longest while fewer
-        than three are known; 1 at most once a second, and until its second report): a silence is judged in as many
-        times the limits set for 1 s reports."""
-        return self.beat.get(node, 1.0)
+        """How many seconds apart ``node`` reports (:attr:`Cadence.interval` of its reports; 1 at most once a
+        second): a silence is judged in as many times the limits set for 1 s reports."""
+        c = self.cadence.get(node)
+        return 1.0 if c is None else max(1.0, c.interval)
 
 
 class HangDetector:
@@ -401,7 +395,6 @@ class HangDetector:
                 job.read.pop(n, None)
                 job.lost.pop(n, None)
                 job.cadence.pop(n, None)
-                job.beat.pop(n, None)
             if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
                 del self.jobs[job_id]
 

@@ -35,12 +35,20 @@ from typing import Callable, Iterable
 
 from transom.contracts import PeerWindow, RankReport
 
-__all__ = ["JobReports", "JobWindows", "is_read_mark", "window_complete", "drop_gone", "quiet_for"]
+__all__ = ["JobReports", "JobWindows", "is_read_mark", "apart_from_marks", "window_complete", "drop_gone", "quiet_for"]
 
 
 def is_read_mark(r: RankReport) -> bool:
     """Whether ``r`` only says how far its node was read (``TEEEngine.read_up_to``): no samples, no utilisation."""
     return not r.samples and r.gpu_util is None
+
+
+def apart_from_marks(ranks: Iterable[RankReport]) -> tuple[tuple[RankReport, ...], tuple[RankReport, ...]]:
+    """``ranks`` as (the reports, the read marks), each in its order: a mark must come after what it says was sent."""
+    reports, marks = [], []
+    for r in ranks:
+        (marks if is_read_mark(r) else reports).append(r)
+    return tuple(reports), tuple(marks)
 
 
 def window_complete(newest: dict[str, int], k: int, wait: int) -> bool:

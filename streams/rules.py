@@ -42,7 +42,7 @@ from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch,
 from .classes import FaultClass
 from .config import TEEConfig
 
-__all__ = ["NodeState", "Rule", "fault", "report_interval", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
+__all__ = ["NodeState", "Cadence", "Rule", "fault", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
            "NanLossRule", "HeartbeatRule", "EccRule", "RowRemapRule", "LinkRule"]
 
 
@@ -64,14 +64,14 @@ class NodeState:
     remap_failed: set[int] = field(default_factory=set)
     hung_at: dict[tuple[str, str, int], float] = field(default_factory=dict)   # rank -> step reported hung
     links: dict[tuple[str, str], Any] = field(default_factory=dict)   # (device, port) -> _LinkState
-    #: seconds between the node's batches: its agent's ``interval_s`` where it says it, else the median gap between
-    #: its last batches (per seq: a batch never delivered does not count; the longest while fewer than three are
-    #: known); 1 s until its second batch
-    report_interval: float = 1.0
-    declared_interval: float | None = None
-    gaps: deque = field(default_factory=lambda: deque(maxlen=9))
-    last_seq: int | None = None
-    last_seq_ts: float = 0.0
+    cadence: "Cadence" = field(default_factory=lambda: Cadence())   # the gaps between its batches, per seq
+    declared_interval: float | None = None    # its agent's ``interval_s`` (self-metrics), where it says it
+
+    @property
+    def report_interval(self) -> float:
+        """Seconds between the node's batches: its agent's ``interval_s`` where it says it, else
+        :attr:`Cadence.interval` of its batches (per seq: a batch never delivered does not count)."""
+        return self.declared_interval if self.declared_interval is not None else self.cadence.interval
 
     def beats(self) -> float:
         """The node's report interval in the 1 s the time limits are set for (1 at most once a second): the
@@ -83,21 +83,30 @@ class NodeState:
         for s in batch.of(Source.AGENT):      # (grouped once per batch: the rules ask for their sources too)
             if (v := s.fields.get("interval_s")) is not None and v > 0:
                 self.declared_interval = float(v)
-        if self.last_seq is None or batch.ts > self.last_seq_ts:     # (an older batch delivered again: no gap)
-            if self.last_seq is not None and batch.seq > self.last_seq:  # (a lower seq: its agent started afresh)
-                self.gaps.append((batch.ts - self.last_seq_ts) / (batch.seq - self.last_seq))
-            self.last_seq, self.last_seq_ts = batch.seq, batch.ts
-        if self.declared_interval is not None:
-            self.report_interval = self.declared_interval
-        elif self.gaps:
-            self.report_interval = report_interval(self.gaps)
+        self.cadence.note(batch.ts, batch.seq)
 
 
-def report_interval(gaps: Iterable[float]) -> float:
-    """How often a node reports, from the gaps between its last batches: their median (the longest of one or
-    two), to 0.5 s (a batch's jitter aside)."""
-    g = sorted(gaps)
-    return round(2.0 * g[len(g) // 2 if len(g) >= 3 else -1]) / 2.0
+@dataclass
+class Cadence:
+    """How often a node reports, from the sample times of its batches (or of its rank reports) in its order:
+    :attr:`interval` is the median of the last 9 gaps (the longest while fewer than three are known) to 0.5 s (a
+    batch's jitter aside); 1 s until its second batch. With seqs, a gap is divided by the seqs it spans (a batch
+    never delivered does not count), and a lower seq (its agent started afresh) makes no gap; an older batch
+    delivered again makes none either."""
+
+    last_ts: float | None = None
+    last_seq: int | None = None
+    gaps: deque = field(default_factory=lambda: deque(maxlen=9))
+    interval: float = 1.0
+
+    def note(self, ts: float, seq: int | None = None) -> None:
+        if self.last_ts is not None and ts <= self.last_ts:
+            return
+        if self.last_ts is not None and (seq is None or seq > self.last_seq):
+            self.gaps.append((ts - self.last_ts) / (1 if seq is None else seq - self.last_seq))
+            g = sorted(self.gaps)
+            self.interval = round(2.0 * g[len(g) // 2 if len(g) >= 3 else -1]) / 2.0
+        self.last_ts, self.last_seq = ts, seq
 
 
 class Rule(Protocol):
