@@ -294,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--interval-s", type=int, default=1,
                    help="each node's agent reports every this many seconds, at its own phase (an XID at once; "
                         "default 1)")
+    p.add_argument("--agent-restarts", type=float, default=0.0,
+                   help="per node-hour: the node's agent silent for 7-30 s while its job trains on (restarted, "
+                        "upgraded, cut off from Kafka; default 0)")
     p.add_argument("--no-peer", action="store_true", help="skip the skeleton engine (the peer)")
     p.add_argument("--peer-hours", type=float, default=0.5, help="hours of the peer's corpus (first seed)")
     p.add_argument("--pipeline-nodes", type=int, default=24,
@@ -316,9 +319,11 @@ def main(argv=None) -> int:
         p.error(f"--lost-batches {a.lost_batches}: expected a share, 0 <= value < 1")
     if not 0 <= a.util_noise <= 50:
         p.error(f"--util-noise {a.util_noise}: expected percentage points, 0 <= value <= 50")
+    if not 0 <= a.agent_restarts <= 10:
+        p.error(f"--agent-restarts {a.agent_restarts}: expected restarts per node-hour, 0 <= value <= 10")
     shape = {"job_size": a.job_size, "gpus": a.gpus, "step_s": (lo, hi), "hang_gpus": a.hang_gpus,
              "clock_skew_s": a.clock_skew_s, "jitter_s": a.jitter_s, "late_s": a.late_s, "lost_batches": a.lost_batches,
-             "util_noise": a.util_noise, "interval_s": a.interval_s}
+             "util_noise": a.util_noise, "interval_s": a.interval_s, "agent_restarts": a.agent_restarts}
     if a.seeds == "tuning":
         a.seeds = TUNING_SEEDS
     t0 = time.time()
@@ -334,6 +339,8 @@ def main(argv=None) -> int:
               + (f"; clocks {a.clock_skew_s:g} s apart, jitter {a.jitter_s:g} s, {a.late_s:g} s late, "
                  f"{a.lost_batches:.1%} lost" if a.clock_skew_s or a.jitter_s or a.late_s or a.lost_batches else "")
               + (f"; utilisation noise {a.util_noise:g} points" if a.util_noise else "")
+              + (f"; {sum(o.kind == 'agent_restart' for o in corpus.ordinary)} agent restarts" if a.agent_restarts
+                 else "")
               + ")", file=sys.stderr, flush=True)
         events, n, counts = replay(corpus, config)
         r = score(corpus, events, LAG_S)

@@ -42,7 +42,9 @@ ranks' spin at 100 % too, by a normal draw of that spread (points, clipped to 0-
 phase of its own, what its node shows at that second (a link down between two reports shows in the port's
 own count of its downs, ``link_downed``, as on a real IB port); an XID goes out at once, in a batch of its
 own; the agents say their interval in their self-metrics (``interval_s``, as the real agent does; agents of
-1 s leave those out).
+1 s leave those out). ``agent_restarts`` (``--agent-restarts``, per node-hour; 0 by default): a node's agent
+silent for 7-30 s (restarted, upgraded, cut off from Kafka) while its job trains on (an ``Ordinary`` of kind
+``agent_restart``; drawn after the faults, clear of them, so the other draws stay as they were).
 
 The fault mix follows the real GPU-cluster trace in ``shared/data/infinitehbd_faults``
 (:func:`trace_mix`; the mix derived from it ships as ``fault_mix.json``, so no copy of the trace is
@@ -204,6 +206,7 @@ class CorpusSpec:
     lost_batches: float = 0.0          # share of batches never delivered
     util_noise: float = 0.0            # more noise on each busy GPU's utilisation sample, spins too (points, normal)
     interval_s: int = 1                # each node's agent reports every this many seconds (its own phase); an XID at once
+    agent_restarts: float = 0.0        # per node-hour: its agent silent for 7-30 s while its job trains on (a restart)
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ class Injection:
 class Ordinary:
     """One ordinary event (not a fault): ``node`` None for the whole ``job``."""
 
-    kind: str          # startup, pause, eval, restore (job-wide); hiccup, sbe (one node)
+    kind: str          # startup, pause, eval, restore (job-wide); hiccup, sbe, agent_restart (one node)
     job: str
     node: str | None
     start: float
@@ -263,6 +266,9 @@ class Corpus:
             raise ValueError(f"CorpusSpec.util_noise={spec.util_noise!r}: expected percentage points, 0 <= value <= 50")
         if not (isinstance(spec.interval_s, int) and 1 <= spec.interval_s <= 60):
             raise ValueError(f"CorpusSpec.interval_s={spec.interval_s!r}: expected whole seconds, 1 <= value <= 60")
+        if not 0 <= spec.agent_restarts <= 10:
+            raise ValueError(f"CorpusSpec.agent_restarts={spec.agent_restarts!r}: expected restarts per node-hour, "
+                             "0 <= value <= 10")
         self.spec = spec
         self.t0 = T0 + spec.seed * 1_000_000
         self.duration = int(spec.hours * 3600)
@@ -274,6 +280,8 @@ class Corpus:
         self.shares, self.durations, self.trace_summary = trace_mix(spec.trace)
         self.ordinary = self._ordinary() if spec.ordinary else []
         self.injections = self._schedule()
+        if spec.agent_restarts:     # after the faults (which they keep clear of): the other draws stay as they were
+            self.ordinary = sorted(self.ordinary + self._agent_restarts(), key=lambda o: (o.start, o.job, o.node or ""))
         skew = np.random.default_rng([spec.seed, 5]).normal(0.0, spec.clock_skew_s, spec.nodes) \
             if spec.clock_skew_s else np.zeros(spec.nodes)
         self.skew = dict(zip(self.node_ids, skew.tolist()))     # node -> its clock minus the corpus's
@@ -345,6 +353,28 @@ class Corpus:
                     out.append(Ordinary(kind, self.job_of[node], node, self.t0 + round(start),
                                         self.t0 + round(start) + int(rng.integers(lo, hi + 1))))
         out.sort(key=lambda o: (o.start, o.job, o.node or ""))
+        return out
+
+    def _agent_restarts(self) -> list["Ordinary"]:
+        """Each node's agent silent now and then (``agent_restarts`` per node-hour, 7-30 s: restarted by systemd
+        after its RestartSec, upgraded, or cut off from Kafka) while its ranks train on: the job steps on. Clear by
+        ``gap_s`` of the faults of the node and of those acting on its job; anywhere else (a pause too)."""
+        s = self.spec
+        rng = np.random.default_rng([s.seed, 11])
+        out = []
+        for node in self.node_ids:
+            job = self.job_of[node]
+            spans = [(i.start - self.t0, i.end - self.t0) for i in self.injections
+                     if i.node == node or i.cls in _JOB_FAULTS and self.job_of[i.node] == job]
+            for _ in range(int(rng.poisson(s.agent_restarts * s.hours))):
+                dur = float(rng.uniform(7, 30))
+                for _ in range(50):
+                    start = float(rng.uniform(s.warmup_s, max(s.warmup_s + 1, self.duration - dur - 1)))
+                    if all(start + dur + s.gap_s < a or start > b + s.gap_s for a, b in spans):
+                        out.append(Ordinary("agent_restart", job, node, self.t0 + round(start),
+                                            self.t0 + round(start + dur)))
+                        spans.append((start, start + dur))
+                        break
         return out
 
     # ------------------------------------------------------------------ batches
@@ -423,6 +453,10 @@ class Corpus:
         every = s.interval_s
         tick_of = np.random.default_rng([s.seed, 8]).integers(0, every, n).tolist() if every > 1 else [0] * n
         downed = [[0.0, 0.0] for _ in range(n)]        # each port's own count of its downs (an IB port's link_downed)
+        agent_down: dict[int, list[tuple[float, float]]] = {}     # node -> its agent's silences (corpus seconds)
+        for o in self.ordinary:
+            if o.kind == "agent_restart":
+                agent_down.setdefault(index[o.node], []).append((o.start - self.t0, o.end - self.t0))
         was_down: list[set] = [set() for _ in range(n)]
         for t in range(start_s, stop_s):
             ts = self.t0 + t
@@ -481,7 +515,7 @@ class Corpus:
                 gone = (trng.random(n) < s.lost_batches).tolist() if s.lost_batches else None
             for i, node in enumerate(self.node_ids):
                 e = fx.get(node, {})
-                if e.get("silent"):
+                if e.get("silent") or i in agent_down and any(a <= t < b for a, b in agent_down[i]):
                     continue
                 down = e.get("down", set())
                 for p in down - was_down[i]:

@@ -175,6 +175,10 @@ class TEEEngine:
         state.last_received = max(state.last_received, now)
         if batch.job:
             state.job = batch.job
+        trains = batch.of(contracts.Source.TRAIN)
+        if trains:      # the job its ranks train in: their silence is the job's worker's to judge
+            state.trains_in = next((s.tags.get("job") or batch.job for s in trains
+                                    if s.fields.get("alive") == 1 and not s.tags.get("event")), None) or None
         self.counts["batches"] += 1
         found: list[FaultEvent] = []
         outbox = self.peers.outbox if self.peers is not None else None
@@ -346,7 +350,14 @@ class TEEEngine:
         now = self.clock() if now is None else now
         states = list(self._nodes.values()) if nodes is None else \
             [st for st in map(self._nodes.get, nodes) if st is not None]
-        found, history = self.heartbeat.check(states, now)
+        marks: list[tuple[str, RankReport]] = []
+        found, history = self.heartbeat.check(states, now, defer=lambda st, silent: marks.append(
+            (st.trains_in, RankReport(st.node, st.last_batch_ts + silent, silent_s=silent))))
+        for job, mark in marks:     # a node whose ranks train in a job: the job's worker judges its silence
+            if self.split:
+                self._ranks_out.setdefault(job, []).append(mark)
+            else:
+                found += self._hang.take(job, mark, now)
         if history:
             log.info("not watching %d node(s) whose newest metrics are older than %.0fs: %s",
                      len(history), self.config.heartbeat_horizon, ", ".join(sorted(history)[:10]))

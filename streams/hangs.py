@@ -79,11 +79,14 @@ from typing import Any, Callable
 
 from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch, RankReport, Severity, Source,
                                stable_id)
+from transom.log import get
 
 from .config import TEEConfig
-from .rules import Cadence, NodeState, fault
+from .rules import Cadence, NodeState, fault, node_lost
 
 __all__ = ["HangDetector", "RankView", "JobView"]
+
+log = get("tee")
 
 _UTIL = DCGM.GPU_UTIL
 _POWER = DCGM.POWER_USAGE
@@ -106,6 +109,8 @@ _WAIT_BEGAN_S = 5.0
 #: that found it apart (its clock; not across a silence of its node)
 _APART_GRACE_S = 2.0
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
+#: seconds of a job's step moves kept (:attr:`JobView.tally`): past the heartbeat horizon and timeout
+_TALLY = 300
 
 
 def _held_since(marks: dict, key: tuple, r: "RankView") -> float:
@@ -162,6 +167,8 @@ class JobView:
     #: (its node lost): the job may stand still from then on, waiting for it
     gone: dict[str, float] = field(default_factory=dict)
     lost: dict[str, float] = field(default_factory=dict)   # node -> the report ts it was found lost after
+    #: node -> its last report ts before a silence its job stepped on through (its agent silent, not lost)
+    held: dict[str, float] = field(default_factory=dict)
     busy_since: dict[str, float] = field(default_factory=dict)   # node -> ts since which its GPUs spin
     #: node -> the last ts a GPU of the job idled there (every GPU in a pause; a stuck rank's, a hiccup's)
     idle_to: dict[str, float] = field(default_factory=dict)
@@ -178,6 +185,29 @@ class JobView:
     read: dict[str, float] = field(default_factory=dict)
     #: node -> the detector's clock when its ranks were last heard, the longest silent first
     heard: OrderedDict = field(default_factory=OrderedDict)
+    #: step moves of the job's ranks taken so far (every rank, every move), and (the detector's clock, that
+    #: count) about once a second: how many steps the job made since a node fell silent (:meth:`moves_since`)
+    moves: int = 0
+    tally: deque = field(default_factory=lambda: deque(maxlen=_TALLY))
+
+    def note_move(self, now: float) -> None:
+        """A rank of the job moved its step (taken at ``now``, the detector's clock)."""
+        self.moves += 1
+        if not self.tally or now - self.tally[-1][0] >= 1.0:
+            self.tally.append((now, self.moves))
+        else:
+            self.tally[-1] = (self.tally[-1][0], self.moves)
+
+    def moves_since(self, t: float) -> int:
+        """Step moves of the job's ranks taken after ``t`` (the detector's clock), to about a second."""
+        before = 0
+        for at, n in reversed(self.tally):
+            if at <= t:
+                before = n
+                break
+        else:
+            before = self.tally[0][1] if self.tally else 0
+        return self.moves - before
 
     def note_cadence(self, node: str, ts: float) -> None:
         """A report of ``node``'s batch of sample time ``ts``: learn how often the node reports."""
@@ -301,6 +331,8 @@ class HangDetector:
         """Judge ``job_id``'s ranks with one node batch's ``report`` (in the node's order)."""
         node = report.node
         if not report.samples:
+            if report.silent_s is not None:    # its worker leaves the node's silence to this one
+                return self.silent(job_id, report, now)
             if (job := self.jobs.get(job_id)) is not None:
                 if report.gpu_util is not None:
                     job.note_cadence(node, report.ts)
@@ -343,6 +375,7 @@ class HangDetector:
                 if (node, key[1], key[2], r.since) not in job.reported and stalled > max(_PAUSE_MIN * median, 1.0):
                     job.longest_pause = max(job.longest_pause, stalled)
                 r.step, r.since, r.last_seen, r.moved = step, ts, seen, True
+                job.note_move(now)
                 if report.gpus is not None:
                     if (idle := job.idle_stepping.get(node)) is None:
                         idle = job.idle_stepping[node] = deque(maxlen=8)
@@ -364,6 +397,7 @@ class HangDetector:
             if s.fields.get("alive") == 1:
                 mine.append((key, r))
         job.lost.pop(node, None)
+        job.held.pop(node, None)
         job.heard[node] = now
         job.heard.move_to_end(node)
         out = []
@@ -394,6 +428,7 @@ class HangDetector:
                 job.idle_to.pop(n, None)
                 job.read.pop(n, None)
                 job.lost.pop(n, None)
+                job.held.pop(n, None)
                 job.cadence.pop(n, None)
             if not job.ranks and all(t < cutoff for t, _ in job.gpu_util.values()):
                 del self.jobs[job_id]
@@ -576,6 +611,96 @@ class HangDetector:
                          f"{timeout:g}s heartbeat timeout)."),
             ))
         return out
+
+    def silent(self, job_id: str, mark: RankReport, now: float) -> list[FaultEvent]:
+        """A silence mark (:attr:`RankReport.silent_s`): ``mark.node``, whose ranks trained in the job, has sent
+        nothing for its heartbeat timeout or more. It is lost (the heartbeat's NODE_LOST, evict) unless its job
+        steps on without a pause (:meth:`_steps_on`): a synchronous job cannot step without the node's ranks,
+        so the node computes and only its agent is silent (restarted, upgraded, cut off from Kafka); that is
+        logged once per silence, and the node is lost after all if its job then stands, waiting, for the
+        heartbeat timeout while the node is still silent. While its peers are within a step that cannot tell,
+        nothing is decided: the next mark (each check while the node is silent) decides, up to twice the
+        timeout into the silence (then it is lost)."""
+        node, silent = mark.node, float(mark.silent_s or 0.0)
+        last = mark.ts - silent                    # the node's newest batch: the heartbeat's fault id
+        job = self.jobs.get(job_id)
+        out: list[FaultEvent] = []
+        if job is not None:
+            self.read_to(job_id, node, mark.ts)
+            if len(job.ranks) > 1:
+                out += self._lost(now, job_id, job)     # the fast rule's cases, with its evidence
+            if job.lost.get(node, -1.0) >= last:
+                return out                              # found lost for this silence
+        timeout = self.config.heartbeat_timeout * (job.beats(node) if job is not None else 1.0)
+        verdict, why = self._steps_on(job, node, last, timeout, now) if job is not None else ("lost", {})
+        if verdict == "wait":
+            if silent < 2 * timeout:
+                return out                          # a peer within a step: the next mark decides
+            why = {**why, "cause": "its job did not step on without it",
+                   "summary": f"; its job made {why['steps_on']} step(s) in twice the timeout"}
+        if verdict == "steps on":
+            if job.held.get(node) != last:
+                job.held[node] = last
+                log.warning("node %s has sent no metrics for %.1f s, but job %s made %d steps since its last report "
+                            "(%d needed): its ranks compute, only its agent is silent (restarted, or cut off from "
+                            "Kafka); not lost", node, silent, job_id, why["steps_on"], why["steps_needed"])
+            return out
+        if job is not None:
+            job.lost[node] = last
+        return out + [node_lost(node, job_id or None, last, silent, timeout, now,
+                                {"batch_age_s": round(now - last, 3), "decided_by": "its job's worker",
+                                 **({"report_interval_s": job.cadence[node].interval}
+                                    if job is not None and node in job.cadence else {}), **why},
+                                summary=why.get("summary", ""))]
+
+    def _steps_on(self, job: JobView, node: str, last: float, timeout: float, now: float) -> tuple[str, dict]:
+        """Whether ``node``'s job steps on while the node is silent: "steps on" where the ranks of its other nodes
+        (of the generation the node's ranks were in, heard within their own heartbeat timeout) made more steps
+        since the node's last report was taken (:meth:`JobView.moves_since`, per rank) than two report
+        intervals of the node hold (a batch lost before its silence), plus two (the step in flight as it fell
+        silent, and one more, which the node's ranks took part in); "wait" where they did not yet but one of
+        them computes (stood for less than 1.5 steps, its node's GPUs busy and not at a wait's power): a step
+        may yet come; "lost" otherwise (its job stood with it, or no peer vouches for it). A node held as
+        stepping on is lost once every such rank has stood, its GPUs not idle, for ``timeout``."""
+        mine = [(k, v) for k, v in job.ranks.items() if k[0] == node]
+        if not mine:
+            return "lost", {"cause": "its ranks left the job"}
+        generation = max(mine, key=lambda kv: kv[1].last_seen)[0][1]
+        peers = [v for k, v in job.ranks.items() if k[0] != node and k[1] == generation
+                 and now - v.heard < self.config.heartbeat_timeout * job.beats(k[0])]
+        if not peers:
+            return "lost", {"cause": "no other node of its job is heard from"}
+        # the steps its job made since the node's last report was taken (this detector's clock: node clocks
+        # skew), each rank's moves counted, per rank of the job still heard from
+        ahead = job.moves_since(job.heard.get(node, now)) // len(peers)
+        steps = [m for v in peers if (m := v.median_step())]
+        step = statistics.median(steps) if steps else 1.0
+        need = int(-(-2.0 * job.beats(node) // max(step, 0.05))) + 2
+        why = {"steps_on": int(ahead), "steps_needed": need}
+        computing = [v for v in peers if self._computing(job, v)]
+        if ahead >= need:
+            if job.held.get(node) == last and not computing and all(
+                    v.stall >= timeout and job.gpu_util.get(v.node, (0.0, 0.0))[1] > self._idle_at for v in peers):
+                return "lost", {**why, "cause": "its job stepped on, then stood waiting while it stayed silent",
+                                "summary": f"; its job {why['steps_on']} steps on, then stood waiting for it"}
+            return "steps on", why
+        if computing:
+            return "wait", why
+        return "lost", {**why, "cause": "its job stopped with it",
+                        "summary": f"; its job did not step on without it ({int(ahead)} step(s) since its last report)"}
+
+    def _computing(self, job: JobView, v: RankView) -> bool:
+        """Rank ``v`` is within a step (it moved, and stood for less than 1.5 of its steps, its latest three
+        included) on busy GPUs that do not draw a wait's power: a step may still come from it."""
+        if not v.moved:
+            return False
+        median = v.median_step() or 1.0
+        step = max(median, *list(v.step_times)[-3:]) if v.step_times else median
+        if v.stall >= max(1.5 * step, step + 0.5):
+            return False
+        if job.gpu_util.get(v.node, (0.0, 0.0))[1] <= self._idle_at:
+            return False
+        return not self._spins_waiting(job, v.node, v.last_seen)
 
     def _stands_for_other(self, job: JobView, silent: str, quiet: float, now: float, stood: float) -> bool:
         """The job has stood (since ``stood``, the latest of its waiting ranks' stops) since another node was

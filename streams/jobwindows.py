@@ -44,10 +44,12 @@ def is_read_mark(r: RankReport) -> bool:
 
 
 def apart_from_marks(ranks: Iterable[RankReport]) -> tuple[tuple[RankReport, ...], tuple[RankReport, ...]]:
-    """``ranks`` as (the reports, the read marks), each in its order: a mark must come after what it says was sent."""
+    """``ranks`` as (the reports, the read marks), each in its order: a mark must come after what it says was sent.
+    A silence mark (``silent_s``) stays among the reports, in its order: it is judged, with the reports of its
+    time (a feed split in parts, a replay's minutes of a job, must not carry it past the reports that follow it)."""
     reports, marks = [], []
     for r in ranks:
-        (marks if is_read_mark(r) else reports).append(r)
+        (marks if is_read_mark(r) and r.silent_s is None else reports).append(r)
     return tuple(reports), tuple(marks)
 
 
@@ -173,8 +175,9 @@ class JobReports:
     later (a node's reports arrive in its own order), then :meth:`add` releases them in time order. A
     report with no samples and no utilisation only says how far the node was read (the node side's
     partition clock: :meth:`TEEEngine.read_up_to`), so a silent node does not hold its job; it is not
-    released. A node whose newest report is more than ``wait`` seconds (sample time) behind the job's
-    newest, and of which nothing (a report or a read mark) came for ``quiet_s`` seconds of ``clock``
+    released, unless it is a silence mark (``silent_s``: the job's worker judges the node's silence, in
+    its order with the other reports). A node whose newest report is more than ``wait`` seconds (sample
+    time) behind the job's newest, and of which nothing (a report or a read mark) came for ``quiet_s`` seconds of ``clock``
     (the worker's own time), is gone (left the job, its worker stopped) and no longer waited for; one
     that comes back is waited for again (what it sends meanwhile is released at once: the job is past
     it). A node whose worker reads it hours of sample time behind the others' (a replay on a busy
@@ -198,7 +201,7 @@ class JobReports:
             j.heard[r.node] = now
             if r.ts > j.newest.get(r.node, 0.0):
                 j.newest[r.node] = r.ts
-            if not is_read_mark(r):
+            if not is_read_mark(r) or r.silent_s is not None:      # (a silence mark is judged, in its order)
                 heapq.heappush(j.held, (r.ts, next(self._arrival), r))
         if not j.newest:
             return []

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch, Sample, Severity, Source,
                                stable_id)
@@ -42,7 +42,7 @@ from transom.contracts import (DCGM, Action, FaultEvent, FaultKind, MetricBatch,
 from .classes import FaultClass
 from .config import TEEConfig
 
-__all__ = ["NodeState", "Cadence", "Rule", "fault", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
+__all__ = ["NodeState", "Cadence", "Rule", "fault", "node_lost", "XID_POLICY", "XID_CLASS", "XidRule", "GpuLostRule",
            "NanLossRule", "HeartbeatRule", "EccRule", "RowRemapRule", "LinkRule"]
 
 
@@ -66,6 +66,10 @@ class NodeState:
     links: dict[tuple[str, str], Any] = field(default_factory=dict)   # (device, port) -> _LinkState
     cadence: "Cadence" = field(default_factory=lambda: Cadence())   # the gaps between its batches, per seq
     declared_interval: float | None = None    # its agent's ``interval_s`` (self-metrics), where it says it
+    #: the job whose ranks its newest batch with training samples showed alive (None: none): a silence of the
+    #: node is then its job's worker's to judge (:class:`HeartbeatRule`)
+    trains_in: str | None = None
+    deferred_for: float | None = None         # last_batch_ts whose silence was handed to its job's worker
 
     @property
     def report_interval(self) -> float:
@@ -271,6 +275,12 @@ class HeartbeatRule:
     older than ``heartbeat_horizon`` is history, dropped without a fault (a replay in progress keeps
     arriving, so it is never silent). A node is reported once per newest batch; if it comes back
     and goes silent again, it is reported again.
+
+    A node whose ranks train in a job (:attr:`NodeState.trains_in`) is not decided here where ``defer`` is
+    given: it gets ``defer(state, silent)`` at every check while it is silent past the timeout, up to
+    ``heartbeat_horizon`` (then it is kept, as a node reported), and its job's worker decides
+    (:meth:`.hangs.HangDetector.silent`): lost where its job stopped with it, only its agent silent where its
+    job steps on (a synchronous job cannot step without the node's ranks).
     """
 
     name = "heartbeat"
@@ -278,7 +288,8 @@ class HeartbeatRule:
     def __init__(self, config: TEEConfig) -> None:
         self.config = config
 
-    def check(self, states: Iterable[NodeState], now: float) -> tuple[list[FaultEvent], list[str]]:
+    def check(self, states: Iterable[NodeState], now: float,
+              defer: Callable[[NodeState, float], None] | None = None) -> tuple[list[FaultEvent], list[str]]:
         """Return the faults to emit and the nodes to forget (history)."""
         out, forget = [], []
         for st in states:
@@ -287,19 +298,33 @@ class HeartbeatRule:
             if silent <= timeout or st.lost_reported_for == st.last_batch_ts:
                 continue
             if age > self.config.heartbeat_horizon + timeout:
-                forget.append(st.node)
+                if st.deferred_for == st.last_batch_ts:      # its job's worker has judged it: kept, as one reported
+                    st.lost_reported_for = st.last_batch_ts
+                else:
+                    forget.append(st.node)
+                continue
+            if defer is not None and st.trains_in is not None:
+                st.deferred_for = st.last_batch_ts
+                defer(st, silent)
                 continue
             st.lost_reported_for = st.last_batch_ts
-            out.append(fault(
-                FaultKind.NODE_LOST, Severity.CRITICAL, Action.EVICT,
-                fault_id=stable_id(st.node, "node_lost", st.last_batch_ts), node=st.node, job=st.job,
-                detector="rule.heartbeat", observed_ts=st.last_batch_ts, now=now, score=silent, threshold=timeout,
-                evidence={"last_batch_ts": st.last_batch_ts, "silent_s": round(silent, 3),
-                          "batch_age_s": round(age, 3), "heartbeat_timeout_s": timeout,
-                          "report_interval_s": st.report_interval},
-                summary=f"Node {st.node} has sent no metrics for {silent:.1f}s (timeout {timeout:g}s).",
-            ))
+            out.append(node_lost(st.node, st.job, st.last_batch_ts, silent, timeout, now,
+                                 {"batch_age_s": round(age, 3), "report_interval_s": st.report_interval}))
         return out, forget
+
+
+def node_lost(node: str, job: str | None, last_ts: float, silent: float, timeout: float, now: float,
+              evidence: Mapping[str, Any], summary: str = "") -> FaultEvent:
+    """The heartbeat's NODE_LOST event (evict) for ``node``, silent ``silent`` s since its batch of ``last_ts``
+    (its fault id), decided at ``now`` (the heartbeat rule's, or the job's worker's for a node of a job)."""
+    return fault(
+        FaultKind.NODE_LOST, Severity.CRITICAL, Action.EVICT,
+        fault_id=stable_id(node, "node_lost", last_ts), node=node, job=job,
+        detector="rule.heartbeat", observed_ts=last_ts, now=now, score=silent, threshold=timeout,
+        evidence={"last_batch_ts": last_ts, "silent_s": round(silent, 3), "heartbeat_timeout_s": timeout,
+                  **evidence},
+        summary=f"Node {node} has sent no metrics for {silent:.1f}s (timeout {timeout:g}s){summary}.",
+    )
 
 
 # --------------------------------------------------------------------------- GPU memory rules

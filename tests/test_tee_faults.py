@@ -1082,6 +1082,42 @@ def test_agents_that_report_every_5_s_with_late_and_lost_batches_lose_no_healthy
     assert lost["injected"] >= 1 and lost["detected"] == lost["injected"] and lost["false"] == 0
 
 
+def test_agents_that_restart_while_their_jobs_train_on_lose_no_node_and_hide_no_lost_one(monkeypatch):
+    """bench/tee_quality.py --agent-restarts: a node's agent silent for 7-30 s (restarted by systemd after its
+    RestartSec=5, upgraded, cut off from Kafka) while its ranks train on, its job stepping. Each such node was
+    evicted at the heartbeat timeout (probe 9711: 29 agent restarts, 29 false evicts in 72 node-hours). The
+    corpus silences the node's batches (no seq spent) and keeps its job stepping; through the engine and the
+    bench's scoring: no false event at all, and every lost node still found."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from tee_quality import LAG_S, replay, score
+
+    spec = CorpusSpec(nodes=16, hours=0.5, seed=41, min_per_class=1, agent_restarts=2.0)
+    corpus = Corpus(spec)
+    restarts = [o for o in corpus.ordinary if o.kind == "agent_restart"]
+    assert len(restarts) >= 8 and all(7 <= o.end - o.start <= 30 for o in restarts)
+    seen: dict[str, list] = {}
+    for b in corpus.batches():
+        seen.setdefault(b.node, []).append(b)
+    for o in restarts:
+        batches = seen[o.node]
+        assert not [b for b in batches if o.start <= b.ts < o.end]          # silent while its agent is down
+        assert [b.seq for b in batches] == list(range(len(batches)))       # no seq spent on what was never made
+        peer = next(n for n in corpus.nodes_of[o.job] if n != o.node)
+        steps = [s.fields["step"] for b in seen[peer] if o.start <= b.ts < o.end
+                 for s in b.samples if s.source is c.Source.TRAIN]
+        assert steps and (steps[-1] > steps[0] or any(                     # its job steps on (or pauses)
+            x.job == o.job and x.node is None and x.start < o.end and x.end > o.start for x in corpus.ordinary))
+    events, _, _ = replay(corpus, TEEConfig(), progress=False)
+    r = score(corpus, events, LAG_S)
+    assert r["false_restart_or_evict"] == [] and r["false_events"] == []
+    lost = r["classes"]["node_lost"]
+    assert lost["injected"] >= 1 and lost["detected"] == lost["injected"]
+    assert Corpus(CorpusSpec(nodes=16, hours=0.5, seed=41, min_per_class=1)).injections == corpus.injections
+    with pytest.raises(ValueError, match="agent_restarts"):
+        Corpus(CorpusSpec(nodes=2, hours=0.1, agent_restarts=-1))
+
+
 def test_a_backlog_of_half_an_hour_goes_to_the_jobs_worker_in_feeds_under_1_mb_and_decides_the_same():
     """A worker that catches up (restarted after a while, a partition moved to it) reads minutes of a job
     between two feeds. One feed per job held every window: 12 minutes of 8 nodes of 8 GPUs encoded to 0.9 MB,

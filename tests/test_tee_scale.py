@@ -37,6 +37,12 @@ def test_a_job_feed_round_trips_and_refuses_a_bad_window_or_rank():
         c.decode(c.PEER_WINDOWS, c.encode(feed).replace(b'"gpu_power":512.5', b'"gpu_power":-1'))
     with pytest.raises(c.ContractError, match=r"job feed rank report 0: field 'gpus' must be \[count, idle, spinning\]"):
         c.decode(c.PEER_WINDOWS, c.encode(feed).replace(b'"gpus":[8,1,7]', b'"gpus":[8,5,7]'))
+    silence = c.JobFeed(job="j", ranks=(c.RankReport("n2", 88.0, silent_s=7.0),))   # its worker leaves it to this one
+    assert c.decode(c.PEER_WINDOWS, c.encode(silence)) == silence
+    assert b"silent_s" not in c.encode(feed)                     # only on a silence mark
+    for bad in (b'"silent_s":-1.0', b'"silent_s":"7"', b'"silent_s":7.0,"gpu_util":90.0'):
+        with pytest.raises(c.ContractError, match=r"job feed rank report 0: field 'silent_s' must be a finite number"):
+            c.decode(c.PEER_WINDOWS, c.encode(silence).replace(b'"silent_s":7.0', bad))
     out = c.JobFeed(job="j", windows=(dataclasses.replace(w, outside=True),))       # a node whose ranks are gone
     assert c.decode(c.PEER_WINDOWS, c.encode(out)).windows[0].outside is True
     with pytest.raises(c.ContractError, match="outside"):

@@ -773,7 +773,10 @@ class RankReport:
     samples nor utilisation: a read mark, the node's worker saying it read the node's partition up to
     ``ts`` (on the node's own clock) without a newer batch of it. ``gpu_power``: the mean power draw of
     its GPUs in watts (None: no power sample): ranks that wait in a collective spin their GPUs at a
-    fraction of the power they draw stepping."""
+    fraction of the power they draw stepping. ``silent_s`` (a read mark only): nothing of the node has come
+    to its worker for that many seconds, its heartbeat timeout or more, and the node's ranks were in the
+    job: its worker leaves to the job's worker whether the node is lost (its job stopped with it) or only its
+    agent is silent (its job steps on without a pause, which it cannot without the node's ranks)."""
 
     node: str
     ts: float
@@ -781,6 +784,7 @@ class RankReport:
     samples: tuple[Sample, ...] = ()
     gpus: tuple[int, int, int] | None = None
     gpu_power: float | None = None
+    silent_s: float | None = None
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "rank report") -> "RankReport":
@@ -805,9 +809,15 @@ class RankReport:
         power = d.get("gpu_power")
         if power is not None and (type(power) not in _NUM or not 0 <= power < math.inf):
             raise ContractError(f"{what}: field 'gpu_power' must be a finite number of watts >= 0, got {power!r}")
+        silent = d.get("silent_s")
+        if silent is not None and (type(silent) not in _NUM or not 0 <= silent < math.inf or samples
+                                   or util is not None):
+            raise ContractError(f"{what}: field 'silent_s' must be a finite number of seconds >= 0 on a read mark "
+                                f"(no samples, no gpu_util), got {silent!r}")
         obj = object.__new__(cls)       # validated: no frozen __init__ (thousands a second)
         obj.__dict__.update(node=node, ts=float(ts), gpu_util=None if util is None else float(util), gpus=gpus,
                             gpu_power=None if power is None else float(power),
+                            silent_s=None if silent is None else float(silent),
                             samples=tuple(Sample.from_dict(s, _SampleWhere(what, i), owned=True)
                                           for i, s in enumerate(samples)))
         return obj
@@ -844,7 +854,8 @@ class JobFeed:
                            "samples": [{"source": s.source.value, "index": s.index, "ts": s.ts,
                                         "fields": s.fields if type(s.fields) is dict else dict(s.fields),
                                         "tags": s.tags if type(s.tags) is dict else dict(s.tags)}
-                                       for s in r.samples]} for r in self.ranks],
+                                       for s in r.samples],
+                           **({} if r.silent_s is None else {"silent_s": r.silent_s})} for r in self.ranks],
                 "v": self.v}
 
     @classmethod

@@ -117,7 +117,9 @@ class Feed:
 
     Per node: two GPUs, one training rank that steps every batch. ``xid(node, gpu, code)`` puts an
     XID sample into the node's next batch; ``lose_gpu`` makes a GPU report GPU_LOST from then on;
-    ``freeze`` stops the rank's step (alive: a hang); ``silence`` stops the node's batches.
+    ``freeze`` stops the rank's step (alive: a hang); ``silence`` stops the node's batches, and every
+    other rank's step with them (a synchronous job cannot step without a node's ranks: one whose job
+    steps on through its silence computes, and only its agent is silent, which is no lost node).
     """
 
     def __init__(self, bootstrap: str, offsets: dict[str, float], job: str) -> None:
@@ -157,6 +159,7 @@ class Feed:
             for n in nodes:
                 self.silent.add(n)
                 self.silenced_at[n] = time.time()
+            self.frozen.update(self.offsets)
 
     def _batch(self, node: str, rank: int) -> c.MetricBatch | None:
         with self._lock:
