@@ -659,8 +659,9 @@ class HangDetector:
         since the node's last report was taken (:meth:`JobView.moves_since`, per rank) than two report
         intervals of the node hold (a batch lost before its silence), plus two (the step in flight as it fell
         silent, and one more, which the node's ranks took part in); "wait" where they did not yet but one of
-        them computes (stood for less than 1.5 steps, its node's GPUs busy and not at a wait's power): a step
-        may yet come; "lost" otherwise (its job stood with it, or no peer vouches for it). A node held as
+        them computes (stood for less than 1.5 steps, its node's GPUs busy and not at a wait's power), or they
+        made two steps or more and stand for less than ``timeout`` (a peer's data-loader hiccup): a step may
+        yet come; "lost" otherwise (its job stood with it, or no peer vouches for it). A node held as
         stepping on is lost once every such rank has stood, its GPUs not idle, for ``timeout``."""
         mine = [(k, v) for k, v in job.ranks.items() if k[0] == node]
         if not mine:
@@ -684,8 +685,8 @@ class HangDetector:
                 return "lost", {**why, "cause": "its job stepped on, then stood waiting while it stayed silent",
                                 "summary": f"; its job {why['steps_on']} steps on, then stood waiting for it"}
             return "steps on", why
-        if computing:
-            return "wait", why
+        if computing or ahead >= 2 and all(v.stall < timeout for v in peers):
+            return "wait", why      # (a job that stepped after it fell silent and stands briefly: a hiccup of a peer)
         return "lost", {**why, "cause": "its job stopped with it",
                         "summary": f"; its job did not step on without it ({int(ahead)} step(s) since its last report)"}
 

@@ -1092,7 +1092,7 @@ def test_agents_that_restart_while_their_jobs_train_on_lose_no_node_and_hide_no_
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
     from tee_quality import LAG_S, replay, score
 
-    spec = CorpusSpec(nodes=16, hours=0.5, seed=41, min_per_class=1, agent_restarts=2.0)
+    spec = CorpusSpec(nodes=12, hours=0.4, seed=41, min_per_class=1, agent_restarts=3.0)
     corpus = Corpus(spec)
     restarts = [o for o in corpus.ordinary if o.kind == "agent_restart"]
     assert len(restarts) >= 8 and all(7 <= o.end - o.start <= 30 for o in restarts)
@@ -1103,9 +1103,9 @@ def test_agents_that_restart_while_their_jobs_train_on_lose_no_node_and_hide_no_
         batches = seen[o.node]
         assert not [b for b in batches if o.start <= b.ts < o.end]          # silent while its agent is down
         assert [b.seq for b in batches] == list(range(len(batches)))       # no seq spent on what was never made
-        peer = next(n for n in corpus.nodes_of[o.job] if n != o.node)
-        steps = [s.fields["step"] for b in seen[peer] if o.start <= b.ts < o.end
-                 for s in b.samples if s.source is c.Source.TRAIN]
+        steps = max(([s.fields["step"] for b in seen[peer] if o.start <= b.ts < o.end
+                      for s in b.samples if s.source is c.Source.TRAIN]
+                     for peer in corpus.nodes_of[o.job] if peer != o.node), key=len)   # a peer that reports then
         assert steps and (steps[-1] > steps[0] or any(                     # its job steps on (or pauses)
             x.job == o.job and x.node is None and x.start < o.end and x.end > o.start for x in corpus.ordinary))
     events, _, _ = replay(corpus, TEEConfig(), progress=False)
@@ -1113,7 +1113,7 @@ def test_agents_that_restart_while_their_jobs_train_on_lose_no_node_and_hide_no_
     assert r["false_restart_or_evict"] == [] and r["false_events"] == []
     lost = r["classes"]["node_lost"]
     assert lost["injected"] >= 1 and lost["detected"] == lost["injected"]
-    assert Corpus(CorpusSpec(nodes=16, hours=0.5, seed=41, min_per_class=1)).injections == corpus.injections
+    assert Corpus(CorpusSpec(nodes=12, hours=0.4, seed=41, min_per_class=1)).injections == corpus.injections
     with pytest.raises(ValueError, match="agent_restarts"):
         Corpus(CorpusSpec(nodes=2, hours=0.1, agent_restarts=-1))
 
