@@ -12,6 +12,11 @@ Ranks are keyed by ``(job, generation, rank)``. Every collect gives, per known r
   namespaces and containers: its heartbeat thread stops with it. No PID of another namespace
   is ever looked up (it would name an unrelated process, or none).
 - ``stopped``: 1 when the kernel says the process is stopped (only in this PID namespace).
+- ``write_bytes_per_s``: how fast the process wrote since the last collect (only in this PID
+  namespace; the larger of the kernel's ``wchar``, bytes handed to write calls, and ``write_bytes``,
+  bytes dirtied for storage: a file on local disk, tmpfs, NFS or Lustre, or a memory map), from its
+  second collect on. A rank whose GPU idles while it writes saves a checkpoint (rank 0 behind a
+  barrier) and is not hung: the TEE reads it (``docs/tee.md``, "A rank that writes saves").
 
 Tags: ``job``, ``generation``, ``pid``, and when known ``phase`` (what the rank said it is doing:
 checkpoint, eval, ...), ``stack`` (where its main thread waits, from its heartbeat; for a rank
@@ -73,6 +78,7 @@ class _Rank:
     exited: bool = False
     sampling: bool = False          # a py-spy dump is under way
     extra: dict = field(default_factory=dict)
+    io: tuple[float, int, int] | None = None    # (monotonic time, wchar, write_bytes) at the last collect
 
 
 def _own_pidns() -> str:
@@ -114,6 +120,24 @@ def _py_spy(pid: int) -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return " < ".join(line.strip() for line in out.splitlines() if line.startswith("    "))[:4000]
+
+
+def _written(proc: psutil.Process) -> tuple[int, int] | None:
+    """The process's ``wchar`` and ``write_bytes`` so far (None where the kernel does not say)."""
+    try:
+        io = proc.io_counters()
+    except (psutil.Error, AttributeError, NotImplementedError, OSError):
+        return None
+    return getattr(io, "write_chars", 0), io.write_bytes
+
+
+def _write_rate(r: "_Rank", clock: float) -> float | None:
+    """Bytes per second ``r``'s process wrote since the last call (None on the first, or unknown)."""
+    now = _written(r.proc) if r.proc is not None else None
+    before, r.io = r.io, None if now is None else (clock, *now)
+    if now is None or before is None or clock <= before[0]:
+        return None
+    return max(0, now[0] - before[1], now[1] - before[2]) / (clock - before[0])
 
 
 def _alive(proc: psutil.Process | None) -> bool:
@@ -171,7 +195,7 @@ class TrainingCollector:
             if known is None:
                 log.info("training rank %d of job %s (generation %d, pid %d) reports to this agent",
                          report.rank, report.job or "?", report.generation, report.pid)
-            self._ranks[key] = _Rank(report, proc, heard=now, phase=report.phase)
+            self._ranks[key] = _Rank(report, proc, heard=now, phase=report.phase, io=known.io if same else None)
             self._job = report.job or None
 
     def processes(self) -> list[psutil.Process]:
@@ -219,6 +243,8 @@ class TrainingCollector:
             stopped = state == psutil.STATUS_STOPPED       # SIGSTOP: its stack at once (the TEE judges it in seconds)
             if stopped:
                 fields["stopped"] = 1
+            if alive and r.proc is not None and (rate := _write_rate(r, time.monotonic())) is not None:
+                fields["write_bytes_per_s"] = round(rate)
             if state and state != psutil.STATUS_SLEEPING and state != psutil.STATUS_RUNNING:
                 tags["state"] = state
             if r.phase:

@@ -48,6 +48,10 @@ class TEEConfig:
     #: waiting in a collective), and at or below which they idle.
     hang_busy_util: float = 85.0
     hang_idle_util: float = 30.0
+    #: A rank whose process writes this many MB a second or more (the agent's ``write_bytes_per_s``, for
+    #: ranks in its PID namespace) is saving a checkpoint, as if it declared the phase: rank 0 saving alone,
+    #: its GPU idle while the other ranks spin at a barrier, is no hang up to the checkpoint ceiling. 0: off.
+    hang_save_write_mb_s: float = 5.0
     #: A node's GPUs that spin while drawing this share or less of the power they drew at its rank's last
     #: step moves wait in a collective (a spin-wait kernel draws a fraction of a compute kernel's power):
     #: a job of long steps shows its stop in power before its stall outlasts a step (a lost node found in
@@ -183,6 +187,10 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a number >= 0")
+        if isinstance(self.hang_save_write_mb_s, bool) or not isinstance(self.hang_save_write_mb_s, (int, float)) \
+                or not 0 <= self.hang_save_write_mb_s < float("inf"):
+            raise ConfigError(f"TEE setting hang_save_write_mb_s={self.hang_save_write_mb_s!r}: expected MB per "
+                              "second >= 0 (0: off)")
         if isinstance(self.hang_wait_power, bool) or not isinstance(self.hang_wait_power, (int, float)) \
                 or not 0 <= self.hang_wait_power < 1:
             raise ConfigError(f"TEE setting hang_wait_power={self.hang_wait_power!r}: expected a share of the "

@@ -45,6 +45,14 @@ own; the agents say their interval in their self-metrics (``interval_s``, as the
 1 s leave those out). ``agent_restarts`` (``--agent-restarts``, per node-hour; 0 by default): a node's agent
 silent for 7-30 s (restarted, upgraded, cut off from Kafka) while its job trains on (an ``Ordinary`` of kind
 ``agent_restart``; drawn after the faults, clear of them, so the other draws stay as they were).
+``rank0_saves`` (``--rank0-saves``, per job-hour; 0 by default): rank 0 saves a checkpoint alone behind a
+barrier, undeclared (DDP's ``if rank == 0: torch.save(...)``), for 15-120 s: the job's steps stop, rank 0's
+GPUs idle (or only its own GPU, its node's others spinning with the waiting ranks, by the save's start
+second) while every other GPU spins in the barrier, and rank 0's process writes 0.3-2 GB/s (a second
+without writes now and then, between two files). With the option on, every rank's sample carries
+``write_bytes_per_s`` as the agent measures it (a log's trickle outside a save). Drawn after the agent
+restarts, clear of the faults of the job's nodes, of its job-wide ordinary events, its periodic checkpoints and
+its agents' restarts.
 
 The fault mix follows the real GPU-cluster trace in ``shared/data/infinitehbd_faults``
 (:func:`trace_mix`; the mix derived from it ships as ``fault_mix.json``, so no copy of the trace is
@@ -207,6 +215,7 @@ class CorpusSpec:
     util_noise: float = 0.0            # more noise on each busy GPU's utilisation sample, spins too (points, normal)
     interval_s: int = 1                # each node's agent reports every this many seconds (its own phase); an XID at once
     agent_restarts: float = 0.0        # per node-hour: its agent silent for 7-30 s while its job trains on (a restart)
+    rank0_saves: float = 0.0           # per job-hour: rank 0 saves alone behind a barrier for 15-120 s, undeclared
 
 
 @dataclass(frozen=True)
@@ -229,7 +238,7 @@ class Injection:
 class Ordinary:
     """One ordinary event (not a fault): ``node`` None for the whole ``job``."""
 
-    kind: str          # startup, pause, eval, restore (job-wide); hiccup, sbe, agent_restart (one node)
+    kind: str          # startup, pause, eval, restore (job-wide); hiccup, sbe, agent_restart, rank0_save (one node)
     job: str
     node: str | None
     start: float
@@ -269,6 +278,9 @@ class Corpus:
         if not 0 <= spec.agent_restarts <= 10:
             raise ValueError(f"CorpusSpec.agent_restarts={spec.agent_restarts!r}: expected restarts per node-hour, "
                              "0 <= value <= 10")
+        if not 0 <= spec.rank0_saves <= 10:
+            raise ValueError(f"CorpusSpec.rank0_saves={spec.rank0_saves!r}: expected saves per job-hour, "
+                             "0 <= value <= 10")
         self.spec = spec
         self.t0 = T0 + spec.seed * 1_000_000
         self.duration = int(spec.hours * 3600)
@@ -282,6 +294,8 @@ class Corpus:
         self.injections = self._schedule()
         if spec.agent_restarts:     # after the faults (which they keep clear of): the other draws stay as they were
             self.ordinary = sorted(self.ordinary + self._agent_restarts(), key=lambda o: (o.start, o.job, o.node or ""))
+        if spec.rank0_saves:        # after those (and clear of them): the other draws stay as they were
+            self.ordinary = sorted(self.ordinary + self._rank0_saves(), key=lambda o: (o.start, o.job, o.node or ""))
         skew = np.random.default_rng([spec.seed, 5]).normal(0.0, spec.clock_skew_s, spec.nodes) \
             if spec.clock_skew_s else np.zeros(spec.nodes)
         self.skew = dict(zip(self.node_ids, skew.tolist()))     # node -> its clock minus the corpus's
@@ -377,6 +391,41 @@ class Corpus:
                         break
         return out
 
+    def _rank0_saves(self) -> list["Ordinary"]:
+        """Rank 0 of each job saving alone behind a barrier now and then (``rank0_saves`` per job-hour, 15-120 s,
+        undeclared): clear by ``gap_s`` of the faults of the job's nodes, of its job-wide ordinary events and of its
+        agents' restarts, and by 30 s of its periodic checkpoints (a node's hiccup or ECC tick may fall inside)."""
+        s = self.spec
+        rng = np.random.default_rng([s.seed, 12])
+        phase = self._bases()[3]
+        out = []
+        for job, nodes in self.nodes_of.items():
+            spans = [(i.start - self.t0, i.end - self.t0) for i in self.injections if self.job_of[i.node] == job]
+            spans += [(o.start - self.t0, o.end - self.t0) for o in self.ordinary
+                      if o.job == job and (o.node is None or o.kind == "agent_restart")]
+            for _ in range(int(rng.poisson(s.rank0_saves * s.hours))):
+                dur = float(rng.uniform(15, 120))
+                for _ in range(50):
+                    start = round(float(rng.uniform(s.warmup_s, max(s.warmup_s + 1, self.duration - dur - 1))))
+                    end = round(start + dur)
+                    ck = (np.arange(start - 45, end + 30) + phase[job]) % s.checkpoint_every_s < 15
+                    if not ck.any() and all(end + s.gap_s < a or start > b + s.gap_s for a, b in spans):
+                        out.append(Ordinary("rank0_save", job, nodes[0], self.t0 + start, self.t0 + end))
+                        spans.append((start, end))
+                        break
+        return out
+
+    def _bases(self) -> tuple[np.ndarray, np.ndarray, dict[str, float], dict[str, float]]:
+        """Each GPU's utilisation baseline and temperature offset, each job's step time and its offset into
+        ``checkpoint_every_s`` (its periodic synchronous checkpoints)."""
+        s = self.spec
+        base_rng = np.random.default_rng([s.seed, 2])
+        util_base = base_rng.normal(93.0, 1.0, (s.nodes, s.gpus))
+        temp_off = base_rng.normal(0.0, 2.0, (s.nodes, s.gpus))
+        step_time = {j: float(base_rng.uniform(*s.step_s)) for j in sorted(set(self.job_of.values()))}
+        phase = {j: float(base_rng.uniform(0, s.checkpoint_every_s)) for j in step_time}
+        return util_base, temp_off, step_time, phase
+
     # ------------------------------------------------------------------ batches
     def batches(self, start_s: int = 0, stop_s: int | None = None) -> Iterator[MetricBatch]:
         """Every batch from second ``start_s`` to ``stop_s`` (default: the end), in time order."""
@@ -434,11 +483,7 @@ class Corpus:
         s = self.spec
         stop_s = self.duration if stop_s is None else min(stop_s, self.duration)
         n, g = s.nodes, s.gpus
-        base_rng = np.random.default_rng([s.seed, 2])
-        util_base = base_rng.normal(93.0, 1.0, (n, g))
-        temp_off = base_rng.normal(0.0, 2.0, (n, g))
-        step_time = {j: float(base_rng.uniform(*s.step_s)) for j in sorted(set(self.job_of.values()))}
-        phase = {j: float(base_rng.uniform(0, s.checkpoint_every_s)) for j in step_time}
+        util_base, temp_off, step_time, phase = self._bases()
         by_node: dict[str, list[Injection]] = {}
         for inj in self.injections:
             by_node.setdefault(inj.node, []).append(inj)
@@ -478,6 +523,13 @@ class Corpus:
                     if i == hung and (g1 := j["hung_gpu_l"][t]) >= 0:
                         util[i, g1], power[i, g1] = 0.0, 90.0
                     elif i == hung:
+                        util[i], power[i] = 0.0, 90.0
+                    continue
+                if (saver := j["saver_l"][t]) >= 0:     # rank 0 writes its checkpoint; the other ranks spin in the barrier
+                    util[i], power[i] = 100.0, 150.0
+                    if i == saver and (g1 := j["save_gpu_l"][t]) >= 0:
+                        util[i, g1], power[i, g1] = 0.0, 90.0
+                    elif i == saver:
                         util[i], power[i] = 0.0, 90.0
                     continue
                 if slow >= 0:               # every GPU but the slow one waits for it at the all-reduce
@@ -566,6 +618,10 @@ class Corpus:
                           "alive": 1.0, "loss_nonfinite": 1.0 if e.get("nan") else 0.0}
                 if beats[job]:
                     fields["heartbeat_age_s"] = float(ts - e["hung_since"]) if "hung_since" in e else 0.1 * (1 + t % 7)
+                if s.rank0_saves:   # what the agent measures of the rank's process: a save's rate, else a log's trickle
+                    saving = j["saver_l"][t] == i and t % 20 != 7
+                    fields["write_bytes_per_s"] = float(3e8 + 17e8 * ((t * 7919 + i) % 101) / 100) if saving \
+                        else float(1000 * (1 + (t + i) % 50))
                 tags = {"job": job, "generation": "0"}
                 if j["declared_l"][t]:
                     tags["phase"] = "eval"
@@ -585,7 +641,8 @@ class Corpus:
         for job in self.nodes_of:
             ck = (sec + phase[job]) % s.checkpoint_every_s < 15        # synchronous checkpoints
             j = {"rate": np.where(ck, 0.0, 1.0), "util": np.where(ck, 0.1, 1.0), "declared": np.zeros(D, bool),
-                 "hung": np.full(D, -1), "hung_gpu": np.full(D, -1), "lost": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
+                 "hung": np.full(D, -1), "hung_gpu": np.full(D, -1), "lost": np.full(D, -1),
+                 "saver": np.full(D, -1), "save_gpu": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
                  "node_util": {}, "sbe": {}}
             out[job] = j
         for o in self.ordinary:
@@ -605,6 +662,9 @@ class Corpus:
                 j["node_util"].setdefault(index[o.node], np.ones(D))[a:b] = 0.1
             elif o.kind == "sbe":
                 j["sbe"].setdefault(index[o.node], []).append(a)
+            elif o.kind == "rank0_save":     # the job waits at a barrier while rank 0 writes (its own GPU, or its node's)
+                j["rate"][a:b], j["saver"][a:b] = 0.0, index[o.node]
+                j["save_gpu"][a:b] = 0 if int(o.start) % 2 == 0 else -1
         for inj in self.injections:
             j = out[self.job_of[inj.node]]
             a, b = int(inj.start - self.t0), min(D, int(inj.end - self.t0))
@@ -624,7 +684,7 @@ class Corpus:
         for j in out.values():
             j["progress"] = np.concatenate([[0.0], np.cumsum(j["rate"])])[:D]
             j["sbe"] = {i: sorted(v) for i, v in j["sbe"].items()}
-            for k in ("rate", "progress", "util", "hung", "hung_gpu", "lost", "slow", "declared"):   # plain lists: fast per-second reads
+            for k in ("rate", "progress", "util", "hung", "hung_gpu", "lost", "slow", "declared", "saver", "save_gpu"):   # plain lists: fast per-second reads
                 j[k + "_l"] = j[k].tolist()
         return out
 

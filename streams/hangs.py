@@ -13,6 +13,10 @@ inside a collective). Both look the same in the step counter. What tells them ap
 - **its peers**: a rank whose step stands still while the other ranks of its job step on;
 - **what the job declares**: ``report(phase="checkpoint")`` (or eval, data, compile, startup,
   restore) raises the ceiling for that phase (``hang_phase_ceilings``);
+- **what a rank writes**: a rank whose process writes at ``hang_save_write_mb_s`` or more (the agent's
+  ``write_bytes_per_s``) saves a checkpoint, as if it declared the phase (rank 0 saving alone behind a
+  barrier while the other ranks spin, the pattern of DDP's own examples, is no rank "not in the
+  collective"), for ``_SAVE_GRACE_S`` after its last such report;
 - **what the job has survived**: a stop with no stuck rank is a pause until
   ``max(hang_pause_floor_s, hang_pause_margin x the longest pause this job survived)`` (NVRx
   sets its timeouts from observed intervals the same way), then a job-level hang.
@@ -108,6 +112,9 @@ _WAIT_BEGAN_S = 5.0
 #: a node stays apart (idle alone) through reports that say otherwise for less than this since its last one
 #: that found it apart (its clock; not across a silence of its node)
 _APART_GRACE_S = 2.0
+#: a rank that wrote at a save's rate (``hang_save_write_mb_s``) is saving for this long after (its clock): a
+#: save's writes pause while it copies the next tensor off the GPU or serialises it
+_SAVE_GRACE_S = 5.0
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 #: seconds of a job's step moves kept (:attr:`JobView.tally`): past the heartbeat horizon and timeout
 _TALLY = 300
@@ -139,10 +146,18 @@ class RankView:
     stack: str = ""
     state: str = ""
     pid: str = ""
+    wrote: float = float("-inf")       # sample time of its last report that wrote at a save's rate
+    write_rate: float | None = None    # bytes per second its process wrote, as its last report said
 
     @property
     def stall(self) -> float:
         return self.last_seen - self.since
+
+    @property
+    def doing(self) -> str:
+        """The phase it declared, or "checkpoint" while its process writes at a save's rate (and for
+        ``_SAVE_GRACE_S`` after): a rank that saves is at work, not hung."""
+        return self.phase or ("checkpoint" if self.last_seen - self.wrote <= _SAVE_GRACE_S else "")
 
     def median_step(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
@@ -233,6 +248,7 @@ class HangDetector:
         self.jobs: dict[str, JobView] = {}
         self._ceilings = dict(config.hang_phase_ceilings)
         self._idle_at, self._busy_at = config.hang_idle_util, config.hang_busy_util
+        self._saving_at = config.hang_save_write_mb_s * 1e6 if config.hang_save_write_mb_s > 0 else float("inf")
         self._hung: dict[str, list] = {}         # node -> the (job, rank key, since) of its last reported hangs
         self._seeded: dict[tuple, float] = {}    # (node, job, generation, rank) -> step an earlier worker reported
         self._swept = 0.0
@@ -264,7 +280,7 @@ class HangDetector:
             return True
         if r.heartbeat_age is None:
             return False
-        stale = self.config.hang_stale_s * (4 if r.phase else 1)   # a declared phase may hold the GIL longer
+        stale = self.config.hang_stale_s * (4 if r.doing else 1)   # a declared phase may hold the GIL longer
         return r.heartbeat_age >= stale
 
     def ongoing(self, node: str, ts: float) -> bool:
@@ -394,6 +410,10 @@ class HangDetector:
             r.stopped = s.fields.get("stopped") == 1
             r.phase, r.stack, r.state, r.pid = (s.tags.get("phase", ""), s.tags.get("stack", ""),
                                                 s.tags.get("state", ""), s.tags.get("pid", ""))
+            if (wrote := s.fields.get("write_bytes_per_s")) is not None:
+                r.write_rate = wrote
+                if wrote >= self._saving_at:
+                    r.wrote = seen
             if s.fields.get("alive") == 1:
                 mine.append((key, r))
         job.lost.pop(node, None)
@@ -480,10 +500,11 @@ class HangDetector:
                                       # the rules below decide
         elif self._behind(job, key, r, peers, limit):
             cause = "behind"
-        elif not (phase := r.phase or next((v.phase for _, v in peers if v.phase), "")) \
+        elif not (phase := r.doing or next((d for _, v in peers if (d := v.doing)), "")) \
                 and self._not_in_collective(job, key, r, peers, limit):
             # (in a declared phase, one node idle while the others spin is the phase's work: rank 0 saving or
-            # scoring while the others wait at a barrier; the phase's ceiling below bounds it)
+            # scoring while the others wait at a barrier; the phase's ceiling below bounds it; so is a rank that
+            # writes at a save's rate, declared or not)
             if any(k[0] == node and k[2] < rank and v.stall > limit for k, v in peers):
                 return None           # one event per idle node: its lowest rank
             cause = "not in the collective"
@@ -755,7 +776,7 @@ class HangDetector:
         power evidence (before its third step move) waits for no one the fast rule can tell: its stall says only
         within a step when a wait began, so the heartbeat timeout decides."""
         median = v.median_step() or 1.0
-        if v.phase or not v.moved or v.stall < 1.0 or v.node not in job.busy_since \
+        if v.doing or not v.moved or v.stall < 1.0 or v.node not in job.busy_since \
                 or abs(job.gpu_util.get(v.node, (0.0, 0.0))[0] - v.last_seen) > 5.0:
             return False
         share = self._power_share(job, v.node, v.last_seen)
@@ -870,13 +891,15 @@ class HangDetector:
         evidence: dict[str, Any] = {
             "step": r.step, "generation": generation, "last_progress_ts": r.since, "stalled_s": round(r.stall, 3),
             "limit_s": round(limit, 3), "cause": cause, "hang_timeout_s": self.config.hang_timeout,
-            "median_step_time_s": r.median_step(), "pid": r.pid or None, "phase": r.phase or None,
+            "median_step_time_s": r.median_step(), "pid": r.pid or None, "phase": r.doing or None,
             "heartbeat_age_s": r.heartbeat_age, "stopped": r.stopped, "process_state": r.state or None,
             "stack": r.stack or None, "longest_pause_survived_s": round(job.longest_pause, 1),
             "waiting_ranks": waiting,
         }
         if node in job.gpu_util:
             evidence["gpu_util"] = round(job.gpu_util[node][1], 1)
+        if r.write_rate is not None:
+            evidence["write_bytes_per_s"] = r.write_rate
         if (gpus := job.gpus.get(node)) is not None:
             evidence["gpus_idle"] = f"{gpus[1]} of {gpus[0]}"
         how = {"stuck": "is stuck (" + ("stopped" if r.stopped else f"no heartbeat for {r.heartbeat_age or 0:.0f}s") + ")",

@@ -115,3 +115,62 @@ def test_a_rank_in_another_pid_namespace_is_found_hung_when_stopped_and_exited_w
             proc.kill()
             proc.wait(10)
         server.stop()
+
+
+WRITER = r"""
+import os, sys, time
+from transom.agents.intake import report
+report(step=1, loss=2.0, step_time=0.1)
+print("ready", flush=True)
+sys.stdin.readline()
+block = os.urandom(1 << 20)
+end = time.monotonic() + 2.0
+with open(sys.argv[1], "wb") as f:          # a checkpoint written in parts, about 40 MB/s
+    while time.monotonic() < end:
+        f.seek(0)
+        for _ in range(4):
+            f.write(block)
+        f.flush()
+        time.sleep(0.1)
+print("saved", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_rate_a_rank_writes_at_tells_the_tee_it_saves(tmp_path):
+    """A rank in the agent's PID namespace gets ``write_bytes_per_s``: what its process wrote since the last
+    collect. Rank 0 saving alone behind a barrier writes at a save's rate (the TEE's ``hang_save_write_mb_s``)
+    and is not hung; idle, it writes nothing."""
+    col = TrainingCollector("n1")
+    server = IntakeServer("127.0.0.1", 0, on_train=col.update, on_inject=lambda r: {}, logger=logging.getLogger("t"))
+    addr = server.start()
+    env = {**os.environ, "RANK": "0", "TRANSOM_JOB": "jw", "TRANSOM_NODE": "n1", "TRANSOM_AGENT_ADDR": addr}
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "ckpt.bin")], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    saving = TEEConfig().hang_save_write_mb_s * 1e6
+
+    def rate() -> float | None:
+        got = [s for s in col.collect() if s.index == 0]
+        return got[0].fields.get("write_bytes_per_s") if got else None
+
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        wait_until(lambda: len(col), 10, "the rank's report", interval=0.05)
+        assert rate() is None                   # the first collect: nothing to compare with yet
+        time.sleep(0.3)
+        assert rate() < 1e6                     # waiting on stdin
+        proc.stdin.write("save\n")
+        proc.stdin.flush()
+        rates = []
+        for _ in range(5):                      # 1.25 s of its 2 s save
+            time.sleep(0.25)
+            rates.append(rate())
+        assert all(r is not None for r in rates) and max(rates) >= saving, rates
+        assert proc.stdout.readline().strip() == "saved"
+        rate()
+        time.sleep(0.3)
+        assert rate() < 1e6
+    finally:
+        proc.kill()
+        proc.wait(10)
+        server.stop()

@@ -1118,6 +1118,42 @@ def test_agents_that_restart_while_their_jobs_train_on_lose_no_node_and_hide_no_
         Corpus(CorpusSpec(nodes=2, hours=0.1, agent_restarts=-1))
 
 
+def test_rank_0_saving_alone_behind_a_barrier_undeclared_restarts_no_job(monkeypatch):
+    """bench/tee_quality.py --rank0-saves: rank 0 saves alone behind a barrier (DDP's ``if rank == 0:
+    torch.save(...)``), undeclared, for 15-120 s: its GPUs (or only its own GPU) idle, every other GPU spins,
+    no step moves, and its process writes at a save's rate. A rank "not in the collective" to the step limit,
+    that was a hang with action restart at every such save; through the engine and the bench's scoring: no
+    false event at all."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from tee_quality import LAG_S, replay, score
+
+    spec = CorpusSpec(nodes=8, hours=0.3, seed=42, min_per_class=0, faults_per_node_hour=0.3, rank0_saves=8.0)
+    corpus = Corpus(spec)
+    saves = [o for o in corpus.ordinary if o.kind == "rank0_save"]
+    assert len(saves) == 2 and all(15 <= o.end - o.start <= 120 and o.node == corpus.node_ids[0] for o in saves)
+    shapes = set()
+    for b in corpus.batches():
+        o = next((o for o in saves if o.start + 1 <= b.ts < o.end), None)
+        if o is None:
+            continue
+        utils = [s.fields[c.DCGM.GPU_UTIL] for s in b.samples if s.source is c.Source.GPU]
+        [train] = [s for s in b.samples if s.source is c.Source.TRAIN]
+        if b.node == o.node:
+            shapes.add(tuple(u == 0.0 for u in utils).count(True))     # its node's GPUs idle, or only its own
+            assert train.fields["write_bytes_per_s"] >= 3e8 or (b.ts - corpus.t0) % 20 == 7
+        else:
+            assert min(utils) == 100.0 and train.fields["write_bytes_per_s"] < 1e6
+    assert shapes == {1, spec.gpus}
+    events, _, _ = replay(corpus, TEEConfig(), progress=False)
+    r = score(corpus, events, LAG_S)
+    assert r["false_restart_or_evict"] == [] and r["false_events"] == []
+    events, _, _ = replay(corpus, TEEConfig(hang_save_write_mb_s=0), progress=False)   # the evidence off: a restart each
+    assert len(score(corpus, events, LAG_S)["false_restart_or_evict"]) == 2
+    with pytest.raises(ValueError, match="rank0_saves"):
+        Corpus(CorpusSpec(nodes=2, hours=0.1, rank0_saves=-1))
+
+
 def test_a_backlog_of_half_an_hour_goes_to_the_jobs_worker_in_feeds_under_1_mb_and_decides_the_same():
     """A worker that catches up (restarted after a while, a partition moved to it) reads minutes of a job
     between two feeds. One feed per job held every window: 12 minutes of 8 nodes of 8 GPUs encoded to 0.9 MB,

@@ -15,12 +15,14 @@ NODES = ("node0", "node1", "node2")
 
 def _batch(node: str, ts: float, step: int, *, util: float | tuple = 95.0, hb: float = 0.3, phase: str = "",
            stack: str = "", stopped: bool = False, rank: int | None = None, step_time: float = 0.5,
-           power: float | None = None, seq: int | None = None) -> c.MetricBatch:
+           power: float | None = None, seq: int | None = None, write: float | None = None) -> c.MetricBatch:
     """``util``: every GPU's utilisation (two GPUs), or a tuple of each GPU's; ``power``: every GPU's power
-    draw (None: not reported)."""
+    draw (None: not reported); ``write``: the rank process's write rate, bytes per second (None: unknown)."""
     fields = {"step": step, "loss": 2.0, "step_time": step_time, "alive": 1, "heartbeat_age_s": hb}
     if stopped:
         fields["stopped"] = 1
+    if write is not None:
+        fields["write_bytes_per_s"] = write
     tags = {"job": "j", "generation": "0", "pid": "77"}
     if phase:
         tags["phase"] = phase
@@ -257,6 +259,60 @@ def test_in_a_declared_phase_rank_0_working_alone_while_the_others_wait_is_no_ha
     assert found[0].observed_ts - T0 > 30 + 400
     undeclared = _run(TEEEngine(TEEConfig(soft_detectors=())), range(60), feed(""))
     assert [(f.node, f.evidence["cause"]) for f in undeclared] == [("node0", "not in the collective")]
+
+
+@pytest.mark.parametrize("idle", [0.0, (0.0, 100.0)], ids=["node idle", "one GPU idle"])
+def test_rank_0_saving_undeclared_behind_a_barrier_is_no_hang_while_it_writes(idle):
+    """DDP's own examples save with ``if rank == 0: torch.save(...)`` and a barrier: rank 0's GPU idles while
+    it writes, the other ranks spin in the collective. Without a declared phase that was a node "not in the
+    collective" at the step limit (a restart at every save longer than 10 s). The agent measures how fast the
+    rank's process writes (``write_bytes_per_s``): one that writes at a save's rate is saving."""
+    def feed(write_until, rate=200e6):
+        def per_node(node, t):
+            if t < 30 or t >= 150:
+                return {"step": t if t < 30 else t - 120, "write": 0.0 if node == "node0" else None}
+            saving = node == "node0" and t < write_until
+            return {"step": 30, "util": idle if node == "node0" else 100.0,
+                    "write": (rate if saving else 2e3) if node == "node0" else None}
+        return per_node
+
+    # a save of 120 s (4 x 30 s, each file written between copies: 2 s without writes before each) resumes
+    def chunked(node, t):
+        kw = feed(150)(node, t)
+        if node == "node0" and 30 <= t < 150 and t % 30 >= 28:
+            kw["write"] = 0.0
+        return kw
+
+    assert _run(TEEEngine(TEEConfig(soft_detectors=())), range(200), chunked) == []
+    # writes that stop while its GPU still idles alone: the hang, once the save's grace is over
+    found = _run(TEEEngine(TEEConfig(soft_detectors=())), range(90), feed(50))
+    assert [(f.node, f.rank, f.evidence["cause"]) for f in found] == [("node0", 0, "not in the collective")]
+    assert 50 + 5 <= found[0].observed_ts - T0 <= 50 + 7
+    assert found[0].evidence["write_bytes_per_s"] == 2e3
+    # a log file's trickle is no save; the setting at 0 turns the evidence off
+    for engine, per_node in ((TEEEngine(TEEConfig(soft_detectors=())), feed(150, rate=1e6)),
+                             (TEEEngine(TEEConfig(soft_detectors=(), hang_save_write_mb_s=0)), feed(150))):
+        found = _run(engine, range(60), per_node)
+        assert [(f.node, f.evidence["cause"]) for f in found] == [("node0", "not in the collective")]
+        assert found[0].observed_ts - T0 <= 30 + 12
+
+
+def test_a_save_that_writes_past_the_checkpoint_ceiling_is_one_job_level_hang():
+    def per_node(node, t):
+        if t < 30:
+            return {"step": t}
+        return {"step": 30, "util": 0.0 if node == "node0" else 100.0, "write": 50e6 if node == "node0" else None}
+
+    engine = TEEEngine(TEEConfig(soft_detectors=(), hang_phase_ceilings={"checkpoint": 400.0}))
+    found = _run(engine, range(460), per_node)
+    assert [(f.node, f.evidence["cause"], f.threshold, f.evidence["phase"]) for f in found] == \
+        [("node0", "pause ceiling", 400.0, "checkpoint")]
+
+
+def test_the_save_write_rate_setting_refuses_a_bad_value():
+    for bad in (-1, "fast", True, float("inf")):
+        with pytest.raises(ConfigError, match="hang_save_write_mb_s"):
+            TEEConfig(hang_save_write_mb_s=bad)
 
 
 def test_a_stop_longer_than_every_pause_is_one_job_level_hang(engine):
