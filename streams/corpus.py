@@ -515,21 +515,14 @@ class Corpus:
                 j = tl[self.job_of[node]]
                 nu = j["node_util"].get(i)
                 f = j["util_l"][t] * (nu[t] if nu is not None else 1.0)
-                hung, slow = j["hung_l"][t], j["slow_l"][t]
-                if hung >= 0 or j["lost_l"][t] >= 0:
-                    # a hang or a lost node (which sends nothing): the waiting ranks spin in the collective, the
-                    # hung one idles
+                apart, slow = j["apart_l"][t], j["slow_l"][t]
+                if apart >= 0 or j["lost_l"][t] >= 0:
+                    # a hang, a lost node (which sends nothing) or rank 0 saving behind a barrier: the waiting ranks
+                    # spin in the collective, the hung (or saving) one idles, its node's GPUs or only its own
                     util[i], power[i] = 100.0, 150.0
-                    if i == hung and (g1 := j["hung_gpu_l"][t]) >= 0:
+                    if i == apart and (g1 := j["apart_gpu_l"][t]) >= 0:
                         util[i, g1], power[i, g1] = 0.0, 90.0
-                    elif i == hung:
-                        util[i], power[i] = 0.0, 90.0
-                    continue
-                if (saver := j["saver_l"][t]) >= 0:     # rank 0 writes its checkpoint; the other ranks spin in the barrier
-                    util[i], power[i] = 100.0, 150.0
-                    if i == saver and (g1 := j["save_gpu_l"][t]) >= 0:
-                        util[i, g1], power[i, g1] = 0.0, 90.0
-                    elif i == saver:
+                    elif i == apart:
                         util[i], power[i] = 0.0, 90.0
                     continue
                 if slow >= 0:               # every GPU but the slow one waits for it at the all-reduce
@@ -634,15 +627,16 @@ class Corpus:
                 seqs[node] += 1
 
     def _timeline(self, phase: Mapping[str, float], index: Mapping[str, int]) -> dict[str, dict]:
-        """Per job and second: step rate and progress, utilisation factors, the hung and the slow node."""
+        """Per job and second: step rate and progress, utilisation factors, the node that idles while the others
+        spin (hung, or saving behind a barrier) and the slow node."""
         s, D = self.spec, self.duration
         sec = np.arange(D)
         out: dict[str, dict] = {}
         for job in self.nodes_of:
             ck = (sec + phase[job]) % s.checkpoint_every_s < 15        # synchronous checkpoints
             j = {"rate": np.where(ck, 0.0, 1.0), "util": np.where(ck, 0.1, 1.0), "declared": np.zeros(D, bool),
-                 "hung": np.full(D, -1), "hung_gpu": np.full(D, -1), "lost": np.full(D, -1),
-                 "saver": np.full(D, -1), "save_gpu": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
+                 "apart": np.full(D, -1), "apart_gpu": np.full(D, -1), "lost": np.full(D, -1),
+                 "saver": np.full(D, -1), "slow": np.full(D, -1), "slow_gpu": np.zeros(D, int), "wait": np.ones(D),
                  "node_util": {}, "sbe": {}}
             out[job] = j
         for o in self.ordinary:
@@ -663,8 +657,8 @@ class Corpus:
             elif o.kind == "sbe":
                 j["sbe"].setdefault(index[o.node], []).append(a)
             elif o.kind == "rank0_save":     # the job waits at a barrier while rank 0 writes (its own GPU, or its node's)
-                j["rate"][a:b], j["saver"][a:b] = 0.0, index[o.node]
-                j["save_gpu"][a:b] = 0 if int(o.start) % 2 == 0 else -1
+                j["rate"][a:b], j["saver"][a:b], j["apart"][a:b] = 0.0, index[o.node], index[o.node]
+                j["apart_gpu"][a:b] = 0 if int(o.start) % 2 == 0 else -1
         for inj in self.injections:
             j = out[self.job_of[inj.node]]
             a, b = int(inj.start - self.t0), min(D, int(inj.end - self.t0))
@@ -674,7 +668,7 @@ class Corpus:
                 j["rate"][a:b], j["lost"][a:b] = 0.0, index[inj.node]
             elif inj.cls is FaultClass.HANG:
                 one = s.hang_gpus == "one" or s.hang_gpus == "mix" and int(inj.start) % 2 == 0
-                j["rate"][a:b], j["hung"][a:b], j["hung_gpu"][a:b] = 0.0, index[inj.node], inj.gpu if one else -1
+                j["rate"][a:b], j["apart"][a:b], j["apart_gpu"][a:b] = 0.0, index[inj.node], inj.gpu if one else -1
             elif inj.cls in (FaultClass.STRAGGLER, FaultClass.POWER_CAP, FaultClass.THERMAL):
                 f = {FaultClass.STRAGGLER: lvl, FaultClass.POWER_CAP: 0.5 + 0.5 * lvl,
                      FaultClass.THERMAL: 1 - 0.012 * lvl}[inj.cls]
@@ -684,7 +678,7 @@ class Corpus:
         for j in out.values():
             j["progress"] = np.concatenate([[0.0], np.cumsum(j["rate"])])[:D]
             j["sbe"] = {i: sorted(v) for i, v in j["sbe"].items()}
-            for k in ("rate", "progress", "util", "hung", "hung_gpu", "lost", "slow", "declared", "saver", "save_gpu"):   # plain lists: fast per-second reads
+            for k in ("rate", "progress", "util", "apart", "apart_gpu", "lost", "slow", "declared", "saver"):   # plain lists: fast per-second reads
                 j[k + "_l"] = j[k].tolist()
         return out
 
