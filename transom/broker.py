@@ -79,12 +79,15 @@ class EmbeddedBroker:
                  read(self.proc.pid))
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop the broker: SIGTERM, then SIGKILL after ``grace`` seconds. Its data is in memory, so
+        nothing is kept by waiting longer, and its graceful shutdown waits about 5 s for clients still
+        connected to hang up (a demo's Ctrl-C, every test's teardown)."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(grace)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
