@@ -16,7 +16,10 @@ Client side (imported by training scripts; standard library only):
   ``TRANSOM_HEARTBEAT_S`` seconds (default 1; 0: none), with the current phase and, once the
   main thread has not reported for two heartbeats, a sample of its stack (where it waits); at
   interpreter exit one ``{"type":"exit"}`` is sent. A SIGSTOPped or GIL-stuck rank stops its
-  heartbeat; a rank that exits says so. Every datagram carries the process's PID namespace
+  heartbeat; a rank that exits says so. Each heartbeat also carries what the process has written so
+  far (``io``: the kernel's ``wchar`` and ``write_bytes`` from ``/proc/self/io``, which a process may
+  always read of itself): the agent turns it into the rank's write rate, in any namespace and as any
+  user (a rank 0 that writes while the other ranks wait saves a checkpoint, not a hang). Every datagram carries the process's PID namespace
   (``pidns``) so an agent in the same namespace may also ask the kernel.
 - :func:`report_event` ``(name, **fields)`` sends a one-off event of the rank (a checkpoint save and
   how long it stalled training, a restore and where it came from): the agent publishes each event
@@ -63,6 +66,7 @@ MAX_DATAGRAM = 65507
 
 _IDENTITY = ("type", "job", "rank", "generation", "pid", "node", "ts", "phase", "stack", "pidns")
 _KINDS = ("train", "heartbeat", "exit")
+_IO_KEYS = (b"wchar", b"write_bytes")
 #: Longest stack sample a heartbeat carries (characters; a datagram holds 64 KiB).
 MAX_STACK = 4000
 _NONFINITE = {"nan": "nan", "inf": "inf", "+inf": "inf", "-inf": "-inf",
@@ -146,6 +150,16 @@ def _pidns() -> str:
         return ""
 
 
+def _written() -> list[int] | None:
+    """This process's ``wchar`` and ``write_bytes`` so far (``/proc/self/io``; None where there is none)."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            lines = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return [int(lines[k]) for k in _IO_KEYS]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def _identity(kind: str) -> dict[str, Any]:
     env = os.environ
     return {"type": kind, "job": env.get("TRANSOM_JOB", ""), "rank": int(env.get("RANK") or 0),
@@ -180,6 +194,8 @@ def _heartbeat(interval: float, pid: int) -> None:
                 continue
             msg = _identity("heartbeat")
             msg["phase"] = _live["phase"]
+            if (io := _written()) is not None:
+                msg["io"] = io
             if time.time() - _live["last"] > 2 * interval:     # the main thread is not stepping: where is it?
                 msg["stack"] = _stack_of(_live["main"])
             _send(msg, target)
@@ -318,6 +334,7 @@ class TrainReport:
     stack: str = ""
     pidns: str = ""
     event: str = ""            # a one-off event (report_event), not the rank's newest state
+    io: tuple[int, int] | None = None    # a heartbeat's: the process's wchar and write_bytes so far
 
 
 @dataclass(frozen=True)
@@ -374,10 +391,16 @@ def parse_datagram(data: bytes) -> TrainReport | InjectRequest:
         if not isinstance(event, str) or len(event) > 64:
             raise IntakeError("training report: field 'event' must be a name of at most 64 characters")
         text = {k: d.get(k) if isinstance(d.get(k), str) else "" for k in ("phase", "stack", "pidns")}
+        io = d.get("io") if kind == "heartbeat" else None      # (a report's "io" is one of its values)
+        if io is not None and (type(io) is not list or len(io) != 2
+                               or not all(type(v) is int and v >= 0 for v in io)):
+            raise IntakeError(f"training report: field 'io' must be [wchar, write_bytes], two byte counts >= 0, "
+                              f"got {io!r}")
         return TrainReport(job=job, rank=_int(d, "rank", minimum=0), generation=_int(d, "generation", minimum=0, default=0),
                            pid=_int(d, "pid", minimum=1), node=node, ts=float(ts),
                            values=_values(d) if kind == "train" else {}, kind=kind, phase=text["phase"][:32],
-                           stack=text["stack"][:MAX_STACK], pidns=text["pidns"][:64], event=event)
+                           stack=text["stack"][:MAX_STACK], pidns=text["pidns"][:64], event=event,
+                           io=None if io is None else (io[0], io[1]))
     if kind == "inject":
         fault = d.get("fault")
         if fault not in FAULTS:

@@ -12,11 +12,15 @@ Ranks are keyed by ``(job, generation, rank)``. Every collect gives, per known r
   namespaces and containers: its heartbeat thread stops with it. No PID of another namespace
   is ever looked up (it would name an unrelated process, or none).
 - ``stopped``: 1 when the kernel says the process is stopped (only in this PID namespace).
-- ``write_bytes_per_s``: how fast the process wrote since the last collect (only in this PID
-  namespace; the larger of the kernel's ``wchar``, bytes handed to write calls, and ``write_bytes``,
-  bytes dirtied for storage: a file on local disk, tmpfs, NFS or Lustre, or a memory map), from its
-  second collect on. A rank whose GPU idles while it writes saves a checkpoint (rank 0 behind a
-  barrier) and is not hung: the TEE reads it (``docs/tee.md``, "A rank that writes saves").
+- ``write_bytes_per_s``: how fast the process wrote between its two newest readings of what it has
+  written (the larger of the kernel's ``wchar``, bytes handed to write calls, and ``write_bytes``,
+  bytes dirtied for storage: a file on local disk, tmpfs, NFS or Lustre, or a memory map). The rank's
+  heartbeats carry the readings (its own ``/proc/self/io``: any namespace, any user); for a rank in
+  this PID namespace whose heartbeats do not, the agent reads ``/proc/PID/io`` itself at each collect
+  (which needs the rank's user, or root). Left out until two readings are known, and in a batch with
+  no new reading (a rank whose heartbeat stopped). A rank whose GPU idles while it writes saves a
+  checkpoint (rank 0 behind a barrier) and is not hung: the TEE reads it (``docs/tee.md``, "A rank
+  that writes saves").
 
 Tags: ``job``, ``generation``, ``pid``, and when known ``phase`` (what the rank said it is doing:
 checkpoint, eval, ...), ``stack`` (where its main thread waits, from its heartbeat; for a rank
@@ -78,7 +82,9 @@ class _Rank:
     exited: bool = False
     sampling: bool = False          # a py-spy dump is under way
     extra: dict = field(default_factory=dict)
-    io: tuple[float, int, int] | None = None    # (monotonic time, wchar, write_bytes) at the last collect
+    io: tuple[float, int, int] | None = None      # the newest reading: (monotonic time, wchar, write_bytes)
+    io_used: tuple[float, int, int] | None = None  # the reading the last write rate ended at
+    beats_io: bool = False                         # its heartbeats carry its readings
 
 
 def _own_pidns() -> str:
@@ -131,13 +137,19 @@ def _written(proc: psutil.Process) -> tuple[int, int] | None:
     return getattr(io, "write_chars", 0), io.write_bytes
 
 
-def _write_rate(r: "_Rank", clock: float) -> float | None:
-    """Bytes per second ``r``'s process wrote since the last call (None on the first, or unknown)."""
-    now = _written(r.proc) if r.proc is not None else None
-    before, r.io = r.io, None if now is None else (clock, *now)
-    if now is None or before is None or clock <= before[0]:
+def _write_rate(r: "_Rank", clock: float, heartbeats: bool) -> float | None:
+    """Bytes per second ``r``'s process wrote between the reading the last rate ended at and the newest one
+    (None without a new reading). ``heartbeats``: the rank's heartbeats carry its readings; else the agent
+    reads the process's counters itself (this PID namespace only)."""
+    if not heartbeats and r.proc is not None and (now := _written(r.proc)) is not None:
+        r.io = (clock, *now)
+    before, after = r.io_used, r.io
+    if after is None or before is not None and after[0] <= before[0]:
         return None
-    return max(0, now[0] - before[1], now[1] - before[2]) / (clock - before[0])
+    r.io_used = after
+    if before is None:
+        return None
+    return max(0, after[1] - before[1], after[2] - before[2]) / (after[0] - before[0])
 
 
 def _alive(proc: psutil.Process | None) -> bool:
@@ -190,12 +202,15 @@ class TrainingCollector:
                     return      # liveness of a rank that has not reported yet: nothing to show
                 known.heard, known.phase, known.stack = now, report.phase, report.stack
                 known.exited = known.exited or report.kind == "exit"
+                if report.io is not None:
+                    known.io, known.beats_io = (time.monotonic(), *report.io), True
                 return
             proc = known.proc if same else _open(report)
             if known is None:
                 log.info("training rank %d of job %s (generation %d, pid %d) reports to this agent",
                          report.rank, report.job or "?", report.generation, report.pid)
-            self._ranks[key] = _Rank(report, proc, heard=now, phase=report.phase, io=known.io if same else None)
+            self._ranks[key] = _Rank(report, proc, heard=now, phase=report.phase, io=known.io if same else None,
+                                     io_used=known.io_used if same else None, beats_io=same and known.beats_io)
             self._job = report.job or None
 
     def processes(self) -> list[psutil.Process]:
@@ -243,7 +258,7 @@ class TrainingCollector:
             stopped = state == psutil.STATUS_STOPPED       # SIGSTOP: its stack at once (the TEE judges it in seconds)
             if stopped:
                 fields["stopped"] = 1
-            if alive and r.proc is not None and (rate := _write_rate(r, time.monotonic())) is not None:
+            if alive and (rate := _write_rate(r, time.monotonic(), r.beats_io)) is not None:
                 fields["write_bytes_per_s"] = round(rate)
             if state and state != psutil.STATUS_SLEEPING and state != psutil.STATUS_RUNNING:
                 tags["state"] = state
