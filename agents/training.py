@@ -17,8 +17,9 @@ Ranks are keyed by ``(job, generation, rank)``. Every collect gives, per known r
   bytes dirtied for storage: a file on local disk, tmpfs, NFS or Lustre, or a memory map). The rank's
   heartbeats carry the readings (its own ``/proc/self/io``: any namespace, any user); for a rank in
   this PID namespace whose heartbeats do not, the agent reads ``/proc/PID/io`` itself at each collect
-  (which needs the rank's user, or root). Left out until two readings are known, and in a batch with
-  no new reading (a rank whose heartbeat stopped). A rank whose GPU idles while it writes saves a
+  (which needs the rank's user, or root). Left out until two readings are known; a batch with no new
+  reading repeats the last rate while the newest reading is at most two of its gaps old (heartbeats
+  less often than batches), then leaves it out (a rank whose heartbeat stopped). A rank whose GPU idles while it writes saves a
   checkpoint (rank 0 behind a barrier) and is not hung: the TEE reads it (``docs/tee.md``, "A rank
   that writes saves").
 
@@ -85,6 +86,7 @@ class _Rank:
     io: tuple[float, int, int] | None = None      # the newest reading: (monotonic time, wchar, write_bytes)
     io_used: tuple[float, int, int] | None = None  # the reading the last write rate ended at
     beats_io: bool = False                         # its heartbeats carry its readings
+    rate: tuple[float, float] | None = None        # the last write rate and the time between its two readings
 
 
 def _own_pidns() -> str:
@@ -144,12 +146,20 @@ def _write_rate(r: "_Rank", clock: float, heartbeats: bool) -> float | None:
     if not heartbeats and r.proc is not None and (now := _written(r.proc)) is not None:
         r.io = (clock, *now)
     before, after = r.io_used, r.io
-    if after is None or before is not None and after[0] <= before[0]:
+    if after is None:
+        return None
+    if before is not None and after[0] <= before[0]:
+        # no new reading: heartbeats less often than collects keep their last rate while they keep their pace
+        # (a rank whose heartbeat stopped gets none after two of its gaps)
+        if r.rate is not None and clock - after[0] <= 2 * r.rate[1]:
+            return r.rate[0]
         return None
     r.io_used = after
     if before is None:
         return None
-    return max(0, after[1] - before[1], after[2] - before[2]) / (after[0] - before[0])
+    rate = max(0, after[1] - before[1], after[2] - before[2]) / (after[0] - before[0])
+    r.rate = (rate, after[0] - before[0])
+    return rate
 
 
 def _alive(proc: psutil.Process | None) -> bool:
@@ -210,7 +220,8 @@ class TrainingCollector:
                 log.info("training rank %d of job %s (generation %d, pid %d) reports to this agent",
                          report.rank, report.job or "?", report.generation, report.pid)
             self._ranks[key] = _Rank(report, proc, heard=now, phase=report.phase, io=known.io if same else None,
-                                     io_used=known.io_used if same else None, beats_io=same and known.beats_io)
+                                     io_used=known.io_used if same else None, beats_io=same and known.beats_io,
+                                     rate=known.rate if same else None)
             self._job = report.job or None
 
     def processes(self) -> list[psutil.Process]:

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from transom import contracts
-from transom.agents.intake import IntakeError, IntakeServer, parse_datagram
+from transom.agents.intake import IntakeError, IntakeServer, TrainReport, parse_datagram
 from transom.agents.training import TrainingCollector
 from transom.streams.config import TEEConfig
 from transom.streams.engine import TEEEngine
@@ -191,3 +191,27 @@ def test_the_rate_a_rank_writes_at_tells_the_tee_it_saves(tmp_path, how):
         proc.kill()
         proc.wait(10)
         server.stop()
+
+
+def test_heartbeats_less_often_than_batches_keep_the_write_rate_until_they_stop():
+    """A rank whose heartbeats come less often than the agent's batches (``TRANSOM_HEARTBEAT_S`` over the agent's
+    interval) has no new reading in some batches: the last rate stands there, so a long save does not read as
+    stopped writes between two heartbeats (the TEE holds a save 5 s past its last write report); once its
+    heartbeats stop (a stuck rank), after two of their gaps, it has none."""
+    col = TrainingCollector("n1")
+    rank = {"job": "j", "rank": 0, "generation": 0, "pid": 4242, "node": "n1", "pidns": ""}
+    col.update(TrainReport(ts=time.time(), values={"step": 1.0}, **rank))
+    written, rates = 0, []
+    for i in range(12):                 # heartbeats every 0.3 s, batches every 0.1 s: 60 MB/s written
+        if i % 3 == 0:
+            col.update(TrainReport(ts=time.time(), kind="heartbeat", io=(written, 0), **rank))
+            written += 18_000_000
+        time.sleep(0.1)
+        rates.append(col.collect()[0].fields.get("write_bytes_per_s"))
+    assert rates[:3] == [None] * 3                                  # one reading: no rate yet
+    assert all(r is not None and 3e7 < r < 1.2e8 for r in rates[3:]), rates
+    after = []
+    for _ in range(10):                 # the heartbeats stop
+        time.sleep(0.1)
+        after.append(col.collect()[0].fields.get("write_bytes_per_s"))
+    assert after[-3:] == [None] * 3 and after[0] is not None, after
