@@ -150,10 +150,11 @@ def _pidns() -> str:
         return ""
 
 
-def _written() -> list[int] | None:
-    """This process's ``wchar`` and ``write_bytes`` so far (``/proc/self/io``; None where there is none)."""
+def written(path: str = "/proc/self/io") -> list[int] | None:
+    """The ``wchar`` and ``write_bytes`` so far of this process (or of the one whose ``/proc/PID/io`` is
+    ``path``); None where the kernel does not say (no such file, or not this process's and not readable)."""
     try:
-        with open("/proc/self/io", "rb") as f:
+        with open(path, "rb") as f:
             lines = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
         return [int(lines[k]) for k in _IO_KEYS]
     except (OSError, KeyError, ValueError):
@@ -194,7 +195,7 @@ def _heartbeat(interval: float, pid: int) -> None:
                 continue
             msg = _identity("heartbeat")
             msg["phase"] = _live["phase"]
-            if (io := _written()) is not None:
+            if (io := written()) is not None:
                 msg["io"] = io
             if time.time() - _live["last"] > 2 * interval:     # the main thread is not stepping: where is it?
                 msg["stack"] = _stack_of(_live["main"])

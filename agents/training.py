@@ -56,7 +56,7 @@ from transom import contracts
 from transom.log import get
 
 from .collectors import LogOnce
-from .intake import TrainReport
+from .intake import TrainReport, written
 
 __all__ = ["TrainingCollector"]
 
@@ -130,20 +130,11 @@ def _py_spy(pid: int) -> str:
     return " < ".join(line.strip() for line in out.splitlines() if line.startswith("    "))[:4000]
 
 
-def _written(proc: psutil.Process) -> tuple[int, int] | None:
-    """The process's ``wchar`` and ``write_bytes`` so far (None where the kernel does not say)."""
-    try:
-        io = proc.io_counters()
-    except (psutil.Error, AttributeError, NotImplementedError, OSError):
-        return None
-    return getattr(io, "write_chars", 0), io.write_bytes
-
-
 def _write_rate(r: "_Rank", clock: float, heartbeats: bool) -> float | None:
     """Bytes per second ``r``'s process wrote between the reading the last rate ended at and the newest one
     (None without a new reading). ``heartbeats``: the rank's heartbeats carry its readings; else the agent
     reads the process's counters itself (this PID namespace only)."""
-    if not heartbeats and r.proc is not None and (now := _written(r.proc)) is not None:
+    if not heartbeats and r.proc is not None and (now := written(f"/proc/{r.proc.pid}/io")) is not None:
         r.io = (clock, *now)
     before, after = r.io_used, r.io
     if after is None:

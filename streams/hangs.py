@@ -162,6 +162,12 @@ class RankView:
     def median_step(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
 
+    def recent_step(self) -> float:
+        """Its step time: the median or the longest of its latest three, whichever is longer (the slow steps
+        after a restore or in an evaluation); 1 s before any."""
+        median = self.median_step() or 1.0
+        return max(median, *list(self.step_times)[-3:]) if self.step_times else median
+
 
 @dataclass
 class JobView:
@@ -215,14 +221,8 @@ class JobView:
 
     def moves_since(self, t: float) -> int:
         """Step moves of the job's ranks taken after ``t`` (the detector's clock), to about a second."""
-        before = 0
-        for at, n in reversed(self.tally):
-            if at <= t:
-                before = n
-                break
-        else:
-            before = self.tally[0][1] if self.tally else 0
-        return self.moves - before
+        oldest = self.tally[0][1] if self.tally else 0
+        return self.moves - next((n for at, n in reversed(self.tally) if at <= t), oldest)
 
     def note_cadence(self, node: str, ts: float) -> None:
         """A report of ``node``'s batch of sample time ``ts``: learn how often the node reports."""
@@ -716,8 +716,7 @@ class HangDetector:
         included) on busy GPUs that do not draw a wait's power: a step may still come from it."""
         if not v.moved:
             return False
-        median = v.median_step() or 1.0
-        step = max(median, *list(v.step_times)[-3:]) if v.step_times else median
+        step = v.recent_step()
         if v.stall >= max(1.5 * step, step + 0.5):
             return False
         if job.gpu_util.get(v.node, (0.0, 0.0))[1] <= self._idle_at:
@@ -781,7 +780,7 @@ class HangDetector:
             return False
         share = self._power_share(job, v.node, v.last_seen)
         low = share is not None and share <= self.config.hang_wait_power
-        step = max(median, *list(v.step_times)[-3:]) if v.step_times else median   # its latest steps may be slow
+        step = v.recent_step()      # its latest steps may be slow
         if v.stall < min(1.5 * step, step + 0.5) and not low or share is None and step > _BLIND_STEP_S:
             return False
         busy = v.last_seen - job.busy_since[v.node]       # both on the rank's node's clock
