@@ -118,6 +118,8 @@ _SAVE_GRACE_S = 5.0
 _PAUSE_MIN = 3.0          # stalls shorter than this many step times are not pauses worth learning
 #: seconds of a job's step moves kept (:attr:`JobView.tally`): past the heartbeat horizon and timeout
 _TALLY = 300
+#: the most steps one report of a rank counts for the job's tally (a counter that jumps is no proof of progress)
+_MOVES_MAX = 1000
 
 
 def _held_since(marks: dict, key: tuple, r: "RankView") -> float:
@@ -206,21 +208,22 @@ class JobView:
     read: dict[str, float] = field(default_factory=dict)
     #: node -> the detector's clock when its ranks were last heard, the longest silent first
     heard: OrderedDict = field(default_factory=OrderedDict)
-    #: step moves of the job's ranks taken so far (every rank, every move), and (the detector's clock, that
-    #: count) about once a second: how many steps the job made since a node fell silent (:meth:`moves_since`)
+    #: steps of the job's ranks taken so far (every rank, each report counting the steps it moved), and (the
+    #: detector's clock, that count) about once a second: how many steps the job made since a node fell silent
+    #: (:meth:`moves_since`)
     moves: int = 0
     tally: deque = field(default_factory=lambda: deque(maxlen=_TALLY))
 
-    def note_move(self, now: float) -> None:
-        """A rank of the job moved its step (taken at ``now``, the detector's clock)."""
-        self.moves += 1
+    def note_move(self, now: float, steps: int = 1) -> None:
+        """A rank of the job moved its step by ``steps`` (taken at ``now``, the detector's clock)."""
+        self.moves += steps
         if not self.tally or now - self.tally[-1][0] >= 1.0:
             self.tally.append((now, self.moves))
         else:
             self.tally[-1] = (self.tally[-1][0], self.moves)
 
     def moves_since(self, t: float) -> int:
-        """Step moves of the job's ranks taken after ``t`` (the detector's clock), to about a second."""
+        """Steps of the job's ranks taken after ``t`` (the detector's clock), to about a second."""
         oldest = self.tally[0][1] if self.tally else 0
         return self.moves - next((n for at, n in reversed(self.tally) if at <= t), oldest)
 
@@ -390,8 +393,10 @@ class HangDetector:
                 median = r.median_step() or 0.0
                 if (node, key[1], key[2], r.since) not in job.reported and stalled > max(_PAUSE_MIN * median, 1.0):
                     job.longest_pause = max(job.longest_pause, stalled)
+                # the steps it made since its last report (several where its node reports less often than it
+                # steps; one where its step went back, a restore)
+                job.note_move(now, min(max(int(step - r.step), 1), _MOVES_MAX))
                 r.step, r.since, r.last_seen, r.moved = step, ts, seen, True
-                job.note_move(now)
                 if report.gpus is not None:
                     if (idle := job.idle_stepping.get(node)) is None:
                         idle = job.idle_stepping[node] = deque(maxlen=8)

@@ -597,6 +597,18 @@ def test_where_agents_report_every_5_s_a_late_batch_is_no_lost_node_and_a_node_l
     assert engine._hang.jobs["j"].beats("node0") == 5.0
 
 
+def test_where_agents_report_every_5_s_and_the_job_steps_every_half_second_a_silent_agent_is_no_lost_node(caplog):
+    """0.5 s steps, agents that report every 5 s: each report of a rank moves its step by 10. node2's agent is
+    silent for 80 s while the job steps on: held as stepping on (the steps its peers made are counted, not
+    their reports: counted as one step each, 12 reports in twice the 30 s timeout stood for 12 of the 22 steps
+    asked for, and the node was lost)."""
+    def feed(node, t):
+        return None if node == "node2" and 40 <= t < 120 else {"step": 2 * t, "step_time": 0.5}
+
+    assert _every_5_s(TEEEngine(TEEConfig(soft_detectors=())), 200, feed) == []
+    assert "only its agent is silent" in caplog.text
+
+
 def _long_steps(node2_until: float, wait_from: float | None):
     """A job of 3 s steps, its GPUs at 560 W stepping: node2 sends nothing from ``node2_until``; from
     ``wait_from`` (None: never) the others stand still in step 10, spinning at 150 W (a spin-wait kernel)."""
