@@ -140,6 +140,7 @@ class RankView:
     since: float                       # ts of the first sample that showed ``step``
     last_seen: float
     heard: float = 0.0                 # the detector's clock when its last report was taken
+    moved_at: float = 0.0              # the detector's clock when the report that first showed ``step`` was taken
     step_times: deque = field(default_factory=lambda: deque(maxlen=20))
     heartbeat_age: float | None = None
     stopped: bool = False
@@ -189,6 +190,9 @@ class JobView:
     #: node -> the last sample time of its ranks before their latest silence of the heartbeat timeout or more
     #: (its node lost): the job may stand still from then on, waiting for it
     gone: dict[str, float] = field(default_factory=dict)
+    #: node -> the detector's clock when its ranks were last heard before that silence (``gone``'s, compared
+    #: with other nodes' times: node clocks skew)
+    gone_heard: dict[str, float] = field(default_factory=dict)
     lost: dict[str, float] = field(default_factory=dict)   # node -> the report ts it was found lost after
     #: node -> its last report ts before a silence its job stepped on through (its agent silent, not lost)
     held: dict[str, float] = field(default_factory=dict)
@@ -383,9 +387,10 @@ class HangDetector:
             seen = max(ts, report.ts)
             r = job.ranks.get(key)
             if r is None:
-                r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen, heard=now)
+                r = job.ranks[key] = RankView(node=node, step=step, since=ts, last_seen=seen, heard=now, moved_at=now)
             elif now - r.heard >= self.config.heartbeat_timeout * job.beats(node) or node in job.lost:
                 job.gone[node] = r.last_seen      # back from a silence its job may still stand still for
+                job.gone_heard[node] = r.heard
             if step != r.step:
                 # the time it was seen standing still: a node silent for a while (its agent down, the node
                 # lost and back) comes back at a new step, and that gap is no pause the job survived
@@ -396,7 +401,7 @@ class HangDetector:
                 # the steps it made since its last report (several where its node reports less often than it
                 # steps; one where its step went back, a restore)
                 job.note_move(now, min(max(int(step - r.step), 1), _MOVES_MAX))
-                r.step, r.since, r.last_seen, r.moved = step, ts, seen, True
+                r.step, r.since, r.last_seen, r.moved, r.moved_at = step, ts, seen, True, now
                 if report.gpus is not None:
                     if (idle := job.idle_stepping.get(node)) is None:
                         idle = job.idle_stepping[node] = deque(maxlen=8)
@@ -447,6 +452,7 @@ class HangDetector:
                 job.behind_since.pop(key, None)
             for n in [n for n, t in job.gone.items() if t < cutoff]:
                 del job.gone[n]
+                job.gone_heard.pop(n, None)
             for n in [n for n, (t, _) in job.gpu_util.items() if t < cutoff]:
                 job.heard.pop(n, None)
                 job.busy_since.pop(n, None)
@@ -616,7 +622,7 @@ class HangDetector:
             if not waiting or not all(self._waits_for(job, v, quiet) for _, v in waiting):
                 continue
             start = min(v.since for _, v in waiting)
-            if self._stands_for_other(job, n, quiet, now, max(v.since for _, v in waiting)):
+            if self._stands_for_other(job, n, quiet, now, max(v.moved_at for _, v in waiting)):
                 continue
             if self._stands_for_idle(job, n, start, waiting):
                 continue
@@ -729,22 +735,23 @@ class HangDetector:
         return not self._spins_waiting(job, v.node, v.last_seen)
 
     def _stands_for_other(self, job: JobView, silent: str, quiet: float, now: float, stood: float) -> bool:
-        """The job has stood (since ``stood``, the latest of its waiting ranks' stops) since another node was
-        found lost, or fell silent before ``silent`` did (``quiet`` seconds ago), whether it was found lost by the
-        fast rule or is left to the heartbeat timeout, or was lost and is back (``JobView.gone``, ``silent``
-        itself too: the job stands for it, or computes the step it stood at, until its step moves): the job
-        waits for that node, and ``silent`` may only be late."""
-        if any(m != silent and stood <= at + 2 * self._fast(job, m) for m, at in job.lost.items()):
+        """The job has stood (since ``stood``, when the latest of its waiting ranks' stops was heard) since another
+        node was found lost, or fell silent before ``silent`` did (``quiet`` seconds ago), whether it was found
+        lost by the fast rule or is left to the heartbeat timeout, or was lost and is back (``JobView.gone``,
+        ``silent`` itself too: the job stands for it, or computes the step it stood at, until its step moves):
+        the job waits for that node, and ``silent`` may only be late. Every time here is the detector's clock
+        (when a report was taken), never a node's own: the nodes' clocks skew by seconds, and a job that stood
+        for a lost node must not look as if it stood later, for the next node whose batch is late."""
+        if any(m != silent and (h := job.heard.get(m)) is not None and stood <= h + 2 * self._fast(job, m)
+               for m in job.lost):
             return True
-        if any(stood <= at + 2 * self._fast(job, m) for m, at in job.gone.items()):
+        if any(stood <= at + 2 * self._fast(job, m) for m, at in job.gone_heard.items()):
             return True         # (the silent node too: the job stood for its last silence, not for this one)
         for m, heard in job.heard.items():      # the longest silent first
             if now - heard <= quiet:
                 break
-            if m != silent:
-                seen = max((v.last_seen for k, v in job.ranks.items() if k[0] == m), default=None)
-                if seen is not None and stood <= seen + 2 * self._fast(job, m):
-                    return True
+            if m != silent and any(k[0] == m for k in job.ranks) and stood <= heard + 2 * self._fast(job, m):
+                return True
         return False
 
     def _fast(self, job: JobView, node: str) -> float:

@@ -528,6 +528,26 @@ def test_a_node_that_falls_silent_as_its_job_stops_and_its_peers_spin_is_lost_wi
     assert f.fault_id == c.stable_id("node2", "node_lost", T0 + 29)
 
 
+def test_with_node_clocks_seconds_apart_a_late_node_of_a_job_that_stands_for_its_lost_node_is_not_lost_too(engine):
+    """Four nodes whose clocks disagree: node1's and node3's run 2.5 s ahead, node2's 2 s behind. node2 dies after
+    its batch of t=29 and is found lost; the job stands for it, spinning. node0's batches of t=33 and 34 are
+    lost on the way: node0 is silent while its job stands, but the job stood for node2 before node0 fell
+    silent. Compared on the nodes' own clocks, the job's stop (node1's t=29, stamped 31.5) looked 4.5 s later
+    than node2's last batch (stamped 27), past the 4 s that tie a stop to a silence, and node0 was lost too."""
+    nodes = ("node0", "node1", "node2", "node3")
+    skew = {"node0": 0.0, "node1": 2.5, "node2": -2.0, "node3": 2.5}
+    out = []
+    for t in range(120):
+        for node in nodes:
+            if node == "node2" and t > 29 or node == "node0" and t in (33, 34):
+                continue
+            kw = {"step": t} if t < 30 else {"step": 29, "util": 100.0}
+            out += engine.process(_batch(node, T0 + t + skew[node], **kw), now=T0 + t + 0.1)
+        out += engine.check_heartbeats(now=T0 + t + 0.6)
+    assert [(f.kind, f.node) for f in out] == [(c.FaultKind.NODE_LOST, "node2")]
+    assert out[0].detected_ts - (T0 + 30) <= 2.0
+
+
 def test_in_a_job_of_1_4_s_steps_a_node_lost_mid_step_is_found_within_2_s(engine):
     # steps of 1.4 s, reports every second: node2 dies at t=30.6, in step 22 (21 done at 29.4); its peers
     # never finish step 22. A healthy rank shows one step for at most 2 reports (a stall of 1 s): the wait
