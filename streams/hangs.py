@@ -651,8 +651,8 @@ class HangDetector:
         so the node computes and only its agent is silent (restarted, upgraded, cut off from Kafka); that is
         logged once per silence, and the node is lost after all if its job then stands, waiting, for the
         heartbeat timeout while the node is still silent. While its peers are within a step that cannot tell,
-        nothing is decided: the next mark (each check while the node is silent) decides, up to twice the
-        timeout into the silence (then it is lost)."""
+        nothing is decided: the next mark (each check while the node is silent) decides, up to the time its job
+        takes for the steps asked for, plus one, into the silence (twice the timeout at least; then it is lost)."""
         node, silent = mark.node, float(mark.silent_s or 0.0)
         last = mark.ts - silent                    # the node's newest batch: the heartbeat's fault id
         job = self.jobs.get(job_id)
@@ -666,10 +666,10 @@ class HangDetector:
         timeout = self.config.heartbeat_timeout * (job.beats(node) if job is not None else 1.0)
         verdict, why = self._steps_on(job, node, last, timeout, now) if job is not None else ("lost", {})
         if verdict == "wait":
-            if silent < 2 * timeout:
+            if silent < why["wait_s"]:
                 return out                          # a peer within a step: the next mark decides
             why = {**why, "cause": "its job did not step on without it",
-                   "summary": f"; its job made {why['steps_on']} step(s) in twice the timeout"}
+                   "summary": f"; its job made {why['steps_on']} step(s) in {why['wait_s']:g}s"}
         if verdict == "steps on":
             if job.held.get(node) != last:
                 job.held[node] = last
@@ -718,7 +718,11 @@ class HangDetector:
                                 "summary": f"; its job {why['steps_on']} steps on, then stood waiting for it"}
             return "steps on", why
         if computing or ahead >= 2 and all(v.stall < timeout for v in peers):
-            return "wait", why      # (a job that stepped after it fell silent and stands briefly: a hiccup of a peer)
+            # (a job that stepped after it fell silent and stands briefly: a hiccup of a peer) decided by the time
+            # the steps asked for take, one more for the step in flight, or twice the timeout if that is longer
+            # (short of the heartbeat horizon, past which the node's worker sends no more silence marks)
+            limit = min(timeout + (need + 1) * step, self.config.heartbeat_horizon - 2 * job.beats(node))
+            return "wait", {**why, "wait_s": round(max(2 * timeout, limit), 1)}
         return "lost", {**why, "cause": "its job stopped with it",
                         "summary": f"; its job did not step on without it ({int(ahead)} step(s) since its last report)"}
 

@@ -682,6 +682,23 @@ def test_a_node_silent_while_its_job_of_3_s_steps_stops_after_a_step_is_lost_onc
     assert 36 + 6 <= f.detected_ts - T0 <= 36 + 6 + 1.5
 
 
+def test_in_a_job_of_8_s_steps_a_silent_agent_is_held_and_a_node_lost_is_found_once_its_peers_stood(engine, caplog):
+    """Steps of 8 s, GPUs busy (no power samples). node2's agent is silent from t=40 to t=75 while the job steps
+    on: the 3 steps asked for take 24 s, and the node is held (it was lost at twice the 6 s timeout, after one
+    step). Then node2 dies at t=120 and its peers stand in step 15 spinning: lost once they stood for 1.5 of
+    their steps, long before the 38 s the steps asked for would take."""
+    def feed(node, t):
+        if node == "node2" and (40 <= t < 75 or t >= 120):
+            return None
+        return {"step": min(t // 8, 15), "step_time": 8.0, "util": 100.0}
+
+    [f] = _live(engine, range(220), feed)
+    assert "node node2 has sent no metrics for" in caplog.text and "only its agent is silent" in caplog.text
+    assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.NODE_LOST, "node2", "its job stopped with it")
+    assert f.fault_id == c.stable_id("node2", "node_lost", T0 + 119)
+    assert f.detected_ts - (T0 + 120) <= 15.0
+
+
 def test_a_node_lost_as_a_checkpoint_ends_is_found_within_2_s_as_its_peers_take_to_spinning(engine):
     # a checkpoint from t=30 (every rank still, GPUs idle); node2 dies at t=45, as it ends: instead of
     # stepping again, the others block in the next collective (their steps stood still for 15 s already)
