@@ -283,6 +283,7 @@ class Agent:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            self._goodbye()
         if self._intake is not None:
             self._intake.stop()
         for rc in self._running:
@@ -340,6 +341,28 @@ class Agent:
         pushed = self._take_push()
         if pushed:
             self._publish(pushed)
+
+    def _goodbye(self) -> None:
+        """The last batch of a stop (SIGTERM: a restart, an upgrade, a drain): every collector once, as any
+        batch, its training ranks each marked ``agent_stopping`` and the agent's own sample ``stopping``. The
+        TEE then takes the silence that follows for the agent's, not the node's: it waits for the ranks' peers
+        to show the node lost, or for ``heartbeat_bye_grace_s``, instead of evicting at the heartbeat timeout."""
+        if self.publisher is None or self._seq is None:
+            return
+        samples: list[contracts.Sample] = []
+        for rc in self._running:
+            for s in rc.collect():
+                if s.source is contracts.Source.TRAIN and not s.tags.get("event"):
+                    s = contracts.Sample(s.source, {**s.fields, "agent_stopping": 1}, s.index, s.tags, s.ts)
+                elif s.source is contracts.Source.AGENT:
+                    s = contracts.Sample(s.source, {**s.fields, "stopping": 1}, s.index, s.tags, s.ts)
+                samples.append(s)
+        if not any(s.source is contracts.Source.AGENT for s in samples):       # the agent collector left out
+            samples.append(contracts.Sample(contracts.Source.AGENT, {"stopping": 1, "interval_s": self.interval}))
+        try:
+            self._publish(samples)
+        except Exception as exc:   # the stop goes on: the TEE then sees a silence, as after a crash
+            log.warning("agent: the goodbye batch could not be published: %s", exc)
 
     def publish_once(self) -> None:
         """Collect every due collector once and publish the batch (the loop calls this)."""

@@ -297,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--agent-restarts", type=float, default=0.0,
                    help="per node-hour: the node's agent silent for 7-30 s while its job trains on (restarted, "
                         "upgraded, cut off from Kafka; default 0)")
+    p.add_argument("--agent-goodbyes", type=float, default=0.0,
+                   help="share of those restarts whose agent says it stops first (SIGTERM: its last batch before "
+                        "the silence marks its ranks agent_stopping, as the real agent's goodbye does; default 0)")
     p.add_argument("--rank0-saves", type=float, default=0.0,
                    help="per job-hour: rank 0 saves a checkpoint alone behind a barrier for 15-120 s, undeclared "
                         "(its GPUs idle while the other ranks spin; its process writes 0.3-2 GB/s; default 0)")
@@ -324,11 +327,14 @@ def main(argv=None) -> int:
         p.error(f"--util-noise {a.util_noise}: expected percentage points, 0 <= value <= 50")
     if not 0 <= a.agent_restarts <= 10:
         p.error(f"--agent-restarts {a.agent_restarts}: expected restarts per node-hour, 0 <= value <= 10")
+    if not 0 <= a.agent_goodbyes <= 1:
+        p.error(f"--agent-goodbyes {a.agent_goodbyes}: expected a share of the agent restarts, 0 <= value <= 1")
     if not 0 <= a.rank0_saves <= 10:
         p.error(f"--rank0-saves {a.rank0_saves}: expected saves per job-hour, 0 <= value <= 10")
     shape = {"job_size": a.job_size, "gpus": a.gpus, "step_s": (lo, hi), "hang_gpus": a.hang_gpus,
              "clock_skew_s": a.clock_skew_s, "jitter_s": a.jitter_s, "late_s": a.late_s, "lost_batches": a.lost_batches,
              "util_noise": a.util_noise, "interval_s": a.interval_s, "agent_restarts": a.agent_restarts,
+             "agent_goodbyes": a.agent_goodbyes,
              "rank0_saves": a.rank0_saves}
     if a.seeds == "tuning":
         a.seeds = TUNING_SEEDS
@@ -345,7 +351,8 @@ def main(argv=None) -> int:
               + (f"; clocks {a.clock_skew_s:g} s apart, jitter {a.jitter_s:g} s, {a.late_s:g} s late, "
                  f"{a.lost_batches:.1%} lost" if a.clock_skew_s or a.jitter_s or a.late_s or a.lost_batches else "")
               + (f"; utilisation noise {a.util_noise:g} points" if a.util_noise else "")
-              + (f"; {sum(o.kind == 'agent_restart' for o in corpus.ordinary)} agent restarts" if a.agent_restarts
+              + (f"; {sum(o.kind == 'agent_restart' for o in corpus.ordinary)} agent restarts "
+                 f"({sum(o.goodbye for o in corpus.ordinary)} with a goodbye)" if a.agent_restarts
                  else "")
               + (f"; {sum(o.kind == 'rank0_save' for o in corpus.ordinary)} rank-0 saves" if a.rank0_saves else "")
               + ")", file=sys.stderr, flush=True)

@@ -73,6 +73,10 @@ class TEEConfig:
     #: A node whose newest batch was already this old when the heartbeat check saw it is history
     #: being replayed (a TEE that starts from the beginning of the topic), not a node to evict.
     heartbeat_horizon: float = 120.0
+    #: A node whose agent said it stops (its goodbye batch, sent on SIGTERM: a restart, an upgrade) is lost only
+    #: after this long silent, or once its job's other ranks stand waiting for it, not at the heartbeat
+    #: timeout (at most ``heartbeat_horizon``).
+    heartbeat_bye_grace_s: float = 60.0
     #: "wall": the worker's clock is the host's (live metrics). "event": its clock follows the sample
     #: times it reads (the smallest newest sample time over its partitions), for replaying recorded
     #: metrics faster than real time; heartbeats are then checked at each new second of that clock.
@@ -160,6 +164,7 @@ class TEEConfig:
                                   "positive number of seconds each")
         object.__setattr__(self, "hang_phase_ceilings", pairs)
         for f in ("hang_timeout", "hang_step_factor", "heartbeat_timeout", "node_lost_fast_s", "heartbeat_horizon",
+                  "heartbeat_bye_grace_s",
                   "hang_stale_s", "hang_stopped_s", "hang_pause_floor_s", "hang_pause_margin", "hang_busy_util",
                   "hang_idle_util"):
             value = getattr(self, f)
@@ -187,6 +192,9 @@ class TEEConfig:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"TEE setting {f}={value!r}: expected a number >= 0")
+        if self.heartbeat_bye_grace_s > self.heartbeat_horizon:
+            raise ConfigError(f"TEE setting heartbeat_bye_grace_s={self.heartbeat_bye_grace_s!r}: expected at most "
+                              f"heartbeat_horizon ({self.heartbeat_horizon:g} s): a node silent longer is history")
         if isinstance(self.hang_save_write_mb_s, bool) or not isinstance(self.hang_save_write_mb_s, (int, float)) \
                 or not 0 <= self.hang_save_write_mb_s < float("inf"):
             raise ConfigError(f"TEE setting hang_save_write_mb_s={self.hang_save_write_mb_s!r}: expected MB per "

@@ -45,6 +45,9 @@ own; the agents say their interval in their self-metrics (``interval_s``, as the
 1 s leave those out). ``agent_restarts`` (``--agent-restarts``, per node-hour; 0 by default): a node's agent
 silent for 7-30 s (restarted, upgraded, cut off from Kafka) while its job trains on (an ``Ordinary`` of kind
 ``agent_restart``; drawn after the faults, clear of them, so the other draws stay as they were).
+``agent_goodbyes`` (``--agent-goodbyes``, a share of those restarts; 0 by default): the agent stops on
+purpose (SIGTERM: systemd's restart, an upgrade) and its last batch before the silence says so, as the real
+agent's goodbye does (``agent_stopping`` on its ranks' samples; ``Ordinary.goodbye``).
 ``rank0_saves`` (``--rank0-saves``, per job-hour; 0 by default): rank 0 saves a checkpoint alone behind a
 barrier, undeclared (DDP's ``if rank == 0: torch.save(...)``), for 15-120 s: the job's steps stop, rank 0's
 GPUs idle (or only its own GPU, its node's others spinning with the waiting ranks, by the save's start
@@ -78,7 +81,7 @@ import json
 import os
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import groupby
 from typing import Iterator, Mapping
 
@@ -215,6 +218,7 @@ class CorpusSpec:
     util_noise: float = 0.0            # more noise on each busy GPU's utilisation sample, spins too (points, normal)
     interval_s: int = 1                # each node's agent reports every this many seconds (its own phase); an XID at once
     agent_restarts: float = 0.0        # per node-hour: its agent silent for 7-30 s while its job trains on (a restart)
+    agent_goodbyes: float = 0.0        # share of those whose agent says it stops first (SIGTERM: a restart, an upgrade)
     rank0_saves: float = 0.0           # per job-hour: rank 0 saves alone behind a barrier for 15-120 s, undeclared
 
 
@@ -244,6 +248,7 @@ class Ordinary:
     start: float
     end: float
     phase: str = ""    # the phase the ranks declare ("" = none)
+    goodbye: bool = False   # agent_restart: its agent said it stops (its last batch before the silence)
 
 
 _JOB_WIDE = frozenset({"startup", "pause", "eval", "restore"})
@@ -278,6 +283,9 @@ class Corpus:
         if not 0 <= spec.agent_restarts <= 10:
             raise ValueError(f"CorpusSpec.agent_restarts={spec.agent_restarts!r}: expected restarts per node-hour, "
                              "0 <= value <= 10")
+        if not 0 <= spec.agent_goodbyes <= 1:
+            raise ValueError(f"CorpusSpec.agent_goodbyes={spec.agent_goodbyes!r}: expected a share of the agent "
+                             "restarts, 0 <= value <= 1")
         if not 0 <= spec.rank0_saves <= 10:
             raise ValueError(f"CorpusSpec.rank0_saves={spec.rank0_saves!r}: expected saves per job-hour, "
                              "0 <= value <= 10")
@@ -294,6 +302,10 @@ class Corpus:
         self.injections = self._schedule()
         if spec.agent_restarts:     # after the faults (which they keep clear of): the other draws stay as they were
             self.ordinary = sorted(self.ordinary + self._agent_restarts(), key=lambda o: (o.start, o.job, o.node or ""))
+            if spec.agent_goodbyes:     # drawn apart: the restarts stay as they were
+                bye = np.random.default_rng([spec.seed, 13])
+                self.ordinary = [replace(o, goodbye=True) if o.kind == "agent_restart" and
+                                 bye.random() < spec.agent_goodbyes else o for o in self.ordinary]
         if spec.rank0_saves:        # after those (and clear of them): the other draws stay as they were
             self.ordinary = sorted(self.ordinary + self._rank0_saves(), key=lambda o: (o.start, o.job, o.node or ""))
         skew = np.random.default_rng([spec.seed, 5]).normal(0.0, spec.clock_skew_s, spec.nodes) \
@@ -499,9 +511,14 @@ class Corpus:
         tick_of = np.random.default_rng([s.seed, 8]).integers(0, every, n).tolist() if every > 1 else [0] * n
         downed = [[0.0, 0.0] for _ in range(n)]        # each port's own count of its downs (an IB port's link_downed)
         agent_down: dict[int, list[tuple[float, float]]] = {}     # node -> its agent's silences (corpus seconds)
+        goodbye: set[tuple[int, int]] = set()      # (node, second) of an agent's last batch before it stops
         for o in self.ordinary:
             if o.kind == "agent_restart":
-                agent_down.setdefault(index[o.node], []).append((o.start - self.t0, o.end - self.t0))
+                i = index[o.node]
+                agent_down.setdefault(i, []).append((o.start - self.t0, o.end - self.t0))
+                if o.goodbye:
+                    last = int(o.start - self.t0) - 1
+                    goodbye.add((i, last - (last - tick_of[i]) % every))
         was_down: list[set] = [set() for _ in range(n)]
         for t in range(start_s, stop_s):
             ts = self.t0 + t
@@ -611,6 +628,8 @@ class Corpus:
                           "alive": 1.0, "loss_nonfinite": 1.0 if e.get("nan") else 0.0}
                 if beats[job]:
                     fields["heartbeat_age_s"] = float(ts - e["hung_since"]) if "hung_since" in e else 0.1 * (1 + t % 7)
+                if goodbye and (i, t) in goodbye:
+                    fields["agent_stopping"] = 1.0
                 if s.rank0_saves:   # what the agent measures of the rank's process: a save's rate, else a log's trickle
                     saving = j["saver_l"][t] == i and t % 20 != 7
                     fields["write_bytes_per_s"] = float(3e8 + 17e8 * ((t * 7919 + i) % 101) / 100) if saving \

@@ -196,6 +196,8 @@ class JobView:
     lost: dict[str, float] = field(default_factory=dict)   # node -> the report ts it was found lost after
     #: node -> its last report ts before a silence its job stepped on through (its agent silent, not lost)
     held: dict[str, float] = field(default_factory=dict)
+    #: node -> ts of its agent's goodbye (its newest report says ``agent_stopping``: a restart, an upgrade)
+    bye: dict[str, float] = field(default_factory=dict)
     busy_since: dict[str, float] = field(default_factory=dict)   # node -> ts since which its GPUs spin
     #: node -> the last ts a GPU of the job idled there (every GPU in a pause; a stuck rank's, a hiccup's)
     idle_to: dict[str, float] = field(default_factory=dict)
@@ -375,6 +377,7 @@ class HangDetector:
         if report.gpu_util is not None:
             self._util(job, node, report)
         mine: list[tuple[tuple[str, str, int], RankView]] = []
+        bye = False
         for s in report.samples:
             key = (node, s.tags.get("generation", "0"), s.index if s.index is not None else -1)
             if s.fields.get("alive") == 0:
@@ -426,8 +429,14 @@ class HangDetector:
                     r.wrote = seen
             if s.fields.get("alive") == 1:
                 mine.append((key, r))
+            if s.fields.get("agent_stopping") == 1:
+                bye = True
         job.lost.pop(node, None)
         job.held.pop(node, None)
+        if bye:
+            job.bye[node] = report.ts
+        else:
+            job.bye.pop(node, None)
         job.heard[node] = now
         job.heard.move_to_end(node)
         out = []
@@ -665,6 +674,10 @@ class HangDetector:
                 return out                              # found lost for this silence
         timeout = self.config.heartbeat_timeout * (job.beats(node) if job is not None else 1.0)
         verdict, why = self._steps_on(job, node, last, timeout, now) if job is not None else ("lost", {})
+        if verdict != "steps on" and job is not None and node in job.bye:
+            verdict, why = self._after_bye(job_id, job, node, last, silent, timeout, now, why)
+            if verdict == "held":
+                return out
         if verdict == "wait":
             if silent < why["wait_s"]:
                 return out                          # a peer within a step: the next mark decides
@@ -684,6 +697,39 @@ class HangDetector:
                                  **({"report_interval_s": job.cadence[node].interval}
                                     if job is not None and node in job.cadence else {}), **why},
                                 summary=why.get("summary", ""))]
+
+    def _after_bye(self, job_id: str, job: JobView, node: str, last: float, silent: float, timeout: float, now: float,
+                   why: dict) -> tuple[str, dict]:
+        """``node`` said its agent stops (its goodbye) and its job does not step on: "lost" once every rank of
+        its other nodes still heard from stands waiting for it (:meth:`_stood_waiting`), or once it was silent
+        for ``heartbeat_bye_grace_s``; else "held" (a pause, a job of long steps: nothing tells a restarting
+        agent from a lost node, and the agent said it restarts), logged once per silence."""
+        peers = [v for k, v in job.ranks.items() if k[0] != node
+                 and now - v.heard < self.config.heartbeat_timeout * job.beats(k[0])]
+        if peers and not any(self._computing(job, v) for v in peers) and all(
+                self._stood_waiting(job, v, timeout) for v in peers):
+            return "lost", {**why, "cause": "its agent said it stops, then its job stood waiting while it stayed "
+                                            "silent", "summary": "; its agent said it stops, then its job stood "
+                                                                 "waiting for it"}
+        grace = self.config.heartbeat_bye_grace_s
+        if silent >= grace:
+            return "lost", {**why, "cause": "its agent said it stops and did not come back",
+                            "summary": f"; its agent said it stops and did not come back within {grace:g}s"}
+        if job.held.get(node) != last:
+            job.held[node] = last
+            log.warning("node %s has sent no metrics for %.1f s since its agent said it stops (a restart, an upgrade);"
+                        " job %s does not stand waiting for it: not lost unless it does, or the agent is not back "
+                        "within %gs", node, silent, job_id, grace)
+        return "held", why
+
+    def _stood_waiting(self, job: JobView, v: RankView, timeout: float) -> bool:
+        """Rank ``v`` waits in a collective: its GPUs have drawn a wait's power for ``timeout``, or have spun
+        without its step moving for ``timeout`` and two of its steps (the first step after a pause spins its
+        GPUs too, for one step or a little more)."""
+        if (at := job.wait_power_since.get(v.node)) is not None and v.last_seen - at >= timeout:
+            return True
+        spun = v.last_seen - job.busy_since.get(v.node, v.last_seen)      # (the node's own clock, both)
+        return min(spun, v.stall) >= max(timeout, 2.0 * v.recent_step())
 
     def _steps_on(self, job: JobView, node: str, last: float, timeout: float, now: float) -> tuple[str, dict]:
         """Whether ``node``'s job steps on while the node is silent: "steps on" where the ranks of its other nodes

@@ -70,6 +70,9 @@ class NodeState:
     #: node is then its job's worker's to judge (:class:`HeartbeatRule`)
     trains_in: str | None = None
     deferred_for: float | None = None         # last_batch_ts whose silence was handed to its job's worker
+    #: ts of its agent's goodbye batch (the agent stopped on purpose: a restart, an upgrade); a silence after
+    #: it (``bye_for == last_batch_ts``) is the agent's until ``heartbeat_bye_grace_s``
+    bye_for: float | None = None
 
     @property
     def report_interval(self) -> float:
@@ -87,6 +90,8 @@ class NodeState:
         for s in batch.of(Source.AGENT):      # (grouped once per batch: the rules ask for their sources too)
             if (v := s.fields.get("interval_s")) is not None and v > 0:
                 self.declared_interval = float(v)
+            if s.fields.get("stopping") == 1:
+                self.bye_for = batch.ts
         self.cadence.note(batch.ts, batch.seq)
 
 
@@ -281,6 +286,9 @@ class HeartbeatRule:
     ``heartbeat_horizon`` (then it is kept, as a node reported), and its job's worker decides
     (:meth:`.hangs.HangDetector.silent`): lost where its job stopped with it, only its agent silent where its
     job steps on (a synchronous job cannot step without the node's ranks).
+
+    A node whose newest batch is its agent's goodbye (``stopping``: the agent stopped on purpose, a restart or
+    an upgrade) and that trains in no job is lost after ``heartbeat_bye_grace_s`` instead of the timeout.
     """
 
     name = "heartbeat"
@@ -294,6 +302,9 @@ class HeartbeatRule:
         out, forget = [], []
         for st in states:
             timeout = self.config.heartbeat_timeout * st.beats()   # an agent that reports every 5 s: 30 s
+            bye = st.bye_for is not None and st.bye_for == st.last_batch_ts
+            if bye and (defer is None or st.trains_in is None):
+                timeout = max(timeout, self.config.heartbeat_bye_grace_s)
             silent, age = now - st.last_received, now - st.last_batch_ts
             if silent <= timeout or st.lost_reported_for == st.last_batch_ts:
                 continue
@@ -309,7 +320,9 @@ class HeartbeatRule:
                 continue
             st.lost_reported_for = st.last_batch_ts
             out.append(node_lost(st.node, st.job, st.last_batch_ts, silent, timeout, now,
-                                 {"batch_age_s": round(age, 3), "report_interval_s": st.report_interval}))
+                                 {"batch_age_s": round(age, 3), "report_interval_s": st.report_interval,
+                                  **({"cause": "its agent said it stops and did not come back"} if bye else {})},
+                                 summary="; its agent said it stops and did not come back" if bye else ""))
         return out, forget
 
 

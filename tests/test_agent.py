@@ -182,6 +182,8 @@ def test_agent_command_publishes_batches_keyed_by_node_in_order(broker, transom_
     assert [b.seq for b in batches] == list(range(sent))
     assert all(b.node == node and b.job is None for b in batches)
     assert [b.ts for b in batches] == sorted(b.ts for b in batches)
+    # SIGTERM: the last batch, a batch like the others, is the goodbye
+    assert [b.of(Source.AGENT)[0].fields.get("stopping") for b in batches] == [None] * (sent - 1) + [1]
     for b in batches:
         sources = [s.source for s in b.samples]
         nics = sources.count(Source.NIC)
@@ -359,6 +361,48 @@ def test_training_intake_from_a_process_survives_the_agent_stopping_and_coming_b
     finally:
         loop.kill()
         loop.wait(10)
+
+
+def test_an_agent_stopped_says_goodbye_and_the_tee_waits_for_it_instead_of_evicting_its_node(broker):
+    """SIGTERM (a restart, an upgrade) stops the agent with a last batch that says so: the training rank as it
+    stands, marked ``agent_stopping``, and the agent's own sample with ``stopping``. Its batches, read back from
+    the broker, through the TEE: the node is lost at the heartbeat timeout without the goodbye, and only after
+    ``heartbeat_bye_grace_s`` with it (no peer of its job tells either way here)."""
+    node, job = _node("bye"), f"job-{uuid.uuid4().hex[:6]}"
+    child = None
+    try:
+        with _Tail(broker.bootstrap, node) as tail:
+            with Agent(node, broker.bootstrap, gpu_source="simulated", gpus=1, interval=INTERVAL) as agent:
+                child = _Child(agent, rank=0, job=job)
+                child.report(step=1, loss=2.0, step_time=0.1)
+                tail.until(lambda bs: len(_train(bs, child.pid)) >= 2, "two TRAIN samples")
+            batches = tail.count(agent.batches_sent)
+    finally:
+        if child is not None:
+            child.kill()
+    *before, bye = batches
+    assert [s.fields["stopping"] for s in bye.of(Source.AGENT)] == [1]
+    # the rank trains on as its agent stops: its job's worker judges the silence
+    assert [(s.fields.get("agent_stopping"), s.fields["alive"]) for s in bye.of(Source.TRAIN)] == [(1, 1)]
+    assert not any(s.fields.get("stopping") or s.fields.get("agent_stopping") for b in before for s in b.samples)
+
+    from transom.streams.config import TEEConfig
+    from transom.streams.engine import TEEEngine
+
+    def lost_at(batches) -> float | None:
+        engine = TEEEngine(TEEConfig(soft_detectors=(), heartbeat_bye_grace_s=30.0))
+        for b in batches:
+            engine.process(b, now=b.ts + 0.1)
+        last = batches[-1].ts
+        for t in range(1, 40):
+            if any(f.kind == contracts.FaultKind.NODE_LOST for f in engine.check_heartbeats(now=last + t)):
+                return t
+        return None
+
+    assert lost_at(before) == 7                 # past the 6 s heartbeat timeout
+    assert lost_at(batches) == 31               # past the 30 s grace its goodbye asked for
+    with pytest.raises(Exception, match="heartbeat_bye_grace_s=200.*at most heartbeat_horizon"):
+        TEEConfig(heartbeat_bye_grace_s=200.0)
 
 
 @pytest.mark.integration

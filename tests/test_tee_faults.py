@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 import numpy as np
 import pytest
 
@@ -1116,6 +1118,45 @@ def test_agents_that_restart_while_their_jobs_train_on_lose_no_node_and_hide_no_
     assert Corpus(CorpusSpec(nodes=12, hours=0.4, seed=41, min_per_class=1)).injections == corpus.injections
     with pytest.raises(ValueError, match="agent_restarts"):
         Corpus(CorpusSpec(nodes=2, hours=0.1, agent_restarts=-1))
+
+
+def test_agents_that_say_goodbye_before_a_restart_lose_no_node_in_a_pause_and_hide_no_lost_one(monkeypatch):
+    """bench/tee_quality.py --agent-goodbyes: an agent that stops on purpose (SIGTERM: a restart, an upgrade)
+    says so in its last batch (``agent_stopping`` on its ranks' samples, as the real agent's goodbye). A restart
+    inside a job-wide pause (nothing steps, nothing tells a silent agent from a lost node) is evicted without
+    it (two on this corpus), and held with it; every lost node is still found."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from tee_quality import LAG_S, replay, score
+
+    spec = CorpusSpec(nodes=12, hours=0.4, seed=43, min_per_class=1, agent_restarts=4.0)
+    plain, bye = Corpus(spec), Corpus(CorpusSpec(**{**asdict(spec), "agent_goodbyes": 1.0}))
+    assert bye.injections == plain.injections
+    assert [replace(o, goodbye=False) for o in bye.ordinary] == plain.ordinary
+    restarts = [o for o in bye.ordinary if o.kind == "agent_restart"]
+    assert restarts and all(o.goodbye for o in restarts)
+    seen: dict[str, list] = {}
+    for b in bye.batches():
+        seen.setdefault(b.node, []).append(b)
+    for o in restarts:          # its last batch before the silence says goodbye, and no other does
+        last = max((b for b in seen[o.node] if b.ts < o.start), key=lambda b: b.ts)
+        assert [s.fields.get("agent_stopping") for s in last.samples if s.source is c.Source.TRAIN] == [1.0]
+    said = sum(s.fields.get("agent_stopping") == 1.0 for bs in seen.values() for b in bs for s in b.samples)
+    assert said == len(restarts)
+
+    def judged(corpus):
+        events, _, _ = replay(corpus, TEEConfig(), progress=False)
+        return score(corpus, events, LAG_S)
+
+    before = judged(plain)
+    in_pause = [f for f in before["false_restart_or_evict"] if "node_lost" in f]
+    assert len(in_pause) == 2 and before["false_restart_or_evict"] == in_pause
+    after = judged(bye)
+    assert after["false_restart_or_evict"] == [] and after["false_events"] == []
+    lost = after["classes"]["node_lost"]
+    assert lost["injected"] == 4 and lost["detected"] == 4
+    with pytest.raises(ValueError, match="agent_goodbyes"):
+        Corpus(CorpusSpec(nodes=2, hours=0.1, agent_goodbyes=1.5))
 
 
 def test_rank_0_saving_alone_behind_a_barrier_undeclared_restarts_no_job(monkeypatch):

@@ -15,10 +15,14 @@ NODES = ("node0", "node1", "node2")
 
 def _batch(node: str, ts: float, step: int, *, util: float | tuple = 95.0, hb: float = 0.3, phase: str = "",
            stack: str = "", stopped: bool = False, rank: int | None = None, step_time: float = 0.5,
-           power: float | None = None, seq: int | None = None, write: float | None = None) -> c.MetricBatch:
+           power: float | None = None, seq: int | None = None, write: float | None = None,
+           bye: bool = False) -> c.MetricBatch:
     """``util``: every GPU's utilisation (two GPUs), or a tuple of each GPU's; ``power``: every GPU's power
-    draw (None: not reported); ``write``: the rank process's write rate, bytes per second (None: unknown)."""
+    draw (None: not reported); ``write``: the rank process's write rate, bytes per second (None: unknown);
+    ``bye``: the agent's goodbye batch (it stops: a restart, an upgrade)."""
     fields = {"step": step, "loss": 2.0, "step_time": step_time, "alive": 1, "heartbeat_age_s": hb}
+    if bye:
+        fields["agent_stopping"] = 1
     if stopped:
         fields["stopped"] = 1
     if write is not None:
@@ -570,6 +574,45 @@ def test_a_node_silent_while_its_job_of_1_4_s_steps_steps_on_is_not_lost(engine,
 
     assert _live(engine, range(60), feed) == []
     assert "node node2 has sent no metrics for" in caplog.text and "only its agent is silent" in caplog.text
+
+
+def _pause_with_restart(node2_back: float | None, pause_to: int = 90, bye: bool = True, spin_after: bool = False):
+    """A job-wide pause (a checkpoint: steps stand, GPUs idle) from t=30 to ``pause_to``; node2's agent stops at
+    t=40 (its goodbye batch where ``bye``) and is back at ``node2_back`` (None: never, the node lost); after the
+    pause the job steps on, or (``spin_after``) its ranks spin in the next collective, waiting for node2."""
+    def feed(node, t):
+        if node == "node2" and t > 40 and (node2_back is None or t < node2_back):
+            return None
+        if t < 30:
+            return {"step": t}
+        if t < pause_to:
+            return {"step": 29, "util": 2.0, "bye": bye and node == "node2" and t == 40}
+        return {"step": 29, "util": 100.0} if spin_after else {"step": t - pause_to + 30}
+    return feed
+
+
+def test_an_agent_that_said_it_stops_is_not_lost_in_a_job_wide_pause_and_is_once_its_job_waits_for_it(caplog):
+    """An agent restarted inside a job-wide pause: nothing steps, so nothing tells a silent agent from a lost
+    node, and without its goodbye the node is lost at the heartbeat timeout (the case "An agent silent while
+    its job trains on" left). With it the node is held: back at t=70, nothing; never back, and the job's ranks
+    spin in the next collective after the pause, waiting for it: lost once they spun for the timeout without a
+    step (a first step after a pause spins too); never back, the pause long: lost at ``heartbeat_bye_grace_s``."""
+    new = lambda: TEEEngine(TEEConfig(soft_detectors=()))
+    [f] = _live(new(), range(120), _pause_with_restart(70, bye=False))
+    assert (f.kind, f.node, f.evidence["cause"]) == (c.FaultKind.NODE_LOST, "node2", "its job stopped with it")
+
+    assert _live(new(), range(200), _pause_with_restart(70)) == []
+    assert "since its agent said it stops" in caplog.text
+
+    [f] = _live(new(), range(200), _pause_with_restart(None, spin_after=True))
+    assert (f.kind, f.node, f.action) == (c.FaultKind.NODE_LOST, "node2", c.Action.EVICT)
+    assert f.evidence["cause"] == "its agent said it stops, then its job stood waiting while it stayed silent"
+    assert 96 <= f.detected_ts - T0 <= 98
+    assert f.fault_id == c.stable_id("node2", "node_lost", T0 + 40)
+
+    [f] = _live(new(), range(200), _pause_with_restart(None, pause_to=170))
+    assert f.evidence["cause"] == "its agent said it stops and did not come back"
+    assert 100 <= f.detected_ts - T0 <= 102           # 60 s after its goodbye
 
 
 def _every_5_s(engine: TEEEngine, seconds: int, per_node, late=lambda node, t: 0.1) -> list[c.FaultEvent]:
