@@ -148,6 +148,35 @@ def test_hang_limit_follows_slow_steps(engine_cfg):
     assert f.kind == c.FaultKind.HANG and f.threshold == 6.0
 
 
+def test_a_spare_node_whose_agent_says_goodbye_is_lost_only_after_the_grace():
+    """A node in no job (a spare: GPUs, no training rank) whose agent stops on purpose: its last batch says so
+    (the agent's ``stopping``). Lost at the 6 s timeout without it; with it, after ``heartbeat_bye_grace_s``,
+    with the cause. Back before the grace: nothing."""
+    def spare(ts, bye=False, **kw):
+        b = batch(ts, gpu(0, util=0.0), gpu(1, util=0.0), job=None, **kw)
+        if bye:
+            b = c.MetricBatch(node=b.node, ts=ts, seq=b.seq, job=None,
+                              samples=b.samples + (c.Sample(c.Source.AGENT, {"stopping": 1}),))
+        return b
+
+    def lost_at(bye, back=None):
+        engine = TEEEngine(TEEConfig(soft_detectors=(), heartbeat_bye_grace_s=30.0))
+        for i in range(5):
+            engine.process(spare(T0 + i, bye=bye and i == 4, seq=i), now=T0 + i)
+        for t in range(5, 60):
+            if back is not None and t >= back:          # its agent back, reporting again
+                engine.process(spare(T0 + t, seq=t), now=T0 + t)
+            found = engine.check_heartbeats(now=T0 + t)
+            if found:
+                [f] = found
+                return t, f.evidence.get("cause")
+        return None
+
+    assert lost_at(bye=False) == (11, None)                  # 6 s past its last batch (t=4)
+    assert lost_at(bye=True) == (35, "its agent said it stops and did not come back")
+    assert lost_at(bye=True, back=20) is None
+
+
 def test_node_lost_after_heartbeat_timeout_once(engine_cfg):
     engine = TEEEngine(engine_cfg)
     for i in range(3):
