@@ -1124,12 +1124,12 @@ def test_agents_that_say_goodbye_before_a_restart_lose_no_node_in_a_pause_and_hi
     """bench/tee_quality.py --agent-goodbyes: an agent that stops on purpose (SIGTERM: a restart, an upgrade)
     says so in its last batch (``agent_stopping`` on its ranks' samples, as the real agent's goodbye). A restart
     inside a job-wide pause (nothing steps, nothing tells a silent agent from a lost node) is evicted without
-    it (two on this corpus), and held with it; every lost node is still found."""
+    it (three on this corpus), and held with it; every lost node is still found."""
     from pathlib import Path
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
     from tee_quality import LAG_S, replay, score
 
-    spec = CorpusSpec(nodes=12, hours=0.4, seed=43, min_per_class=1, agent_restarts=4.0)
+    spec = CorpusSpec(nodes=8, hours=0.3, seed=67, min_per_class=1, agent_restarts=5.0)
     plain, bye = Corpus(spec), Corpus(CorpusSpec(**{**asdict(spec), "agent_goodbyes": 1.0}))
     assert bye.injections == plain.injections
     assert [replace(o, goodbye=False) for o in bye.ordinary] == plain.ordinary
@@ -1150,11 +1150,11 @@ def test_agents_that_say_goodbye_before_a_restart_lose_no_node_in_a_pause_and_hi
 
     before = judged(plain)
     in_pause = [f for f in before["false_restart_or_evict"] if "node_lost" in f]
-    assert len(in_pause) == 2 and before["false_restart_or_evict"] == in_pause
+    assert len(in_pause) == 3 and before["false_restart_or_evict"] == in_pause
     after = judged(bye)
     assert after["false_restart_or_evict"] == [] and after["false_events"] == []
     lost = after["classes"]["node_lost"]
-    assert lost["injected"] == 4 and lost["detected"] == 4
+    assert lost["injected"] == 2 and lost["detected"] == 2
     with pytest.raises(ValueError, match="agent_goodbyes"):
         Corpus(CorpusSpec(nodes=2, hours=0.1, agent_goodbyes=1.5))
 
