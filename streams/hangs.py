@@ -464,6 +464,7 @@ class HangDetector:
                 job.gone_heard.pop(n, None)
             for n in [n for n, (t, _) in job.gpu_util.items() if t < cutoff]:
                 job.heard.pop(n, None)
+                job.bye.pop(n, None)
                 job.busy_since.pop(n, None)
                 job.idle_to.pop(n, None)
                 job.read.pop(n, None)
@@ -618,6 +619,10 @@ class HangDetector:
                                    default=(None, None))
             if seen is None:
                 continue            # its ranks left the job
+            if n in job.bye:
+                continue            # its agent said it stops: a wait of its peers as it fell silent may be its own
+                                    # rank's data-loader hiccup; the silence marks decide (`_after_bye`: a wait of
+                                    # the heartbeat timeout and two steps)
             if any(m != n and any(k[0] == m for k in job.ranks) for m, _ in silent[i + 1:]):
                 continue            # another node fell silent after it and is silent too: that one may be what
                                     # the job stands for, and this one only late (decided once either is back)

@@ -615,6 +615,30 @@ def test_an_agent_that_said_it_stops_is_not_lost_in_a_job_wide_pause_and_is_once
     assert 100 <= f.detected_ts - T0 <= 102           # 60 s after its goodbye
 
 
+def test_an_agent_that_said_it_stops_as_its_rank_hiccups_is_not_lost_and_its_host_shut_down_is(engine):
+    """node2's agent stops at t=40 (its goodbye) as node2's own rank stalls 3 s in its data loader: its peers spin
+    in the next collective, waiting for it, as node2 falls silent, which the fast rule took for a lost node (at
+    2 s; 10406's pipeline replay). After a goodbye that wait must last the heartbeat timeout and two steps: the
+    hiccup ends first, the job steps on, nothing. A host shut down (its agent says goodbye, then its ranks die
+    and the peers spin for good) is lost once they waited that long."""
+    def feed(node2_back):
+        def f(node, t):
+            if node == "node2" and t > 40 and (node2_back is None or t < node2_back):
+                return None
+            if t <= 40:
+                return {"step": t, "bye": node == "node2" and t == 40}
+            if node2_back is not None and t >= 44:
+                return {"step": t - 3}
+            return {"step": 40, "util": 100.0}
+        return f
+
+    assert _live(TEEEngine(TEEConfig(soft_detectors=())), range(120), feed(55)) == []
+    [f] = _live(engine, range(120), feed(None))
+    assert (f.kind, f.node) == (c.FaultKind.NODE_LOST, "node2")
+    assert f.evidence["cause"] == "its agent said it stops, then its job stood waiting while it stayed silent"
+    assert 46 <= f.detected_ts - T0 <= 49
+
+
 def _every_5_s(engine: TEEEngine, seconds: int, per_node, late=lambda node, t: 0.1) -> list[c.FaultEvent]:
     """Agents that report every 5 s, node<k> at the seconds t with t % 5 == k (seq 0, 1, ...), each batch
     delivered ``late(node, t)`` s after its sample time; ``per_node`` as for :func:`_run`; the heartbeat check
